@@ -1,0 +1,1 @@
+"""Ray actors: prefill workers of the SP pool and decode instances (TP groups)."""

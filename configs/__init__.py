@@ -1,0 +1,1 @@
+"""Deployment configs, latency profiles and improvement-rate tables shipped with Tetris (data only)."""

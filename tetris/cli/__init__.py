@@ -1,0 +1,1 @@
+"""The ``tetris`` command line."""

@@ -1,0 +1,219 @@
+"""Deployment configuration: TOML files decoded into frozen msgspec Structs.
+
+A deployment file has four tables, each optional except ``[model]``::
+
+    [model]        what to serve: a seeded tiny Llama or a local Hugging Face directory
+    [prefill]      the sequence-parallel pool: instance count, TP size, instances per node
+    [decode]       decode instances: count, TP size, batch and KV capacity
+    [scheduler]    CDSP policy, SP candidates, latency profile, improvement rate
+
+Unknown keys and wrong types are rejected with a ``ConfigError`` that names the file, the key
+and what was expected. Configs are passed down explicitly; there is no global config.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+__all__ = [
+    "ConfigError",
+    "ModelConfig",
+    "RopeScaling",
+    "PrefillConfig",
+    "DecodeConfig",
+    "SchedulerConfig",
+    "DeploymentConfig",
+    "load_deployment",
+    "default_deployment_path",
+    "DEFAULT_DEPLOYMENT",
+]
+
+DEFAULT_DEPLOYMENT = "tiny-cpu.toml"
+
+
+class ConfigError(ValueError):
+    """A config file or value is invalid; the message says where and what was expected."""
+
+
+class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Llama-3 style RoPE frequency scaling (``rope_type = "llama3"`` in HF configs)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    rope_type: Literal["llama3"] = "llama3"
+
+
+class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Architecture of a Llama-family model.
+
+    ``source = "dummy"`` builds deterministic weights from ``seed`` (the tiny default model);
+    ``source = "hf"`` loads config, weights and tokenizer from the local directory ``path``
+    (the architecture fields are then read from its ``config.json``).
+    """
+
+    name: str = "tetris-tiny-llama"
+    source: Literal["dummy", "hf"] = "dummy"
+    path: str | None = None
+    seed: int = 0
+    vocab_size: int = 512
+    hidden_size: int = 256
+    intermediate_size: int = 688
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int | None = None
+    max_position_embeddings: int = 32768
+    rope_theta: float = 500000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.source == "hf" and not self.path:
+            raise ValueError("model.path is required when model.source = 'hf'")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                    "num_kv_heads", "max_position_embeddings"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"model.{key} must be positive, got {getattr(self, key)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.num_heads ({self.num_heads}) must be a multiple of "
+                f"model.num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model.hidden_size ({self.hidden_size}) must be divisible by "
+                f"model.num_heads ({self.num_heads}) unless model.head_dim is set"
+            )
+
+    @property
+    def attention_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+
+class PrefillConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The prefill pool: ``num_instances`` instances of ``tp_size`` devices, ``node_size`` per node."""
+
+    num_instances: int = 4
+    tp_size: int = 1
+    node_size: int = 2
+    executor: Literal["model", "emulated"] = "model"
+    block_size: int = 16
+    kv_blocks_per_instance: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.num_instances <= 0 or self.tp_size <= 0 or self.node_size <= 0:
+            raise ValueError("prefill.num_instances, tp_size and node_size must be positive")
+        if self.num_instances % self.node_size:
+            raise ValueError(
+                f"prefill.num_instances ({self.num_instances}) must be a multiple of "
+                f"prefill.node_size ({self.node_size})"
+            )
+
+
+class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Decode instances, each a tensor-parallel group of ``tp_size`` workers."""
+
+    num_instances: int = 1
+    tp_size: int = 2
+    max_batch_size: int = 32
+    block_size: int = 16
+    kv_blocks: int = 8192
+    executor: Literal["model", "emulated"] = "model"
+
+    def __post_init__(self) -> None:
+        if min(self.num_instances, self.tp_size, self.max_batch_size, self.block_size,
+               self.kv_blocks) <= 0:
+            raise ValueError("decode.* sizes must be positive")
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Prefill planning: the policy, its SP candidates and latency profile, and θ."""
+
+    policy: str = "tetris"
+    sp_candidates: tuple[int, ...] = ()
+    profile: str | None = None
+    improvement_rate: float = 0.3
+    rate_table: str | None = None
+    rate_window_s: float = 60.0
+    rate_update_interval_s: float = 30.0
+    min_chunk_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.improvement_rate < 1.0:
+            raise ValueError(
+                f"scheduler.improvement_rate must be in [0, 1), got {self.improvement_rate}"
+            )
+        for s in self.sp_candidates:
+            if s <= 0 or s & (s - 1):
+                raise ValueError(f"scheduler.sp_candidates must be powers of two, got {s}")
+
+
+class DeploymentConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    model: ModelConfig
+    prefill: PrefillConfig = PrefillConfig()
+    decode: DecodeConfig = DecodeConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    source_path: str | None = None
+
+
+def default_deployment_path() -> Path:
+    """Path of the embedded default deployment (tiny seeded Llama on CPU)."""
+    return Path(str(resources.files("tetris.configs").joinpath(DEFAULT_DEPLOYMENT)))
+
+
+def _resolve(path: str | Path | None) -> Path:
+    if path is None:
+        return default_deployment_path()
+    p = Path(path)
+    if p.exists():
+        return p
+    embedded = Path(str(resources.files("tetris.configs").joinpath(str(path))))
+    if embedded.exists():
+        return embedded
+    raise ConfigError(f"{path}: no such deployment file (nor an embedded config of that name)")
+
+
+def load_deployment(path: str | Path | None = None) -> DeploymentConfig:
+    """Load a deployment TOML; ``None`` loads the embedded default.
+
+    Relative ``model.path`` values resolve against the config file's folder.
+    """
+    p = _resolve(path)
+    try:
+        raw = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    try:
+        cfg = msgspec.convert(raw, DeploymentConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{p}: {_explain(e)}") from None
+    model = cfg.model
+    if model.path is not None and not Path(model.path).is_absolute():
+        model = msgspec.structs.replace(model, path=str((p.parent / model.path).resolve()))
+    return msgspec.structs.replace(cfg, model=model, source_path=str(p))
+
+
+def _explain(err: msgspec.ValidationError) -> str:
+    # msgspec says e.g. "Expected `int`, got `str` - at `$.prefill.num_instances`" or
+    # "Object contains unknown field `foo` - at `$.model`"; turn the JSON path into a TOML key.
+    msg = str(err)
+    text, sep, where = msg.rpartition(" - at `")
+    if not sep:
+        return msg
+    key = where.rstrip("`").removeprefix("$").lstrip(".")
+    if text.startswith("Object contains unknown field"):
+        field = text.split("`")[1]
+        full = f"{key}.{field}" if key else field
+        return f"unknown key `{full}`"
+    return f"key `{key or '<root>'}`: {text}"

@@ -1,0 +1,1 @@
+"""Single-instance engine: paged KV cache, block manager, sampling, continuous batching."""

@@ -1,0 +1,1 @@
+"""Llama-family model in torch, weight loading and tokenizers."""

@@ -1,0 +1,98 @@
+"""The prefill plan: what the scheduler decides and what the prefill pool executes.
+
+One contract, two clocks: the CDSP scheduler returns a ``PrefillPlan`` without knowing Ray,
+torch or the wall clock; the live dispatcher hands it to the prefill pool, and the simulator
+replays it against the latency model. Times in a plan are seconds on the caller's clock
+(the scheduler only adds latency-model predictions to the queue times it was given).
+
+Invariants (checked by ``PrefillPlan.validate``):
+
+- chunks cover ``[0, prompt_tokens)`` in order, without gaps or overlap;
+- each chunk's group contains every instance of the previous chunk's group (groups only grow,
+  paper §4.1), and the previous group's members come first in the same order, so ring
+  position ``r`` of an old member never changes;
+- every chunk has at least one token and one instance.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["Chunk", "PrefillPlan", "PlanError"]
+
+
+class PlanError(ValueError):
+    """A plan violates its invariants."""
+
+
+class Chunk(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A contiguous token segment of one prompt, run with ring attention on ``instances``.
+
+    ``start``/``end`` are absolute token positions in the prompt (``end`` exclusive); the
+    chunk's history is ``[0, start)``. ``instances`` are prefill-instance indices in ring order.
+    """
+
+    start: int
+    end: int
+    instances: tuple[int, ...]
+    expected_start: float = 0.0
+    expected_end: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def history_tokens(self) -> int:
+        return self.start
+
+    @property
+    def sp_size(self) -> int:
+        return len(self.instances)
+
+
+class PrefillPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A request's prefill: its chunks in order, and the scheduler's TTFT estimate."""
+
+    request_id: str
+    prompt_tokens: int
+    chunks: tuple[Chunk, ...]
+    ttft_estimate: float = 0.0
+    policy: str = ""
+    improvement_rate: float = 0.0
+
+    @property
+    def instances(self) -> tuple[int, ...]:
+        """The final (largest) group: every instance that holds part of the request's KV."""
+        return self.chunks[-1].instances if self.chunks else ()
+
+    def validate(self, pool_size: int | None = None) -> "PrefillPlan":
+        if self.prompt_tokens <= 0:
+            raise PlanError(f"plan {self.request_id}: prompt_tokens must be positive")
+        if not self.chunks:
+            raise PlanError(f"plan {self.request_id}: no chunks")
+        pos = 0
+        prev: tuple[int, ...] = ()
+        for k, c in enumerate(self.chunks):
+            if c.start != pos or c.end <= c.start:
+                raise PlanError(
+                    f"plan {self.request_id}: chunk {k} covers [{c.start}, {c.end}) "
+                    f"but should start at {pos} and hold at least one token"
+                )
+            if not c.instances or len(set(c.instances)) != len(c.instances):
+                raise PlanError(f"plan {self.request_id}: chunk {k} needs distinct instances")
+            if c.instances[: len(prev)] != prev:
+                raise PlanError(
+                    f"plan {self.request_id}: chunk {k} group {c.instances} must start with "
+                    f"the previous group {prev} (groups only grow)"
+                )
+            if pool_size is not None and any(i < 0 or i >= pool_size for i in c.instances):
+                raise PlanError(
+                    f"plan {self.request_id}: chunk {k} names an instance outside 0..{pool_size - 1}"
+                )
+            pos, prev = c.end, c.instances
+        if pos != self.prompt_tokens:
+            raise PlanError(
+                f"plan {self.request_id}: chunks cover {pos} of {self.prompt_tokens} tokens"
+            )
+        return self

@@ -1,0 +1,1 @@
+"""Discrete-event simulator of a prefill/decode disaggregated cluster (no torch, no ray)."""

@@ -1,0 +1,1 @@
+"""KV streaming from many prefill instances to one decode instance: handshake, backends, traffic classes."""
