@@ -1,0 +1,1 @@
+"""Serving: the Ray Serve app (ingress, dispatcher, pools), the OpenAI wire format and metrics."""
