@@ -1,0 +1,125 @@
+"""Sampling: greedy, temperature, top-k, top-p, seeds, stop tokens and stop strings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tetris.engine.request import FinishReason, Sequence
+from tetris.engine.sampling import check_stop, make_generator, process_logits, sample
+from tetris.sampling_params import SamplingParams
+
+
+def _seq(params: SamplingParams, seed: int | None = None, stop_ids=(), prompt=(1, 2)):
+    gen = make_generator(seed) if seed is not None else None
+    return Sequence("r", list(prompt), params, generator=gen, stop_token_ids=frozenset(stop_ids),
+                    max_total_tokens=100)
+
+
+def test_greedy_is_argmax_per_row():
+    logits = torch.tensor([[0.1, 2.0, 0.3], [5.0, -1.0, 4.9]])
+    seqs = [_seq(SamplingParams(temperature=0.0)) for _ in range(2)]
+    assert sample(logits, seqs) == [1, 0]
+
+
+def test_top_k_keeps_exactly_k_most_likely():
+    logits = torch.tensor([1.0, 4.0, 3.0, 2.0, 0.0])
+    probs = process_logits(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert (probs > 0).tolist() == [False, True, True, False, False]
+    expect = torch.softmax(torch.tensor([4.0, 3.0]), 0)
+    torch.testing.assert_close(probs[[1, 2]], expect)
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    probs_in = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs_in.log()
+    kept = process_logits(logits, SamplingParams(top_p=0.8)) > 0
+    assert kept.tolist() == [True, True, False, False]
+    kept = process_logits(logits, SamplingParams(top_p=0.81)) > 0
+    assert kept.tolist() == [True, True, True, False]
+    # The most likely token survives even a tiny top_p.
+    kept = process_logits(logits, SamplingParams(top_p=0.01)) > 0
+    assert kept.tolist() == [True, False, False, False]
+
+
+def test_temperature_sharpens_and_flattens():
+    logits = torch.tensor([2.0, 1.0, 0.0])
+    cold = process_logits(logits, SamplingParams(temperature=0.25))
+    hot = process_logits(logits, SamplingParams(temperature=4.0))
+    assert cold[0] > torch.softmax(logits, 0)[0] > hot[0]
+    torch.testing.assert_close(hot, torch.softmax(logits / 4.0, 0))
+
+
+def test_same_seed_same_tokens_regardless_of_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    params = SamplingParams(temperature=1.0, seed=123)
+    alone = [sample(logits[2:3], [_seq(params, seed=123)])[0] for _ in range(1)]
+    others = [_seq(SamplingParams(temperature=1.0), seed=s) for s in (5, 6, 7)]
+    batch = sample(logits[[0, 1, 2, 3]],
+                   [others[0], others[1], _seq(params, seed=123), others[2]])
+    assert batch[2] == alone[0]
+    # A sequence's generator advances: 20 draws from seed 123 repeat exactly, and vary.
+    a, b = _seq(params, seed=123), _seq(params, seed=123)
+    draws_a = [sample(logits[:1], [a])[0] for _ in range(20)]
+    draws_b = [sample(logits[:1], [b])[0] for _ in range(20)]
+    assert draws_a == draws_b and len(set(draws_a)) > 1
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    seq = _seq(SamplingParams(temperature=1.0), seed=1)
+    counts = torch.bincount(torch.tensor([sample(logits, [seq])[0] for _ in range(3000)]),
+                            minlength=3).float() / 3000
+    torch.testing.assert_close(counts, torch.softmax(logits[0], 0), atol=0.03, rtol=0)
+
+
+def _decode(ids):
+    return "".join(chr(ord("a") + i) for i in ids)
+
+
+def _feed(seq, tokens):
+    reasons = []
+    for t in tokens:
+        seq.tokens.append(t)
+        reasons.append(check_stop(seq, t, _decode))
+    return reasons
+
+
+def test_stop_string_is_trimmed_from_text():
+    seq = _seq(SamplingParams(max_tokens=50, stop=("cd",)))
+    reasons = _feed(seq, [0, 1, 2, 3, 4])  # "abcde": "cd" completes at the 4th token
+    assert reasons[:4] == [None, None, None, FinishReason.STOP]
+    assert seq.text == "ab"
+
+
+def test_stop_token_ends_and_stays_out_of_text():
+    seq = _seq(SamplingParams(max_tokens=50), stop_ids=(3,))
+    assert _feed(seq, [0, 1, 3]) == [None, None, FinishReason.STOP]
+    assert seq.text == "ab" and seq.output_token_ids == [0, 1, 3]
+
+
+def test_max_tokens_and_context_limit_give_length():
+    seq = _seq(SamplingParams(max_tokens=3))
+    assert _feed(seq, [0, 0, 0]) == [None, None, FinishReason.LENGTH]
+    seq = Sequence("r", [1, 2], SamplingParams(max_tokens=50), generator=None,
+                   stop_token_ids=frozenset(), max_total_tokens=4)
+    assert _feed(seq, [0, 0]) == [None, FinishReason.LENGTH]
+
+
+def test_streamed_text_never_shows_a_stop_string_prefix():
+    seq = _seq(SamplingParams(max_tokens=50, stop=("cde",)))
+    deltas = []
+    for t in [0, 1, 2, 3, 4]:
+        seq.tokens.append(t)
+        if check_stop(seq, t, _decode):
+            seq.finish(FinishReason.STOP)
+        deltas.append(seq.to_output((t,)).new_text)
+        if seq.is_finished:
+            break
+    assert "".join(deltas) == "ab" == seq.text
+
+
+def test_logit_rows_must_match_sequences():
+    with pytest.raises(ValueError, match="2 logit rows for 1"):
+        sample(torch.zeros(2, 3), [_seq(SamplingParams())])

@@ -1,0 +1,84 @@
+"""KV block accounting: which cache blocks each sequence owns.
+
+Checking and acting are separate calls (``can_allocate``/``allocate``, ``can_append``/
+``append_slot``) so that the batcher can decide without side effects and then commit. Acting
+without room raises instead of silently over-committing. Blocks come from a FIFO free list,
+so the same request stream always gets the same blocks (reproducible slot mappings).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from tetris.engine.request import Sequence
+
+__all__ = ["BlockManager", "OutOfBlocksError"]
+
+
+class OutOfBlocksError(RuntimeError):
+    """An allocation was attempted without checking that the blocks exist."""
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(
+                f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}"
+            )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: deque[int] = deque(range(num_blocks))
+        self._owner: dict[int, str] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return blocks_for(num_tokens, self.block_size)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        """Whether a sequence of ``num_tokens`` tokens fits in the free blocks now."""
+        return self.blocks_needed(num_tokens) <= len(self._free)
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give ``seq`` (holding no blocks) blocks for all of its current tokens."""
+        if seq.block_table:
+            raise ValueError(f"{seq.request_id}: already holds {len(seq.block_table)} blocks")
+        need = self.blocks_needed(seq.num_tokens)
+        if need > len(self._free):
+            raise OutOfBlocksError(
+                f"{seq.request_id}: needs {need} blocks, {len(self._free)} free"
+            )
+        seq.block_table = [self._take(seq.request_id) for _ in range(need)]
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s newest token can get a slot (a new block only at a boundary)."""
+        return self._needs_block(seq) <= len(self._free)
+
+    def append_slot(self, seq: Sequence) -> None:
+        """Give ``seq``'s newest token (appended after its last step) a slot."""
+        if self._needs_block(seq):
+            if not self._free:
+                raise OutOfBlocksError(f"{seq.request_id}: no free block to grow into")
+            seq.block_table.append(self._take(seq.request_id))
+
+    def free(self, seq: Sequence) -> None:
+        """Return every block of ``seq``; a sequence holding none is a no-op."""
+        for block in seq.block_table:
+            if self._owner.pop(block, None) != seq.request_id:
+                raise RuntimeError(f"block {block} freed by {seq.request_id} but not owned by it")
+            self._free.append(block)
+        seq.block_table = []
+
+    def _needs_block(self, seq: Sequence) -> int:
+        return int(seq.num_tokens > len(seq.block_table) * self.block_size)
+
+    def _take(self, owner: str) -> int:
+        block = self._free.popleft()
+        self._owner[block] = owner
+        return block

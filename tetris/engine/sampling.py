@@ -1,0 +1,96 @@
+"""Token sampling and stop conditions.
+
+Greedy rows take the argmax. Random rows apply temperature, then top-k, then top-p (nucleus:
+the smallest set of most likely tokens whose probability reaches ``top_p``), then draw from
+their own ``torch.Generator``. Every row is processed on its own, so a request's tokens for a
+given seed do not depend on which other requests share its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from tetris.engine.request import FinishReason, Sequence
+from tetris.sampling_params import SamplingParams
+
+__all__ = ["sample", "process_logits", "make_generator", "check_stop"]
+
+
+def make_generator(seed: int) -> torch.Generator:
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed)
+    return gen
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities [V] float32 after temperature, top-k and top-p, for one random row.
+
+    logits: [V]. Filtered tokens get probability exactly 0.
+    """
+    scaled = logits.float() / params.temperature
+    vocab = scaled.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep a token if the mass strictly before it is below top_p: the most likely token
+        # always survives, and the kept set is the smallest whose mass reaches top_p.
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        drop_sorted = before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(0, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum()
+    return probs
+
+
+def sample(logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
+    """One token per row. logits: [N, V] float32, row i belongs to seqs[i]."""
+    if logits.shape[0] != len(seqs):
+        raise ValueError(f"{logits.shape[0]} logit rows for {len(seqs)} sequences")
+    greedy = logits.argmax(dim=-1).tolist()
+    tokens = []
+    for row, seq in enumerate(seqs):
+        if seq.params.greedy:
+            tokens.append(greedy[row])
+            continue
+        probs = process_logits(logits[row], seq.params)
+        tokens.append(int(torch.multinomial(probs, 1, generator=seq.generator).item()))
+    return tokens
+
+
+def check_stop(seq: Sequence, token: int, decode) -> FinishReason | None:
+    """Update ``seq.text`` for the appended ``token`` and say whether ``seq`` is done.
+
+    ``decode`` maps token ids to text (``None`` when the engine has no tokenizer). A stop token
+    ends the request and stays out of the text; a stop string is cut from the text together
+    with everything after it, as OpenAI does.
+    """
+    params = seq.params
+    hit_stop_token = token in seq.stop_token_ids
+    if decode is not None:
+        ids = seq.output_token_ids
+        prev_len = len(seq.text)
+        seq.text = decode(ids[:-1] if hit_stop_token else ids)
+        if params.stop and not hit_stop_token:
+            # Only a match that ends in the new text is new: search from where one could start.
+            start = max(0, prev_len - max(len(s) for s in params.stop) + 1)
+            cut = _first_stop(seq.text, params.stop, start)
+            if cut is not None:
+                seq.text = seq.text[:cut]
+                return FinishReason.STOP
+    if hit_stop_token:
+        return FinishReason.STOP
+    if len(seq.tokens) - seq.num_prompt_tokens >= params.max_tokens:
+        return FinishReason.LENGTH
+    if len(seq.tokens) >= seq.max_total_tokens:
+        return FinishReason.LENGTH
+    return None
+
+
+def _first_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
+    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(found) if found else None
