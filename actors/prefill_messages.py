@@ -1,0 +1,101 @@
+"""Messages between the prefill pool (driver side) and its worker actors.
+
+Lifecycle of one request on the pool:
+
+1. The pool validates the ``PrefillPlan`` and derives, per chunk, the KV layout: which absolute
+   positions each member holds before and after cache balancing (``Move``), and each member's
+   zigzag share of the chunk.
+2. For each chunk in order, every member of the chunk's group receives a ``ChunkTask``:
+   ``prepare`` reserves KV slots (no communication, so a failure here stops the chunk cleanly),
+   then ``execute`` runs balancing + ring attention layer by layer and returns a ``ChunkResult``.
+3. The member holding the prompt's last token samples the first output token.
+4. The request's KV stays in the workers' stores until it is handed off (``release``) or the
+   request fails (``abort``), which frees it on every member.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from tetris.actors.zigzag import Ranges
+from tetris.sampling_params import SamplingParams
+
+__all__ = [
+    "BalanceMode",
+    "Move",
+    "ChunkTask",
+    "ChunkResult",
+    "PrefillResult",
+    "PrefillError",
+]
+
+# "overlap": layer i+1's moves run during layer i's MLP (paper Fig. 6-b);
+# "blocking": each layer's moves are waited for right after they are issued;
+# "off": history stays where it is (correct, but attention to history is unbalanced).
+BalanceMode = Literal["overlap", "blocking", "off"]
+
+
+class PrefillError(RuntimeError):
+    """A request's prefill failed; its KV has been freed on every member that held any."""
+
+
+class Move(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Cache balancing: ``src`` sends the KV of ``positions`` (every layer) to ``dst``."""
+
+    src: int
+    dst: int
+    positions: Ranges
+
+
+class ChunkTask(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One member's share of one chunk. Instances are world ranks of the pool."""
+
+    request_id: str
+    chunk_index: int
+    num_chunks: int
+    seq: int                      # pool-wide chunk sequence number; keeps message tags distinct
+    group: tuple[int, ...]        # ring order
+    rank: int                     # this member's index in ``group``
+    chunk_start: int
+    chunk_end: int
+    prompt_tokens: int
+    chunk_positions: tuple[Ranges, ...]   # per ring member: its zigzag share of the chunk
+    history: tuple[Ranges, ...]           # per ring member: history it holds after balancing
+    moves: tuple[Move, ...] = ()
+    token_ids: tuple[int, ...] = ()       # this member's tokens, in position order
+    balance: BalanceMode = "overlap"
+    sampling: SamplingParams | None = None
+    return_logits: bool = False
+    timeout_s: float = 60.0
+
+    @property
+    def instance(self) -> int:
+        return self.group[self.rank]
+
+
+class ChunkResult(msgspec.Struct, frozen=True):
+    request_id: str
+    chunk_index: int
+    instance: int
+    rank: int
+    elapsed_s: float
+    balance_wait_s: float = 0.0     # time spent blocked on cache balancing (exposed overhead)
+    balance_sent_tokens: int = 0
+    balance_recv_tokens: int = 0
+    first_token: int | None = None
+    logits: list[float] | None = None
+    emulated: bool = False
+
+
+class PrefillResult(msgspec.Struct, frozen=True):
+    request_id: str
+    first_token: int | None
+    logits: list[float] | None
+    elapsed_s: float
+    chunk_elapsed_s: tuple[float, ...]
+    balance_wait_s: float            # per chunk the slowest member's wait, summed over chunks
+    balance_moved_tokens: int
+    kv_layout: tuple[tuple[int, Ranges], ...]   # (instance, positions) of the final group
+    emulated: bool = False
