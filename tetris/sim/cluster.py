@@ -1,0 +1,229 @@
+"""The simulated cluster: the paper's deployments and the event loop that runs a workload.
+
+The hierarchy mirrors the live system: a prefill pool (``prefill.PrefillPoolSim``) executing
+the plans of a scheduler policy, KV transfer (``transfer.KVTransferModel``) and decode
+instances with continuous batching (``decode.DecodeInstanceSim``), routed by the scheduler's
+``DecodeRouter``. The policy is called exactly as the live dispatcher calls it:
+``plan = policy.plan(request_id, prompt_tokens, now, pool, improvement_rate)`` then
+``pool.commit(plan)``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from tetris.sim.decode import DecodeInstanceSim, DecodeRequest
+from tetris.sim.events import EventKind, EventQueue
+from tetris.sim.metrics import SimResult, summarise, weighted_percentiles, LatencySummary
+from tetris.sim.prefill import PrefillPoolSim
+from tetris.sim.transfer import KVTransferModel
+from tetris.sim.workload import SimRequest
+
+__all__ = ["ClusterSpec", "CLUSTERS", "cluster_by_name", "Simulation"]
+
+GB = 1e9
+NIC_BYTES_PER_S = 200e9 / 8          # one 200 Gb/s InfiniBand NIC per GPU (paper §7.1)
+GPU_MEMORY = 80 * GB                  # A100-SXM4-80GB
+MEMORY_UTILISATION = 0.9              # share of GPU memory for weights + KV (vLLM's default)
+
+
+class ClusterSpec(msgspec.Struct, frozen=True):
+    """A deployment of the paper (§7.1); sizes in instances, bandwidths in bytes/s."""
+
+    model: str
+    profile: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    params_billion: float
+    prefill_instances: int
+    node_size: int
+    prefill_tp: int
+    decode_instances: int
+    decode_tp: int
+    sp_candidates: tuple[int, ...]
+    decode_max_batch: int = 256
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.num_layers * self.kv_heads * self.head_dim * 2 * 2  # K and V, 2-byte dtype
+
+    def kv_capacity_tokens(self, tp: int) -> int:
+        """KV tokens one instance of ``tp`` GPUs holds after its bf16 weights."""
+        free = tp * GPU_MEMORY * MEMORY_UTILISATION - self.params_billion * 1e9 * 2
+        if free <= 0:
+            raise ValueError(f"{self.model} does not fit on {tp} GPUs")
+        return int(free // self.kv_bytes_per_token)
+
+    def transfer_model(self) -> KVTransferModel:
+        return KVTransferModel(self.kv_bytes_per_token, self.num_layers,
+                               self.prefill_tp * NIC_BYTES_PER_S, self.decode_tp * NIC_BYTES_PER_S)
+
+    @property
+    def total_gpus(self) -> int:
+        return self.prefill_instances * self.prefill_tp + self.decode_instances * self.decode_tp
+
+    def node_of(self) -> tuple[int, ...]:
+        return tuple(i // self.node_size for i in range(self.prefill_instances))
+
+
+# LLaMA3-8B: 4 nodes; 2 nodes of 8 TP-1 prefill instances, 2 decode instances of TP 8.
+# LLaMA3-70B: 8 nodes, TP 4 everywhere; 4 nodes of 2 prefill instances, 8 decode instances.
+CLUSTERS: dict[str, ClusterSpec] = {
+    "8b": ClusterSpec("llama3-8b", "a100-llama3-8b-tp1", 32, 8, 128, 8.03, 16, 8, 1, 2, 8,
+                      (1, 2, 4, 8, 16)),
+    "70b": ClusterSpec("llama3-70b", "a100-llama3-70b-tp4", 80, 8, 128, 70.6, 8, 2, 4, 8, 4,
+                       (1, 2, 4, 8)),
+}
+
+
+def cluster_by_name(name: str) -> ClusterSpec:
+    try:
+        return CLUSTERS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; choose one of {sorted(CLUSTERS)}") from None
+
+
+class Simulation:
+    """One run: a workload through a policy on a cluster. Build, then ``run()`` once.
+
+    ``decode_step`` is ``step_time(tp, batch, context_tokens)`` (None: prefill only, as the
+    improvement-rate profiler simulates); ``router`` is a ``DecodeRouter`` for the decode
+    instances; ``rate_monitor`` (optional) sets θ online from its table.
+    """
+
+    def __init__(self, requests: list[SimRequest], *, cluster: ClusterSpec, policy: Any,
+                 pool: Any, latency: Any, improvement_rate: float | None = None,
+                 rate_monitor: Any = None, decode_step: Any = None, router: Any = None,
+                 record: bool = False, workload: str = "", seed: int = 0, rate: float = 0.0):
+        if not requests:
+            raise ValueError("a simulation needs at least one request")
+        if decode_step is not None and router is None:
+            raise ValueError("decode simulation needs a router")
+        self.requests, self.cluster, self.policy, self.pool = requests, cluster, policy, pool
+        self.theta = improvement_rate
+        self.monitor = rate_monitor
+        self.prefill = PrefillPoolSim(len(pool.queue_times), latency.predict, record=record)
+        self.transfer = cluster.transfer_model()
+        self.router = router
+        self.decoders = [] if decode_step is None else [
+            DecodeInstanceSim(d, cluster.decode_tp, cluster.kv_capacity_tokens(cluster.decode_tp),
+                              cluster.decode_max_batch, decode_step)
+            for d in range(cluster.decode_instances)]
+        self.link_free = [0.0] * len(self.decoders)
+        self.events = EventQueue()
+        n = len(requests)
+        self.ttft = np.full(n, np.nan)
+        self.prefill_end = np.full(n, np.nan)
+        self.decode_reqs: list[DecodeRequest | None] = [None] * n
+        self.chunks = 0
+        self.sp_tokens = 0.0
+        self.thetas: list[float] = []
+        self.plans: list[Any] = [] if record else None
+        self.meta = (workload, seed, rate)
+
+    def _on_arrival(self, now: float, i: int) -> None:
+        r = self.requests[i]
+        if self.monitor is not None:
+            self.monitor.observe_arrival(now)
+            theta = self.monitor.maybe_update(now)
+            if theta is not None:
+                self.theta = theta
+        if not self.thetas or self.thetas[-1] != self.theta:
+            self.thetas.append(self.theta)
+        plan = self.policy.plan(r.request_id, r.prompt_tokens, now, self.pool,
+                                improvement_rate=self.theta)
+        self.pool.commit(plan)
+        end, runs = self.prefill.execute(plan, now)
+        if self.plans is not None:
+            self.plans.append(plan)
+        self.ttft[i] = end - now
+        self.prefill_end[i] = end
+        self.chunks += len(runs)
+        self.sp_tokens += sum(len(c.instances) * c.tokens for c in runs)
+        if self.decoders:
+            kv = r.prompt_tokens + r.output_tokens
+            d = self.router.choose(kv)
+            self.router.reserve(d, kv)
+            ready = self.transfer.ready_time(runs, self.link_free[d])
+            self.link_free[d] = ready
+            req = DecodeRequest(r.request_id, i, r.prompt_tokens, r.output_tokens, end)
+            req.ready_time = ready
+            self.decode_reqs[i] = req
+            self.events.push(ready, EventKind.KV_READY, (d, req))
+
+    def _on_kv_ready(self, now: float, d: int, req: DecodeRequest) -> None:
+        inst = self.decoders[d]
+        self.router.release(d, req.kv_tokens)
+        if req.remaining <= 0:
+            req.finish_time = now
+            return
+        inst.enqueue(req)
+        if not inst.stepping:
+            self._start_step(now, inst)
+
+    def _start_step(self, now: float, inst: DecodeInstanceSim) -> None:
+        end = inst.start_step(now)
+        self._refresh_router(inst)
+        if end is not None:
+            self.events.push(end, EventKind.DECODE_STEP, inst.index)
+
+    def _refresh_router(self, inst: DecodeInstanceSim) -> None:
+        waiting = sum(r.kv_tokens for r in inst.waiting)
+        self.router.update(inst.index, inst.free_tokens - waiting, inst.batch_size + len(inst.waiting))
+
+    def run(self) -> SimResult:
+        t_wall = time.perf_counter()
+        for i, r in enumerate(self.requests):
+            self.events.push(r.arrival_time, EventKind.ARRIVAL, i)
+        ev = self.events
+        while ev:
+            now, kind, payload = ev.pop()
+            if kind is EventKind.ARRIVAL:
+                self._on_arrival(now, payload)
+            elif kind is EventKind.KV_READY:
+                self._on_kv_ready(now, *payload)
+            elif kind is EventKind.DECODE_STEP:
+                inst = self.decoders[payload]
+                inst.finish_step(now)
+                self._start_step(now, inst)
+        return self._result(time.perf_counter() - t_wall)
+
+    def _tbt(self) -> tuple[LatencySummary | None, float | None, float]:
+        if not self.decoders:
+            return None, None, float(np.nanmax(self.prefill_end))
+        durs = np.concatenate([np.asarray(d.step_durations) for d in self.decoders])
+        weights = np.concatenate([np.asarray(d.step_batches, dtype=float) for d in self.decoders])
+        gaps = np.array([r.second_token_time - r.first_token_time for r in self.decode_reqs
+                         if r is not None and not math.isnan(r.second_token_time)])
+        vals, w = np.concatenate([durs, gaps]), np.concatenate([weights, np.ones(gaps.size)])
+        p50, p90, p99 = weighted_percentiles(vals, w, [50, 90, 99])
+        mean = float((vals * w).sum() / w.sum()) if w.sum() > 0 else float("nan")
+        finish = max(r.finish_time for r in self.decode_reqs if r is not None)
+        t0 = self.requests[0].arrival_time
+        util = sum(d.busy_s for d in self.decoders) / (len(self.decoders) * (finish - t0))
+        return LatencySummary(mean, p50, p90, p99), util, finish
+
+    def _result(self, wall: float) -> SimResult:
+        n = len(self.requests)
+        t0 = self.requests[0].arrival_time
+        last_prefill = float(np.nanmax(self.prefill_end))
+        tbt, dutil, finish = self._tbt()
+        prompt = sum(r.prompt_tokens for r in self.requests)
+        workload, seed, rate = self.meta
+        return SimResult(
+            policy=getattr(self.policy, "name", "?"), workload=workload, model=self.cluster.model,
+            rate=rate, requests=n, seed=seed, ttft=summarise(self.ttft), tbt=tbt,
+            throughput_rps=n / (finish - t0) if finish > t0 else float("nan"),
+            prefill_tokens_per_s=prompt / (last_prefill - t0) if last_prefill > t0 else float("nan"),
+            prefill_utilisation=self.prefill.utilisation(t0, last_prefill),
+            decode_utilisation=dutil, mean_chunks=self.chunks / n,
+            mean_sp=self.sp_tokens / prompt, max_plan_deviation_s=self.prefill.max_plan_deviation,
+            sim_wall_s=wall, sim_requests_per_s=n / wall if wall > 0 else float("inf"),
+            improvement_rates=[float(t) for t in self.thetas if t is not None],
+            ttft_s=[float(x) for x in self.ttft])
