@@ -1,0 +1,141 @@
+"""CDSP search: paper Algorithms 1-3 and Eq. 2 (SPEC §3) over one snapshot of the pool.
+
+All times inside the search are relative to the request's arrival ``now`` (queue times in the
+past count as 0), so a TTFT is simply a chunk's end. A decision:
+
+    Algorithm 2  single_chunk: every remaining token as one chunk; SP size grows only while the
+                 TTFT gain exceeds θ·best (this also caps the SP size of the search, s_max).
+    Algorithm 3  solve_chunk:  fill the gap until the larger group G_next is free with a chunk
+                 on G_cur: T_{s_cur}(h, l) = max_{G_next} q − max_{G_cur} q, solved for l.
+    Algorithm 1  cdsp:         for every pair s_cur < s_next <= s_max, solve the chunk, apply
+                 Eq. 2 (G_cur busy until the chunk ends) and recurse on the rest with sizes
+                 >= s_next; keep the plan whose last chunk ends first.
+
+Speed (the simulator plans thousands of requests): Eq. 2 is carried as one number, the end of
+the previous chunk ``t_prev`` (every member of the current group is busy until then, and no
+other queue time changes), groups come from ``GroupBuilder``'s memo, a plan under construction
+is a linked tuple, and a branch is cut as soon as its first chunk ends after the best TTFT found
+so far (its rest can only end later, so the result is the exhaustive search's).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from tetris.scheduler.extend import GroupBuilder
+
+__all__ = ["SearchResult", "CdspSearch"]
+
+# A chunk under construction: (tokens, chain of SP sizes of its group, start, end, next chunk).
+_Link = tuple
+
+
+class SearchResult:
+    """A plan in relative times: ``chunks`` as (tokens, members, start, end), and the TTFT."""
+
+    __slots__ = ("ttft", "chunks")
+
+    def __init__(self, ttft: float, chunks: list[tuple[int, tuple[int, ...], float, float]]):
+        self.ttft = ttft
+        self.chunks = chunks
+
+
+class CdspSearch:
+    """One decision's search state: coefficients, candidate SP sizes and a group builder."""
+
+    __slots__ = ("coeffs", "sizes", "groups", "theta", "min_chunk", "align")
+
+    def __init__(self, coeffs: dict[int, tuple[float, float, float, float]],
+                 sizes: Sequence[int], queue_rel: Sequence[float], node_of: Sequence[int],
+                 *, theta: float, min_chunk_tokens: int, chunk_align: int):
+        self.coeffs = coeffs
+        self.sizes = tuple(sizes)
+        self.groups = GroupBuilder(queue_rel, node_of)
+        self.theta = theta
+        self.min_chunk = max(1, min_chunk_tokens)
+        self.align = max(1, chunk_align)
+
+    # ---- Algorithm 2 ----------------------------------------------------------------------
+
+    def single_chunk(self, remaining: int, history: int, chain: tuple[int, ...],
+                     t_prev: float, lo: int) -> tuple[float, int, float]:
+        """Best single chunk from size index ``lo``: (ttft, size index, start)."""
+        sizes, coeffs, group, theta = self.sizes, self.coeffs, self.groups.group, self.theta
+        best_ttft = math.inf
+        best_k = -1
+        best_start = 0.0
+        for k in range(lo, len(sizes)):
+            s = sizes[k]
+            mq = group(chain + (s,)).max_queue
+            start = t_prev if t_prev > mq else mq
+            a, b, g, d = coeffs[s]
+            ttft = start + a + remaining * (b + g * history + d * remaining)
+            # A larger SP size must gain more than θ of the best TTFT so far (SPEC §3).
+            if best_k < 0 or best_ttft - ttft > theta * best_ttft:
+                best_ttft, best_k, best_start = ttft, k, start
+        return best_ttft, best_k, best_start
+
+    def single_chunk_plan(self, prompt_tokens: int) -> SearchResult:
+        ttft, k, start = self.single_chunk(prompt_tokens, 0, (), 0.0, 0)
+        return self._result(ttft, (prompt_tokens, (self.sizes[k],), start, ttft, None))
+
+    def options(self, prompt_tokens: int) -> list[tuple[int, tuple[int, ...], float, float]]:
+        """Every single-chunk alternative: (sp, members, start, ttft), for explaining a plan."""
+        out = []
+        for s in self.sizes:
+            g = self.groups.group((s,))
+            start = max(0.0, g.max_queue)
+            a, b, _, d = self.coeffs[s]
+            out.append((s, g.members, start, start + a + prompt_tokens * (b + d * prompt_tokens)))
+        return out
+
+    # ---- Algorithms 1 and 3 ---------------------------------------------------------------
+
+    def plan(self, prompt_tokens: int) -> SearchResult:
+        ttft, head = self._cdsp(prompt_tokens, 0, (), 0.0, 0, math.inf)
+        return self._result(ttft, head)
+
+    def _cdsp(self, remaining: int, history: int, chain: tuple[int, ...], t_prev: float,
+              lo: int, bound: float) -> tuple[float, _Link]:
+        best_ttft, k_max, start = self.single_chunk(remaining, history, chain, t_prev, lo)
+        best: _Link = (remaining, chain + (self.sizes[k_max],), start, best_ttft, None)
+        if k_max == lo:  # one candidate left up to s_max: no pair to chunk with
+            return best_ttft, best
+        sizes, coeffs, group = self.sizes, self.coeffs, self.groups.group
+        min_chunk, align = self.min_chunk, self.align
+        for i in range(lo, k_max):
+            s_cur = sizes[i]
+            chain_cur = chain + (s_cur,)
+            mq_cur = group(chain_cur).max_queue
+            start_cur = t_prev if t_prev > mq_cur else mq_cur
+            a, b, g, d = coeffs[s_cur]
+            lin = b + g * history
+            for j in range(i + 1, k_max + 1):
+                # Algorithm 3: the budget is the wait until the larger group is free.
+                mq_next = group(chain_cur + (sizes[j],)).max_queue
+                budget = (t_prev if t_prev > mq_next else mq_next) - start_cur - a
+                if budget <= 0.0:
+                    continue
+                tokens = 2.0 * budget / (lin + math.sqrt(lin * lin + 4.0 * d * budget))
+                tokens = int(tokens // align) * align
+                if tokens < min_chunk or tokens >= remaining:
+                    continue
+                end = start_cur + a + tokens * (lin + d * tokens)
+                cut = bound if bound < best_ttft else best_ttft
+                if end >= cut:
+                    continue
+                # Eq. 2: every member of G_cur is busy until this chunk's end.
+                rest_ttft, rest = self._cdsp(remaining - tokens, history + tokens, chain_cur,
+                                             end, j, cut)
+                if rest_ttft < best_ttft:
+                    best_ttft = rest_ttft
+                    best = (tokens, chain_cur, start_cur, end, rest)
+        return best_ttft, best
+
+    def _result(self, ttft: float, link: _Link | None) -> SearchResult:
+        chunks = []
+        while link is not None:
+            tokens, chain, start, end, link = link
+            chunks.append((tokens, self.groups.group(chain).members, start, end))
+        return SearchResult(ttft, chunks)
