@@ -1,0 +1,37 @@
+"""The seeded tiny model of the engine tests and a cache-free greedy reference."""
+
+from __future__ import annotations
+
+import torch
+
+from tetris.config import ModelConfig
+from tetris.kernels.attention import attention_with_lse_ref
+from tetris.model.loader import load_model
+
+TINY = ModelConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2,
+                   num_heads=4, num_kv_heads=2, max_position_embeddings=256, seed=3)
+
+
+_MODEL = []
+
+
+def tiny_model():
+    """(model, tokenizer), built once per test session."""
+    if not _MODEL:
+        _MODEL.append(load_model(TINY))
+    return _MODEL[0]
+
+
+def causal_op(layer, q, k, v):
+    return attention_with_lse_ref(q, k, v, causal=True)[0]
+
+
+@torch.inference_mode()
+def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens by recomputing the whole sequence each step: no cache, no batching."""
+    tokens = list(prompt)
+    for _ in range(n):
+        ids = torch.tensor(tokens)
+        hidden = model.forward(ids, torch.arange(len(tokens)), causal_op)
+        tokens.append(int(model.logits(hidden[-1:]).argmax(-1)))
+    return tokens[len(prompt):]

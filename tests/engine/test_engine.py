@@ -1,0 +1,182 @@
+"""LLMEngine on the seeded tiny model: paged, batched, chunked and preempted execution all
+give the tokens of a cache-free recompute; requests join, abort and fail cleanly."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+from tetris.engine.engine import LLMEngine
+from tetris.sampling_params import SamplingParams
+
+from engine_helpers import TINY, greedy_reference, tiny_model as _load_tiny
+
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return _load_tiny()
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _prompts(lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    model, _ = tiny_model
+    prompts = _prompts([5, 17, 33, 2])
+    return prompts, [greedy_reference(model, p, GREEDY.max_tokens) for p in prompts]
+
+
+def test_batch_of_mixed_lengths_matches_cache_free_recompute(tiny_model, reference):
+    model, tok = tiny_model
+    prompts, expected = reference
+    engine = LLMEngine(model, tok, num_blocks=64, block_size=4)
+    outs = engine.generate(prompts, GREEDY)
+    assert [list(o.token_ids) for o in outs] == expected
+    assert all(o.finish_reason == "length" for o in outs)
+    assert engine.num_free_blocks == 64 and not engine.has_unfinished()
+
+
+def test_chunked_prefill_and_preemption_keep_the_tokens(tiny_model, reference):
+    model, tok = tiny_model
+    prompts, expected = reference
+    # An 8-token budget chunks every long prompt; 16 blocks of 4 cannot hold all four
+    # sequences (at most 45 tokens each), so decodes preempt and recompute the newest.
+    engine = LLMEngine(model, tok, num_blocks=16, block_size=4, max_num_batched_tokens=8)
+    preempted = []
+    outs = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, GREEDY)
+    while engine.has_unfinished():
+        plan_seqs = list(engine.batcher.running)
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = list(out.token_ids)
+        preempted += [s for s in plan_seqs if s.num_preemptions]
+    assert preempted, "the cache was meant to be too small for all four at once"
+    assert [outs[f"r{i}"] for i in range(4)] == expected
+    assert engine.num_free_blocks == 16
+
+
+def test_new_request_joins_running_decodes_at_next_step(tiny_model, reference):
+    model, tok = tiny_model
+    prompts, expected = reference
+    engine = LLMEngine(model, tok, num_blocks=64, block_size=4)
+    engine.add_request("a", prompts[0], GREEDY)
+    first = engine.step()
+    assert [o.request_id for o in first] == ["a"]
+    engine.add_request("b", prompts[1], GREEDY)
+    second = engine.step()
+    assert sorted(o.request_id for o in second) == ["a", "b"]
+    got = {"a": [first[0].new_token_ids[0]], "b": []}
+    for o in second:
+        got[o.request_id] += list(o.new_token_ids)
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id] += list(o.new_token_ids)
+    assert got == {"a": expected[0], "b": expected[1]}
+
+
+def test_abort_frees_blocks_and_reports_abort(tiny_model):
+    model, tok = tiny_model
+    engine = LLMEngine(model, tok, num_blocks=32, block_size=4)
+    engine.add_request("a", _prompts([9])[0], GREEDY)
+    engine.add_request("b", _prompts([3])[0], GREEDY)
+    engine.step()
+    assert engine.num_free_blocks < 32
+    assert engine.abort_request("a") and not engine.abort_request("nope")
+    outs = engine.step()
+    aborted = [o for o in outs if o.request_id == "a"]
+    assert len(aborted) == 1 and aborted[0].finished and aborted[0].finish_reason == "abort"
+    engine.abort_request("b")
+    engine.step()
+    assert engine.num_free_blocks == 32 and not engine.has_unfinished()
+
+
+def test_seeded_sampling_is_independent_of_batch(tiny_model):
+    model, tok = tiny_model
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
+    prompt = _prompts([6])[0]
+    alone = LLMEngine(model, tok, num_blocks=64, block_size=4).generate([prompt], params)[0]
+    others = [msgspec.structs.replace(params, seed=s) for s in (1, 2)]
+    batch = LLMEngine(model, tok, num_blocks=64, block_size=4).generate(
+        [_prompts([4])[0], prompt, _prompts([11])[0]], [others[0], params, others[1]])
+    assert batch[1].token_ids == alone.token_ids
+    assert batch[0].token_ids != batch[2].token_ids
+
+
+def test_stop_string_and_stop_token(tiny_model, reference):
+    model, tok = tiny_model
+    prompts, expected = reference
+    engine = LLMEngine(model, tok, num_blocks=64, block_size=4)
+    stop_tok = expected[1][3]
+    out = engine.generate([prompts[1]], msgspec.structs.replace(GREEDY, stop_token_ids=(stop_tok,)))[0]
+    cut = expected[1].index(stop_tok) + 1
+    assert list(out.token_ids) == expected[1][:cut] and out.finish_reason == "stop"
+    letters = _Letters()
+    engine = LLMEngine(model, letters, num_blocks=64, block_size=4)
+    full = letters.decode(expected[0])
+    stop = full[5:7]
+    out = engine.generate([prompts[0]], msgspec.structs.replace(GREEDY, stop=(stop,)))[0]
+    assert out.finish_reason == "stop" and out.text == full[:full.index(stop)]
+    assert len(out.token_ids) < len(expected[0])
+
+
+class _Letters:
+    """A tokenizer whose every token is one letter, so any generated text can be stopped on."""
+
+    eos_token_ids = ()
+
+    def decode(self, ids):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def test_eos_stops_unless_ignored(tiny_model, reference):
+    model, tok = tiny_model
+    prompts, expected = reference
+    eos = expected[2][4]
+    engine = LLMEngine(model, None, num_blocks=64, block_size=4)
+    engine._eos = frozenset([eos])  # pretend the 5th greedy token is this model's EOS
+    out = engine.generate([prompts[2]], msgspec.structs.replace(GREEDY, ignore_eos=False))[0]
+    assert list(out.token_ids) == expected[2][:expected[2].index(eos) + 1]
+    out = engine.generate([prompts[2]], GREEDY)[0]
+    assert list(out.token_ids) == expected[2]
+
+
+def test_bad_input_raises_value_error_with_numbers(tiny_model):
+    model, tok = tiny_model
+    engine = LLMEngine(model, tok, num_blocks=128, block_size=4)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("e", [], GREEDY)
+    too_long = [1] * (TINY.max_position_embeddings + 1)
+    with pytest.raises(ValueError, match="257 tokens but the model's context is 256"):
+        engine.add_request("l", too_long, GREEDY)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("v", [1, 320], GREEDY)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-0.5)
+    with pytest.raises(ValueError, match="SamplingParams"):
+        engine.add_request("p", [1], {"temperature": 0})
+    small = LLMEngine(model, tok, num_blocks=2, block_size=4)
+    with pytest.raises(ValueError, match="KV cache holds only 8 tokens"):
+        small.add_request("c", [1] * 8, GREEDY)
+    engine.add_request("dup", [1], GREEDY)
+    with pytest.raises(ValueError, match="already running"):
+        engine.add_request("dup", [1], GREEDY)
+    assert not small.has_unfinished()
+
+
+def test_generation_stops_at_the_context_limit(tiny_model):
+    model, tok = tiny_model
+    engine = LLMEngine(model, tok, num_blocks=128, block_size=4)
+    prompt = [1] * (TINY.max_position_embeddings - 3)
+    out = engine.generate([prompt], SamplingParams(max_tokens=50, temperature=0.0,
+                                                   ignore_eos=True))[0]
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"

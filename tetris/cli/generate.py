@@ -1,0 +1,104 @@
+"""``tetris generate``: one completion on the single-instance engine, printed to stdout.
+
+Only the completion text goes to stdout (``--json`` prints one JSON object instead); errors
+print ``error: ...`` to stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generate", help="generate a completion for one prompt",
+        description="Generate a completion for one prompt with the single-instance engine.",
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", metavar="HF_DIR",
+                     help="local Hugging Face Llama checkpoint directory")
+    src.add_argument("--config", metavar="DEPLOYMENT_TOML",
+                     help="deployment file whose [model] to use (default: the embedded "
+                          "tiny-cpu.toml)")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT")
+    prompt.add_argument("--prompt-file", metavar="FILE", type=Path)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop string (repeatable); it is cut from the output")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as one user message with the chat template")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (text, token ids, finish reason)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        text = _read_prompt(args)
+        params = _sampling_params(args)
+        model, tokenizer, block_size = _load(args)
+        if args.chat:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        prompt = tokenizer.encode(text, add_bos=True)
+        if len(prompt) > 1 and prompt[0] == prompt[1] == tokenizer.bos_token_id:
+            prompt = prompt[1:]  # the chat template wrote its own BOS
+        engine = _engine(model, tokenizer, block_size, len(prompt) + params.max_tokens)
+        out = engine.generate([prompt], params)[0]
+    except (ValueError, OSError) as e:  # ConfigError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": list(out.token_ids),
+                          "prompt_tokens": len(out.prompt_token_ids),
+                          "finish_reason": out.finish_reason}))
+    else:
+        sys.stdout.write(out.text + "\n")
+    return 0
+
+
+def _read_prompt(args) -> str:
+    if args.prompt_file is not None:
+        return args.prompt_file.read_text()
+    return args.prompt
+
+
+def _sampling_params(args):
+    from tetris.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+
+
+def _load(args):
+    from tetris.config import DeploymentConfig, ModelConfig, load_deployment
+    from tetris.model.loader import load_model
+
+    if args.model is not None:
+        if not Path(args.model, "config.json").is_file():
+            raise ValueError(f"{args.model}: not a Hugging Face model directory (no config.json)")
+        deployment = DeploymentConfig(model=ModelConfig(source="hf", path=args.model))
+    else:
+        deployment = load_deployment(args.config)
+    model, tokenizer = load_model(deployment.model)
+    return model, tokenizer, deployment.decode.block_size
+
+
+def _engine(model, tokenizer, block_size: int, total_tokens: int):
+    from tetris.engine.engine import LLMEngine
+
+    # One request: size the cache to it (the engine itself rejects a prompt past the context).
+    tokens = min(total_tokens, model.cfg.max_position_embeddings) + 1
+    return LLMEngine(model, tokenizer, num_blocks=-(-tokens // block_size),
+                     block_size=block_size, max_num_seqs=1)

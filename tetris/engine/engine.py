@@ -1,0 +1,178 @@
+"""``LLMEngine``: one model instance serving many requests with continuous batching.
+
+The unit that decode actors wrap and the reference that distributed execution must match.
+One ``step()`` is: the batcher plans the iteration (decodes, prefill chunks, admissions,
+preemptions), the model runner executes it against the paged KV cache, the sampler draws one
+token for every sequence whose tokens are all computed, and stop conditions finish sequences
+and free their blocks. Requests added between steps join at the next step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence as Seq
+
+from tetris.engine.batcher import Batcher
+from tetris.engine.block_manager import BlockManager
+from tetris.engine.kv_cache import KVCache
+from tetris.engine.model_runner import ModelRunner
+from tetris.engine.request import FinishReason, RequestOutput, Sequence
+from tetris.engine.sampling import check_stop, make_generator, sample
+from tetris.sampling_params import SamplingParams
+
+__all__ = ["LLMEngine"]
+
+
+class LLMEngine:
+    """Serve ``model`` (a ``LlamaModel``) with a paged cache of ``num_blocks`` x ``block_size``.
+
+    ``tokenizer`` is optional: without it outputs carry token ids only and stop strings are
+    refused. ``seed`` seeds the generators of requests that bring no seed of their own.
+    """
+
+    def __init__(self, model, tokenizer=None, *, num_blocks: int = 1024, block_size: int = 16,
+                 max_num_seqs: int = 32, max_num_batched_tokens: int = 2048,
+                 seed: int | None = 0) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_model_len = model.cfg.max_position_embeddings
+        self.vocab_size = model.cfg.vocab_size
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.cache = KVCache.for_model(model, num_blocks, block_size)
+        self.batcher = Batcher(self.blocks, max_num_seqs=max_num_seqs,
+                               max_num_batched_tokens=max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.cache)
+        self._rng = random.Random(seed)
+        self._seqs: dict[str, Sequence] = {}
+        self._aborted: list[RequestOutput] = []
+        self._ids = itertools.count()
+        eos = tokenizer.eos_token_ids if tokenizer is not None else model.cfg.eos_token_ids
+        self._eos = frozenset(eos)
+
+    @classmethod
+    def from_deployment(cls, deployment, **overrides) -> LLMEngine:
+        """Load the deployment's model; cache and batch sizes from its ``[decode]`` table."""
+        from tetris.model.loader import load_model
+
+        model, tokenizer = load_model(deployment.model)
+        kw = dict(num_blocks=deployment.decode.kv_blocks, block_size=deployment.decode.block_size,
+                  max_num_seqs=deployment.decode.max_batch_size)
+        kw.update(overrides)
+        return cls(model, tokenizer, **kw)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int],
+                    params: SamplingParams) -> None:
+        """Queue a request; raises ``ValueError`` for input it can never serve."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self._seqs:
+            raise ValueError(f"request {request_id!r} is already running")
+        prompt = [int(t) for t in prompt_token_ids]
+        self._validate_prompt(prompt)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine has none")
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+            generator = make_generator(seed)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
+                                                       else self._eos)
+        # A sequence never outgrows the whole cache, so one that runs alone always fits.
+        max_total = min(self.max_model_len, self.blocks.num_blocks * self.blocks.block_size)
+        seq = Sequence(request_id, prompt, params, generator=generator, stop_token_ids=stop_ids,
+                       max_total_tokens=max_total)
+        self._seqs[request_id] = seq
+        self.batcher.add(seq)
+
+    def _validate_prompt(self, prompt: list[int]) -> None:
+        if not prompt:
+            raise ValueError("prompt is empty: at least one token is needed")
+        if len(prompt) > self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens but the model's context is "
+                f"{self.max_model_len} tokens (max_position_embeddings)"
+            )
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        capacity = self.blocks.num_blocks * self.blocks.block_size
+        if self.blocks.blocks_needed(len(prompt) + 1) > self.blocks.num_blocks:
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens but the KV cache holds only {capacity} tokens"
+            )
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; its final output comes from the next step."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.batcher.remove(seq)
+        seq.finish(FinishReason.ABORT)
+        self._aborted.append(seq.to_output(()))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs) or bool(self._aborted)
+
+    # -- one iteration --------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; one output per request that got a token, finished or aborted."""
+        outputs, self._aborted = self._aborted, []
+        plan = self.batcher.schedule()
+        if plan.empty:
+            if self.batcher.waiting and not self.batcher.running:
+                head = self.batcher.waiting[0]
+                raise RuntimeError(f"{head.request_id} cannot be scheduled on an idle engine")
+            return outputs
+        logits, sampling = self.runner.execute(plan)
+        for sched in plan.decodes + plan.prefills:
+            sched.seq.num_computed += sched.num_new_tokens
+        tokens = sample(logits, sampling) if sampling else []
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        for seq, token in zip(sampling, tokens, strict=True):
+            seq.tokens.append(token)
+            reason = check_stop(seq, token, decode)
+            if reason is not None:
+                seq.finish(reason)
+                self.batcher.remove(seq)
+                del self._seqs[seq.request_id]
+            outputs.append(seq.to_output((token,)))
+        return outputs
+
+    def generate(self, prompts: Seq[Seq[int] | str],
+                 params: SamplingParams | Seq[SamplingParams]) -> list[RequestOutput]:
+        """Run ``prompts`` (token ids, or text with a tokenizer) to completion, in order."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                if isinstance(prompt, str):
+                    if self.tokenizer is None:
+                        raise ValueError("text prompts need a tokenizer; pass token ids")
+                    prompt = self.tokenizer.encode(prompt)
+                request_id = f"generate-{next(self._ids)}"
+                self.add_request(request_id, prompt, p)
+                ids.append(request_id)
+        except ValueError:
+            for request_id in ids:  # all or nothing: no half-submitted batch left queued
+                self.abort_request(request_id)
+            self._aborted.clear()
+            raise
+        final: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished and out.request_id in wanted:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.blocks.num_free_blocks
