@@ -1,0 +1,64 @@
+"""PoolState (Eq. 2 commit) and topology-aware extend."""
+
+from __future__ import annotations
+
+import pytest
+
+from tetris.plan import Chunk, PlanError, PrefillPlan
+from tetris.scheduler.extend import GroupBuilder
+from tetris.scheduler.pool import PoolError, PoolState
+
+
+def test_commit_holds_each_chunk_group_until_its_end():
+    pool = PoolState.uniform(4, 2, [0.0, 5.0, 0.0, 0.0])
+    plan = PrefillPlan("r", 100, (Chunk(0, 40, (0,), 0.0, 1.0), Chunk(40, 100, (0, 2, 3), 1.0, 3.0)))
+    before = pool.copy()
+    pool.commit(plan)
+    assert pool.queue_times == [3.0, 5.0, 3.0, 3.0]
+    assert before.queue_times == [0.0, 5.0, 0.0, 0.0]  # copy is independent
+    with pytest.raises(PlanError):
+        pool.commit(PrefillPlan("bad", 10, (Chunk(0, 10, (7,), 0.0, 1.0),)))
+
+
+def test_pool_validation():
+    with pytest.raises(PoolError):
+        PoolState.uniform(6, 4)
+    with pytest.raises(PoolError):
+        PoolState([0.0, 1.0], [0])
+    assert PoolState.uniform(16, 8).node_size == 8
+
+
+def _builder(queues, node_size):
+    return GroupBuilder(queues, [i // node_size for i in range(len(queues))])
+
+
+def test_one_node_rule_takes_node_with_smallest_sth_queue():
+    # node 0: queues 0,0,9,9   node 1: 1,1,1,1
+    b = _builder([0, 0, 9, 9, 1, 1, 1, 1], 4)
+    assert b.group((2,)).members == (0, 1)       # 2nd shortest: node0 0 < node1 1
+    assert b.group((4,)).members == (4, 5, 6, 7)  # 4th shortest: node0 9 > node1 1
+    assert b.group((4,)).max_queue == 1
+
+
+def test_growth_keeps_members_first_and_prefers_their_nodes():
+    b = _builder([0, 0, 9, 9, 1, 1, 1, 1], 4)
+    g2 = b.group((2,))
+    g4 = b.group((2, 4))
+    assert g4.members[:2] == g2.members
+    # Rule 2: fill node 0 (the only node G uses) before touching node 1.
+    assert g4.members == (0, 1, 2, 3)
+    assert g4.max_queue == 9
+    g8 = b.group((2, 4, 8))
+    assert g8.members == (0, 1, 2, 3, 4, 5, 6, 7)
+
+
+def test_whole_nodes_then_remainder():
+    # nodes of 2: node0 (5,5) node1 (0,7) node2 (1,1) node3 (0,0)
+    b = _builder([5, 5, 0, 7, 1, 1, 0, 0], 2)
+    g = b.group((4,))
+    assert sorted(g.members) == [4, 5, 6, 7]  # the two nodes with the shortest full-node queue
+    g3 = b.group((3,))
+    # whole node 3 (full queue 0), then one instance: node1's 1st shortest (0) beats node2's (1)
+    assert sorted(g3.members) == [2, 6, 7]
+    with pytest.raises(ValueError):
+        b.group((16,))
