@@ -1,0 +1,313 @@
+"""The receive manager of one decode instance (protocol: ``protocol.py``).
+
+Driven by its owner, never blocking:
+
+    mgr.deliver(msg, now)      # Handshake / Abort from a sender (routed through Ray)
+    events = mgr.poll(now)     # reads backend notifications, places pieces, hands out grants,
+                               # checks timeouts; returns RequestReady / ChunkArrived / ...
+    for env in mgr.drain_outbox(): route env.msg to sender env.dst_id
+
+``on_event`` (optional) is called with each event as well, e.g. to set an asyncio event.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from tetris.kernels.kv_pack import packed_bytes_per_token, positions_to_slots, scatter_kv
+from tetris.transfer.backends.base import TransferAgent
+from tetris.transfer.messages import (Abort, ControlMessage, Envelope, Grant, Handshake, PieceNotice,
+                                      TransferError, decode_notice)
+from tetris.transfer.protocol import (IncomingRequest, IncomingShard, ReceiveBackend, assign_backends,
+                                      shard_positions)
+from tetris.transfer.states import (ChunkArrived, MessageRejected, RequestReady, TransferConfig,
+                                    TransferEvent, TransferFailed, TransferState)
+
+__all__ = ["ReceiveManager", "BlockAllocator", "SimpleBlockAllocator"]
+
+
+class BlockAllocator(Protocol):
+    """The decode instance's KV block pool (its block manager implements this)."""
+
+    def allocate(self, num_blocks: int) -> list[int] | None: ...
+
+    def free(self, blocks: Sequence[int]) -> None: ...
+
+
+class SimpleBlockAllocator:
+    """A free list of block ids, lowest first; enough for tests and single-engine tools."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self._free = list(range(num_blocks))
+        self.num_blocks = num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, num_blocks: int) -> list[int] | None:
+        if num_blocks > len(self._free):
+            return None
+        out, self._free = self._free[:num_blocks], self._free[num_blocks:]
+        return out
+
+    def free(self, blocks: Sequence[int]) -> None:
+        self._free = sorted(set(self._free).union(blocks))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class ReceiveManager:
+    def __init__(self, receiver_id: int, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 allocator: BlockAllocator, agent: TransferAgent, config: TransferConfig,
+                 on_event: Callable[[TransferEvent], None] | None = None) -> None:
+        if not kv_caches:
+            raise ValueError("the receive manager needs the KV cache of at least one layer")
+        k0 = kv_caches[0][0]
+        self.receiver_id = receiver_id
+        self.kv_caches = list(kv_caches)
+        self.num_layers = len(self.kv_caches)
+        self.block_size, self.kv_heads, self.head_dim = k0.shape[1], k0.shape[2], k0.shape[3]
+        self.dtype = k0.dtype
+        self.bytes_per_token = packed_bytes_per_token(self.kv_heads, self.head_dim, self.dtype)
+        self.allocator = allocator
+        self.agent = agent
+        self.config = config
+        self.on_event = on_event
+        self.backends = []
+        for i in range(config.num_backends):
+            buf = torch.zeros(config.backend_buffer_bytes, dtype=torch.uint8, device=k0.device)
+            self.backends.append(ReceiveBackend(i, buf, agent.register(buf)))
+        self.requests: dict[str, IncomingRequest] = {}
+        self._closed: dict[str, str] = {}      # finished request id -> "done" / failure reason
+        self._sender_agents: dict[int, str] = {}
+        self._seq = itertools.count()
+        self._outbox: list[Envelope] = []
+        self._events: list[TransferEvent] = []
+
+    # ---- owner API -------------------------------------------------------------------------
+    def reserve(self, request_id: str, prompt_tokens: int, now: float) -> bool:
+        """Allocate the request's blocks ahead of its first handshake (e.g. by the router)."""
+        return self._get_or_create(request_id, prompt_tokens, now) is not None
+
+    def deliver(self, msg: ControlMessage, now: float) -> None:
+        if isinstance(msg, Handshake):
+            self._on_handshake(msg, now)
+        elif isinstance(msg, Abort):
+            req = self.requests.get(msg.request_id)
+            if req is not None:
+                self._fail(req, f"aborted by {msg.origin} {msg.origin_id}: {msg.reason}", now, notify=msg.origin_id)
+        else:
+            raise TypeError(f"a receive manager does not take {type(msg).__name__}")
+
+    def abort(self, request_id: str, reason: str, now: float) -> None:
+        """Cancel a request (client gone, decode instance draining): frees blocks and backends."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            self._fail(req, reason, now)
+
+    def peer_lost(self, sender_id: int, now: float) -> None:
+        """A prefill instance died: every request still waiting on one of its shards fails."""
+        for req in sorted(self.requests.values(), key=lambda r: r.request_id):
+            if any(s.key[0] == sender_id and not s.done for s in req.shards.values()):
+                self._fail(req, f"prefill instance {sender_id} lost", now, notify=sender_id)
+
+    def poll(self, now: float) -> list[TransferEvent]:
+        for peer, raw in self.agent.notifications():
+            self._on_notice(peer, raw, now)
+        served = {b.holder for b in self.backends} | {b.credit[0] for b in self.backends if b.credit}
+        for req in sorted(self.requests.values(), key=lambda r: r.request_id):
+            if req.first_seq is None or req.request_id not in served:
+                # reserved before its prefill started, or queued for a backend: waiting in
+                # line is not a stall (the owner aborts cancelled requests)
+                req.last_progress = now
+            elif now - req.last_progress > self.config.timeout_s:
+                self._fail(req, f"timed out after {self.config.timeout_s:g}s without progress", now)
+        for backend, req, shard in assign_backends(self.backends, self.requests, self.config, now):
+            backend.credit = (req.request_id, shard.key)
+            backend.last_served = shard.key
+            req.state = TransferState.TRANSFERRING
+            self._send(shard.key[0], Grant(request_id=req.request_id, sender_id=shard.key[0],
+                                           chunk_index=shard.key[1], backend_id=backend.backend_id,
+                                           region=backend.region,
+                                           max_piece_bytes=self.config.backend_buffer_bytes))
+        events, self._events = self._events, []
+        return events
+
+    def drain_outbox(self) -> list[Envelope]:
+        out, self._outbox = self._outbox, []
+        return out
+
+    def state(self, request_id: str) -> TransferState | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            return req.state
+        closed = self._closed.get(request_id)
+        if closed is None:
+            return None
+        return TransferState.DONE if closed == "done" else TransferState.FAILED
+
+    def close(self) -> None:
+        for b in self.backends:
+            self.agent.deregister(b.buffer)
+
+    # ---- handshake -------------------------------------------------------------------------
+    def _get_or_create(self, request_id: str, prompt_tokens: int, now: float) -> IncomingRequest | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            return req if req.prompt_tokens == prompt_tokens else None
+        blocks = self.allocator.allocate(math.ceil(prompt_tokens / self.block_size))
+        if blocks is None:
+            return None
+        req = IncomingRequest(request_id, prompt_tokens, self.num_layers, blocks, self.block_size, now)
+        self.requests[request_id] = req
+        return req
+
+    def _check_handshake(self, hs: Handshake) -> str | None:
+        if hs.receiver_id != self.receiver_id:
+            return f"handshake for decode instance {hs.receiver_id} reached {self.receiver_id}"
+        want = (self.num_layers, self.kv_heads, self.head_dim, _dtype_name(self.dtype))
+        got = (hs.num_layers, hs.kv_heads, hs.head_dim, hs.dtype)
+        if got != want:
+            return f"KV shape (layers, kv_heads, head_dim, dtype) {got} differs from this cache's {want}"
+        if hs.request_id in self._closed:
+            return f"request already {self._closed[hs.request_id]}"
+        if hs.prompt_tokens <= 0:
+            return "prompt_tokens must be positive"
+        return None
+
+    def _on_handshake(self, hs: Handshake, now: float) -> None:
+        reason = self._check_handshake(hs)
+        positions = None
+        if reason is None:
+            try:
+                positions = shard_positions(hs)
+            except ValueError as exc:
+                reason = str(exc)
+        req = None
+        if reason is None:
+            req = self._get_or_create(hs.request_id, hs.prompt_tokens, now)
+            if req is None:
+                reason = "no KV blocks free, or prompt length differs from the reservation"
+        if reason is None and ((hs.sender_id, hs.chunk_index) in req.shards or req.claimed[positions].any()):
+            reason = "duplicate shard: its positions were already claimed by another handshake"
+        if reason is not None:
+            self._reject(hs.request_id, hs.sender_id, hs.chunk_index, reason)
+            return
+        shard = IncomingShard(hs, positions, next(self._seq))
+        req.shards[shard.key] = shard
+        req.claimed[positions] = True
+        req.chunks.setdefault(hs.chunk_index, (hs.chunk_start, hs.chunk_end))
+        if req.first_seq is None:
+            req.first_seq = shard.seq
+            req.state = TransferState.WAITING
+        req.last_progress = now
+        self._sender_agents[hs.sender_id] = hs.agent
+
+    # ---- pieces ----------------------------------------------------------------------------
+    def _check_piece(self, peer: str, n: PieceNotice) -> tuple[str | None, IncomingShard | None]:
+        if not 0 <= n.backend_id < len(self.backends):
+            return f"no receive backend {n.backend_id}", None
+        req = self.requests.get(n.request_id)
+        if req is None:
+            return "unknown request", None
+        shard = req.shards.get((n.sender_id, n.chunk_index))
+        if shard is None:
+            return f"no handshake for chunk {n.chunk_index} from sender {n.sender_id}", None
+        if self._sender_agents.get(n.sender_id) != peer:
+            return f"piece from agent {peer!r}, sender {n.sender_id} handshook as another agent", None
+        if self.backends[n.backend_id].credit != (n.request_id, shard.key):
+            return f"backend {n.backend_id} was not granted to this shard", None
+        if n.dtype != _dtype_name(self.dtype):
+            return f"dtype {n.dtype} differs from the cache's {_dtype_name(self.dtype)}", shard
+        if not (0 <= n.layer < self.num_layers and n.num_tokens > 0 and n.token_offset >= 0
+                and n.token_offset + n.num_tokens <= shard.positions.size):
+            return f"layer {n.layer} tokens [{n.token_offset}, +{n.num_tokens}) outside the shard", shard
+        if n.nbytes != n.num_tokens * self.bytes_per_token or n.nbytes > self.config.backend_buffer_bytes:
+            return f"{n.nbytes} bytes for {n.num_tokens} tokens (want {n.num_tokens * self.bytes_per_token})", shard
+        if shard.received[n.layer, n.token_offset:n.token_offset + n.num_tokens].any():
+            return f"duplicate piece: layer {n.layer} tokens from {n.token_offset} already arrived", shard
+        return None, shard
+
+    def _on_notice(self, peer: str, raw: bytes, now: float) -> None:
+        try:
+            n = decode_notice(raw)
+        except ValueError as exc:
+            self._emit(MessageRejected(request_id="", sender_id=-1, reason=f"malformed notice: {exc}"))
+            return
+        backend = self.backends[n.backend_id] if 0 <= n.backend_id < len(self.backends) else None
+        if backend is not None and backend.fenced_until is not None and backend.credit is None:
+            backend.fenced_until = None   # the straggler of an aborted request has landed
+        reason, shard = self._check_piece(peer, n)
+        if reason is not None:
+            if shard is not None:
+                backend.credit = None     # the credit was spent on a bad piece; grant again
+            self._reject(n.request_id, n.sender_id, n.chunk_index, reason)
+            return
+        req = self.requests[n.request_id]
+        self._place(req, shard, n, backend)
+        backend.credit = None
+        req.last_progress = now
+        self._check_complete(req, shard, n.layer)
+
+    def _place(self, req: IncomingRequest, shard: IncomingShard, n: PieceNotice, backend: ReceiveBackend) -> None:
+        # staging bytes -> [num_tokens, 2, Hkv, D] -> paged cache slots of their absolute positions
+        packed = backend.buffer[:n.nbytes].view(self.dtype).view(n.num_tokens, 2, self.kv_heads, self.head_dim)
+        positions = shard.positions_t[n.token_offset:n.token_offset + n.num_tokens]
+        slots = positions_to_slots(req.block_table, positions, self.block_size)
+        k_cache, v_cache = self.kv_caches[n.layer]
+        scatter_kv(k_cache, v_cache, slots, packed)
+        shard.received[n.layer, n.token_offset:n.token_offset + n.num_tokens] = True
+        req.coverage[n.layer, shard.positions[n.token_offset:n.token_offset + n.num_tokens]] = True
+
+    def _check_complete(self, req: IncomingRequest, shard: IncomingShard, layer: int) -> None:
+        chunk = shard.key[1]
+        start, end = req.chunks[chunk]
+        if chunk not in req.chunks_done and req.coverage[:, start:end].all():
+            req.chunks_done.append(chunk)
+            self._emit(ChunkArrived(request_id=req.request_id, chunk_index=chunk))
+        if req.complete:
+            req.state = TransferState.DONE
+            del self.requests[req.request_id]
+            self._closed[req.request_id] = "done"
+            self._emit(RequestReady(request_id=req.request_id, prompt_tokens=req.prompt_tokens,
+                                    block_table=list(req.blocks)))
+
+    # ---- failure ---------------------------------------------------------------------------
+    def _fail(self, req: IncomingRequest, reason: str, now: float, notify: int | None = None) -> None:
+        req.state = TransferState.FAILED
+        for b in self.backends:
+            if b.credit is not None and b.credit[0] == req.request_id:
+                # a piece may still be on the wire into this buffer: keep it out of use a while
+                b.credit = None
+                b.fenced_until = now + self.config.abort_grace_s
+            if b.holder == req.request_id:
+                b.free()
+        self.allocator.free(req.blocks)
+        del self.requests[req.request_id]
+        self._closed[req.request_id] = reason
+        for sender in sorted({k[0] for k in req.shards}):
+            if sender != notify:
+                self._send(sender, Abort(request_id=req.request_id, reason=reason, origin="receiver",
+                                         origin_id=self.receiver_id))
+        self._emit(TransferFailed(request_id=req.request_id, reason=reason))
+
+    def _reject(self, request_id: str, sender_id: int, chunk_index: int, reason: str) -> None:
+        self._send(sender_id, TransferError(request_id=request_id, sender_id=sender_id,
+                                            chunk_index=chunk_index, reason=reason))
+        self._emit(MessageRejected(request_id=request_id, sender_id=sender_id, reason=reason))
+
+    def _send(self, sender_id: int, msg: ControlMessage) -> None:
+        self._outbox.append(Envelope(dst_role="sender", dst_id=sender_id, msg=msg))
+
+    def _emit(self, event: TransferEvent) -> None:
+        self._events.append(event)
+        if self.on_event is not None:
+            self.on_event(event)

@@ -1,0 +1,256 @@
+"""The send manager of one prefill instance (protocol: ``protocol.py``).
+
+Driven by its owner (the prefill worker actor), never blocking:
+
+    mgr.add_shard(...)                       # step 1: at chunk dispatch, before compute
+    mgr.layer_ready(rid, chunk, layer, kv)   # step 4: as each layer's KV is computed
+    mgr.deliver(msg, now)                    # Grant / Abort / TransferError from the receiver
+    events = mgr.poll(now)                   # posts and checks writes, timeouts
+    for env in mgr.drain_outbox(): route env.msg to receiver env.dst_id
+
+One write is on the link at a time; the link (``traffic.LinkScheduler``) is shared with the
+owner's activation sends (``submit_activation``), which go first at every piece boundary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from tetris.kernels.kv_pack import packed_bytes_per_token
+from tetris.transfer.backends.base import TransferAgent
+from tetris.transfer.messages import (Abort, ControlMessage, Envelope, Grant, Handshake, PieceNotice, TokenRange,
+                                      TransferError, encode_notice)
+from tetris.transfer.states import (ActivationGo, ShardSent, TransferConfig, TransferEvent, TransferFailed,
+                                    TransferState)
+from tetris.transfer.traffic import LinkChunk, LinkScheduler, TrafficClass
+
+__all__ = ["SendManager"]
+
+
+class _OutgoingShard:
+    def __init__(self, handshake: Handshake, num_tokens: int, now: float) -> None:
+        self.handshake = handshake
+        self.num_tokens = num_tokens
+        self.layers: dict[int, torch.Tensor] = {}   # layer -> [num_tokens, 2, Hkv, D]
+        self.grant: Grant | None = None
+        self.layer = 0           # cursor: next piece starts at (layer, offset)
+        self.offset = 0
+        self.queued = False      # its next piece waits on the link
+        self.state = TransferState.BOOTSTRAPPING
+        self.last_progress = now
+
+    @property
+    def tag(self) -> str:
+        return f"{self.handshake.request_id}/{self.handshake.chunk_index}"
+
+
+class SendManager:
+    def __init__(self, sender_id: int, agent: TransferAgent, config: TransferConfig,
+                 device: str | torch.device = "cpu") -> None:
+        self.sender_id = sender_id
+        self.agent = agent
+        self.config = config
+        self.link = LinkScheduler(min(config.bulk_chunk_bytes, config.send_buffer_bytes))
+        self._staging = torch.zeros(config.send_buffer_bytes, dtype=torch.uint8, device=device)
+        agent.register(self._staging)
+        self.shards: dict[tuple[str, int], _OutgoingShard] = {}
+        self._in_flight: tuple[LinkChunk, _OutgoingShard, PieceNotice, object] | None = None
+        self._outbox: list[Envelope] = []
+        self._events: list[TransferEvent] = []
+
+    # ---- owner API -------------------------------------------------------------------------
+    def add_shard(self, *, request_id: str, chunk_index: int, receiver_id: int, prompt_tokens: int,
+                  chunk: tuple[int, int], ranges: Sequence[tuple[int, int]], num_layers: int,
+                  kv_heads: int, head_dim: int, dtype: torch.dtype, now: float) -> None:
+        """This instance computes ``ranges`` (absolute positions) of the chunk; handshake now."""
+        key = (request_id, chunk_index)
+        if key in self.shards:
+            raise ValueError(f"shard {key} was already added")
+        token_ranges = tuple(TokenRange(int(a), int(b)) for a, b in ranges)
+        hs = Handshake(request_id=request_id, sender_id=self.sender_id, receiver_id=receiver_id,
+                       chunk_index=chunk_index, chunk_start=int(chunk[0]), chunk_end=int(chunk[1]),
+                       prompt_tokens=prompt_tokens, ranges=token_ranges, num_layers=num_layers,
+                       kv_heads=kv_heads, head_dim=head_dim, dtype=str(dtype).removeprefix("torch."),
+                       agent=self.agent.name)
+        n = sum(r.end - r.start for r in token_ranges)
+        if n <= 0:
+            raise ValueError(f"shard {key} has no tokens")
+        self.shards[key] = _OutgoingShard(hs, n, now)
+        self._send(receiver_id, hs)
+
+    def layer_ready(self, request_id: str, chunk_index: int, layer: int, kv: torch.Tensor) -> None:
+        """Layer ``layer``'s KV of the shard, ``[n, 2, Hkv, D]`` in the order of its ranges.
+
+        The tensor is read until the layer is sent; do not write to it afterwards.
+        """
+        shard = self.shards.get((request_id, chunk_index))
+        if shard is None:
+            raise KeyError(f"no shard {(request_id, chunk_index)} on sender {self.sender_id}")
+        hs = shard.handshake
+        want = (shard.num_tokens, 2, hs.kv_heads, hs.head_dim)
+        if tuple(kv.shape) != want or str(kv.dtype).removeprefix("torch.") != hs.dtype:
+            raise ValueError(f"layer KV must be {want} {hs.dtype}, got {tuple(kv.shape)} {kv.dtype}")
+        if not 0 <= layer < hs.num_layers or layer in shard.layers:
+            raise ValueError(f"layer {layer} is out of range or was already given")
+        shard.layers[layer] = kv.contiguous()
+
+    def deliver(self, msg: ControlMessage, now: float) -> None:
+        if isinstance(msg, Grant):
+            shard = self.shards.get((msg.request_id, msg.chunk_index))
+            if shard is None or shard.state.finished or msg.sender_id != self.sender_id:
+                return   # a grant for a shard this side already dropped: the receiver times it out
+            shard.grant = msg
+            shard.state = TransferState.WAITING
+            shard.last_progress = now
+        elif isinstance(msg, (Abort, TransferError)):
+            reason = msg.reason if isinstance(msg, Abort) else f"rejected by receiver: {msg.reason}"
+            chunk = None if isinstance(msg, Abort) else msg.chunk_index
+            for key in sorted(k for k in self.shards if k[0] == msg.request_id and chunk in (None, k[1])):
+                self._fail(self.shards[key], reason, tell_receiver=False)
+        else:
+            raise TypeError(f"a send manager does not take {type(msg).__name__}")
+
+    def abort(self, request_id: str, reason: str) -> None:
+        """Cancel every shard of a request here and tell the receiver."""
+        for key in sorted(k for k in self.shards if k[0] == request_id):
+            self._fail(self.shards[key], reason, tell_receiver=True)
+
+    def peer_lost(self, receiver_id: int) -> None:
+        for key in sorted(self.shards):
+            if self.shards[key].handshake.receiver_id == receiver_id:
+                self._fail(self.shards[key], f"decode instance {receiver_id} lost", tell_receiver=False)
+
+    def submit_activation(self, tag: str, nbytes: int) -> None:
+        """Queue an activation send on this link; ``poll`` returns ``ActivationGo(tag)``."""
+        self.link.submit(tag, nbytes, TrafficClass.ACTIVATION)
+
+    def finish_activation(self, tag: str) -> None:
+        chunk = self.link.in_flight
+        if chunk is None or chunk.tag != tag or chunk.traffic_class != TrafficClass.ACTIVATION:
+            raise ValueError(f"activation {tag!r} is not on the link")
+        self.link.finish(chunk)
+
+    def poll(self, now: float) -> list[TransferEvent]:
+        self._check_in_flight(now)
+        for key in sorted(self.shards):
+            shard = self.shards[key]
+            # Only a write on the wire can stall here: waiting for a grant is the receiver's
+            # queue (it times out stalled requests and sends Abort), waiting for a layer is compute.
+            if shard.state == TransferState.TRANSFERRING and now - shard.last_progress > self.config.timeout_s:
+                self._fail(shard, f"timed out after {self.config.timeout_s:g}s without progress", tell_receiver=True)
+        self._queue_ready_pieces()
+        self._start_next(now)
+        events, self._events = self._events, []
+        return events
+
+    def drain_outbox(self) -> list[Envelope]:
+        out, self._outbox = self._outbox, []
+        return out
+
+    def state(self, request_id: str, chunk_index: int) -> TransferState | None:
+        shard = self.shards.get((request_id, chunk_index))
+        return None if shard is None else shard.state
+
+    def forget(self, request_id: str) -> None:
+        """Drop finished shards of a request (the owner calls this once it has read the events)."""
+        for key in sorted(k for k in self.shards if k[0] == request_id):
+            if self.shards[key].state.finished:
+                del self.shards[key]
+
+    def close(self) -> None:
+        self.agent.deregister(self._staging)
+
+    # ---- pieces ----------------------------------------------------------------------------
+    def _piece_tokens(self, shard: _OutgoingShard) -> int:
+        hs = shard.handshake
+        per_token = packed_bytes_per_token(hs.kv_heads, hs.head_dim, shard.layers[shard.layer].dtype)
+        limit = min(shard.grant.max_piece_bytes, self.link.bulk_chunk_bytes)
+        tokens = limit // per_token
+        if tokens == 0:
+            raise ValueError(f"one token ({per_token} B) does not fit a {limit} B piece")
+        return min(tokens, shard.num_tokens - shard.offset)
+
+    def _queue_ready_pieces(self) -> None:
+        for key in sorted(self.shards):
+            shard = self.shards[key]
+            if shard.state.finished or shard.queued or shard.grant is None or shard.layer not in shard.layers:
+                continue
+            per_token = packed_bytes_per_token(shard.handshake.kv_heads, shard.handshake.head_dim,
+                                               shard.layers[shard.layer].dtype)
+            self.link.submit(shard.tag, self._piece_tokens(shard) * per_token, TrafficClass.BULK)
+            shard.queued = True
+
+    def _start_next(self, now: float) -> None:
+        chunk = self.link.next()
+        if chunk is None:
+            return
+        if chunk.traffic_class == TrafficClass.ACTIVATION:
+            self._events.append(ActivationGo(tag=chunk.tag))
+            return
+        shard = next(s for s in self.shards.values() if s.tag == chunk.tag and s.queued)
+        num = self._piece_tokens(shard)
+        src = shard.layers[shard.layer][shard.offset:shard.offset + num].reshape(-1).view(torch.uint8)
+        staging = self._staging[:src.numel()]
+        staging.copy_(src)
+        g = shard.grant
+        notice = PieceNotice(request_id=g.request_id, sender_id=self.sender_id, chunk_index=g.chunk_index,
+                             backend_id=g.backend_id, layer=shard.layer, token_offset=shard.offset,
+                             num_tokens=num, nbytes=src.numel(), dtype=shard.handshake.dtype)
+        try:
+            handle = self.agent.write(staging, g.region, 0, encode_notice(notice))
+        except (RuntimeError, ValueError) as exc:
+            self.link.finish(chunk)
+            self._fail(shard, f"write failed: {exc}", tell_receiver=True)
+            return
+        shard.grant = None
+        shard.state = TransferState.TRANSFERRING
+        shard.last_progress = now
+        self._in_flight = (chunk, shard, notice, handle)
+
+    def _check_in_flight(self, now: float) -> None:
+        if self._in_flight is None:
+            return
+        chunk, shard, notice, handle = self._in_flight
+        status = self.agent.status(handle)
+        if status == "proc":
+            return
+        self.agent.release(handle)
+        self._in_flight = None
+        self.link.finish(chunk)
+        shard.queued = False
+        if status == "err":
+            self._fail(shard, "the backend reported a failed write", tell_receiver=True)
+            return
+        if shard.state.finished:
+            return   # aborted while the piece was on the wire
+        shard.last_progress = now
+        shard.offset += notice.num_tokens
+        if shard.offset == shard.num_tokens:
+            del shard.layers[shard.layer]   # sent: the caller's tensor is no longer needed
+            shard.layer, shard.offset = shard.layer + 1, 0
+        if shard.layer == shard.handshake.num_layers:
+            shard.state = TransferState.DONE
+            self._events.append(ShardSent(request_id=notice.request_id, chunk_index=notice.chunk_index))
+        else:
+            shard.state = TransferState.WAITING
+
+    def _fail(self, shard: _OutgoingShard, reason: str, *, tell_receiver: bool) -> None:
+        if shard.state.finished:
+            return
+        shard.state = TransferState.FAILED
+        shard.layers.clear()
+        shard.grant = None
+        if shard.queued and (self._in_flight is None or self._in_flight[1] is not shard):
+            self.link.cancel(shard.tag)
+            shard.queued = False
+        hs = shard.handshake
+        if tell_receiver:
+            self._send(hs.receiver_id, Abort(request_id=hs.request_id, reason=reason, origin="sender",
+                                             origin_id=self.sender_id))
+        self._events.append(TransferFailed(request_id=hs.request_id, reason=reason, chunk_index=hs.chunk_index))
+
+    def _send(self, receiver_id: int, msg: ControlMessage) -> None:
+        self._outbox.append(Envelope(dst_role="receiver", dst_id=receiver_id, msg=msg))

@@ -1,0 +1,116 @@
+"""Transfer states, the events ``poll()`` returns, and the transfer config.
+
+Events stay inside a process (the manager's owner reads them); wire messages live in
+``messages.py``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal
+
+import msgspec
+
+__all__ = [
+    "TransferState",
+    "TransferConfig",
+    "RequestReady",
+    "ChunkArrived",
+    "ShardSent",
+    "TransferFailed",
+    "MessageRejected",
+    "ActivationGo",
+    "TransferEvent",
+]
+
+
+class TransferState(enum.Enum):
+    BOOTSTRAPPING = "bootstrapping"   # sender: handshake out, no grant yet; receiver: reserved, no handshake
+    WAITING = "waiting"               # waiting for a backend, a credit, or a layer to be computed
+    TRANSFERRING = "transferring"     # a piece is on the wire / pieces are arriving
+    DONE = "done"
+    FAILED = "failed"
+
+    @property
+    def finished(self) -> bool:
+        return self in (TransferState.DONE, TransferState.FAILED)
+
+
+class TransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Sizes and limits of KV streaming.
+
+    ``num_backends`` receive backends (staging buffers of ``backend_buffer_bytes``) per decode
+    instance; with at least ``pool_size`` of them every prefill instance gets its own
+    (SPEC 7 step 3, first case), else requests are served in first-handshake order.
+    ``policy = "per_chunk_fcfs"`` is the naive baseline that can starve (tests and ablations).
+    """
+
+    num_backends: int = 4
+    pool_size: int = 4
+    backend_buffer_bytes: int = 4 << 20
+    send_buffer_bytes: int = 4 << 20
+    bulk_chunk_bytes: int = 1 << 20
+    timeout_s: float = 30.0
+    abort_grace_s: float = 1.0
+    policy: Literal["handshake_order", "per_chunk_fcfs"] = "handshake_order"
+
+    def __post_init__(self) -> None:
+        for key in ("num_backends", "pool_size", "backend_buffer_bytes", "send_buffer_bytes",
+                    "bulk_chunk_bytes"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"transfer.{key} must be positive, got {getattr(self, key)}")
+        if self.timeout_s <= 0 or self.abort_grace_s < 0:
+            raise ValueError("transfer.timeout_s must be positive and abort_grace_s non-negative")
+
+    @property
+    def dedicated_backends(self) -> bool:
+        """Enough backends for one per prefill instance: no ordering needed."""
+        return self.num_backends >= self.pool_size
+
+
+class RequestReady(msgspec.Struct, frozen=True, tag=True):
+    """Receiver: all layers of positions ``[0, prompt_tokens)`` have arrived; the blocks now
+    belong to the owner (the decode engine), which adds the request at its next iteration."""
+
+    request_id: str
+    prompt_tokens: int
+    block_table: list[int]
+
+
+class ChunkArrived(msgspec.Struct, frozen=True, tag=True):
+    """Receiver: every layer of every position of the chunk has arrived."""
+
+    request_id: str
+    chunk_index: int
+
+
+class ShardSent(msgspec.Struct, frozen=True, tag=True):
+    """Sender: every layer of this shard was written and acknowledged by the backend."""
+
+    request_id: str
+    chunk_index: int
+
+
+class TransferFailed(msgspec.Struct, frozen=True, tag=True):
+    """Either side: the request (receiver) or shard (sender) failed; all its resources are free."""
+
+    request_id: str
+    reason: str
+    chunk_index: int | None = None
+
+
+class MessageRejected(msgspec.Struct, frozen=True, tag=True):
+    """Receiver: a handshake or piece was refused; nothing was written to the KV cache."""
+
+    request_id: str
+    sender_id: int
+    reason: str
+
+
+class ActivationGo(msgspec.Struct, frozen=True, tag=True):
+    """Sender: the link is yours for activation ``tag``; call ``finish_activation`` after."""
+
+    tag: str
+
+
+TransferEvent = RequestReady | ChunkArrived | ShardSent | TransferFailed | MessageRejected | ActivationGo
