@@ -28,6 +28,7 @@ __all__ = ["ClusterSpec", "CLUSTERS", "cluster_by_name", "Simulation"]
 
 GB = 1e9
 NIC_BYTES_PER_S = 200e9 / 8          # one 200 Gb/s InfiniBand NIC per GPU (paper §7.1)
+GPUS_PER_NODE = 8
 GPU_MEMORY = 80 * GB                  # A100-SXM4-80GB
 MEMORY_UTILISATION = 0.9              # share of GPU memory for weights + KV (vLLM's default)
 
@@ -173,6 +174,11 @@ class Simulation:
         if end is not None:
             self.events.push(end, EventKind.DECODE_STEP, inst.index)
 
+    def _on_decode_step(self, now: float, d: int) -> None:
+        inst = self.decoders[d]
+        inst.finish_step(now)
+        self._start_step(now, inst)
+
     def _refresh_router(self, inst: DecodeInstanceSim) -> None:
         waiting = sum(r.kv_tokens for r in inst.waiting)
         self.router.update(inst.index, inst.free_tokens - waiting, inst.batch_size + len(inst.waiting))
@@ -189,9 +195,7 @@ class Simulation:
             elif kind is EventKind.KV_READY:
                 self._on_kv_ready(now, *payload)
             elif kind is EventKind.DECODE_STEP:
-                inst = self.decoders[payload]
-                inst.finish_step(now)
-                self._start_step(now, inst)
+                self._on_decode_step(now, payload)
         return self._result(time.perf_counter() - t_wall)
 
     def _tbt(self) -> tuple[LatencySummary | None, float | None, float]:

@@ -1,7 +1,7 @@
 """The event queue of the discrete-event simulator.
 
 Events are ordered by ``(time, kind, sequence)``: at equal times, completions are handled before
-new arrivals (so a plan made at time ``t`` sees every instance that became free at ``t``), and
+new arrivals (so a decision made at time ``t`` sees every slot freed at ``t``), and
 the insertion sequence breaks the remaining ties, which makes a run a pure function of its inputs.
 """
 
@@ -17,11 +17,9 @@ __all__ = ["EventKind", "EventQueue"]
 class EventKind(IntEnum):
     """Kinds in the order they are handled at equal times."""
 
-    CHUNK_END = 0       # a prefill chunk finished on its group
-    KV_READY = 1        # the last byte of a request's KV reached its decode instance
-    DECODE_STEP = 2     # a decode instance finished one iteration of its batch
-    RATE_UPDATE = 3     # the rate monitor's periodic θ update
-    ARRIVAL = 4         # a request arrives and is planned
+    KV_READY = 0        # the last byte of a request's KV reached its decode instance
+    DECODE_STEP = 1     # a decode instance finished one iteration of its batch (frees KV)
+    ARRIVAL = 2         # a request arrives and is planned (θ updates ride on arrivals)
 
 
 class EventQueue:

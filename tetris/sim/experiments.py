@@ -1,0 +1,183 @@
+"""Experiments: a single run, a rate sweep and a capacity search (paper §7.2).
+
+Capacity (our exact definition, docs/simulation.md): for a (model, workload) the light-load
+latencies ``ℓ50``/``ℓ99`` are the P50/P99, over the workload's requests, of each request's
+TTFT on an idle pool (``min_s T_s(0, L)`` over the SP candidates; policy-independent). A policy
+sustains rate ``r`` when, over ``requests`` Poisson arrivals per seed and the given seeds
+pooled, TTFT P50 <= 25·ℓ50 and TTFT P99 <= 25·ℓ99. Its capacity is the highest such rate,
+found by bisection to ``tol`` req/s (the same requests at every rate: only time is scaled).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import msgspec
+import numpy as np
+
+from tetris.scheduler.latency import PrefillLatencyModel, load_profile
+from tetris.scheduler.policies import make_policy
+from tetris.scheduler.pool import PoolState
+from tetris.sim.cluster import ClusterSpec, Simulation, cluster_by_name
+from tetris.sim.metrics import SimResult
+from tetris.sim.workload import (SimRequest, WORKLOADS, load_trace, poisson_workload,
+                                 scale_to_rate)
+
+__all__ = ["RunSpec", "make_requests", "run_one", "sweep", "light_load", "capacity",
+           "Capacity", "SLO_FACTOR", "rate_table_path", "BASELINES"]
+
+SLO_FACTOR = 25.0
+BASELINES = ("fixed-sp-8", "fixed-sp-16", "loongserve-disagg", "loongserve")
+RATES_DIR = Path(__file__).resolve().parents[2] / "configs" / "rates"
+
+
+class RunSpec(msgspec.Struct, frozen=True):
+    """One simulated run. ``improvement_rate = None`` means online θ from ``rate_table``."""
+
+    model: str = "8b"
+    workload: str = "short"            # short | medium | long | path to a CSV/JSONL trace
+    policy: str = "tetris"
+    rate: float = 2.0
+    requests: int = 1000
+    seed: int = 0
+    improvement_rate: float | None = None
+    rate_table: str | None = None      # default: configs/rates/a100-llama3-<model>-<workload>.toml
+    decode: bool = True
+    record: bool = False
+    min_chunk_tokens: int = 256
+    rate_window_s: float = 60.0
+    rate_update_interval_s: float = 30.0
+
+
+def rate_table_path(model: str, workload: str) -> Path:
+    return RATES_DIR / f"a100-llama3-{model}-{Path(workload).stem}.toml"
+
+
+def make_requests(workload: str, rate: float, n: int, seed: int) -> list[SimRequest]:
+    """Poisson arrivals over a named distribution, or the first ``n`` rows of a trace at ``rate``."""
+    if workload in WORKLOADS:
+        return poisson_workload(WORKLOADS[workload], rate, n, seed)
+    reqs = load_trace(workload)[:n]
+    return scale_to_rate(reqs, rate) if len(reqs) > 1 else reqs
+
+
+def _profile(cluster: ClusterSpec) -> PrefillLatencyModel:
+    return load_profile(cluster.profile)
+
+
+def _online_monitor(spec: RunSpec):
+    from tetris.scheduler.rate import ImprovementRateTable, RateMonitor
+    path = Path(spec.rate_table) if spec.rate_table else rate_table_path(spec.model, spec.workload)
+    if not path.is_file():
+        raise ValueError(f"no improvement-rate table at {path}; run `tetris sim profile-rate "
+                         f"--model {spec.model} --workload {spec.workload}` or pass a fixed θ")
+    table = ImprovementRateTable.load(path)
+    return RateMonitor(spec.rate_window_s, spec.rate_update_interval_s, table)
+
+
+def _decode_side(cluster: ClusterSpec):
+    from tetris.scheduler.decode_latency import DecodeLatencyModel
+    from tetris.scheduler.router import DecodeRouter
+    model = DecodeLatencyModel.for_model(cluster.model)
+    router = DecodeRouter([cluster.kv_capacity_tokens(cluster.decode_tp)] * cluster.decode_instances)
+    return model.step_time, router
+
+
+def run_one(spec: RunSpec, requests: list[SimRequest] | None = None) -> tuple[SimResult, Simulation]:
+    cluster = cluster_by_name(spec.model)
+    if requests is None:
+        requests = make_requests(spec.workload, spec.rate, spec.requests, spec.seed)
+    if spec.policy == "loongserve":
+        from tetris.sim.loongserve import run_loongserve
+        return run_loongserve(spec, cluster, requests)
+    lat = _profile(cluster)
+    theta = spec.improvement_rate
+    monitor = _online_monitor(spec) if spec.policy == "tetris" and theta is None else None
+    policy = make_policy(spec.policy, lat, sp_candidates=cluster.sp_candidates,
+                         min_chunk_tokens=spec.min_chunk_tokens,
+                         improvement_rate=0.3 if theta is None else theta)
+    step, router = _decode_side(cluster) if spec.decode else (None, None)
+    sim = Simulation(requests, cluster=cluster, policy=policy,
+                     pool=PoolState(cluster.prefill_instances * [0.0], cluster.node_of()),
+                     latency=lat, improvement_rate=theta if monitor is None else None,
+                     rate_monitor=monitor, decode_step=step, router=router, record=spec.record,
+                     workload=spec.workload, seed=spec.seed, rate=spec.rate)
+    if monitor is not None:
+        sim.theta = monitor.current
+    return sim.run(), sim
+
+
+def sweep(base: RunSpec, policies: Sequence[str], rates: Sequence[float],
+          seeds: Sequence[int] = (0,), progress=None) -> list[dict]:
+    """TTFT (and TBT) per policy and rate; seeds pooled per point."""
+    rows = []
+    for policy in policies:
+        for rate in rates:
+            rows.append(_pooled(msgspec.structs.replace(base, policy=policy, rate=rate), seeds))
+            if progress is not None:
+                progress.update(1)
+    return rows
+
+
+def _pooled(spec: RunSpec, seeds: Iterable[int]) -> dict:
+    ttfts, results = [], []
+    for seed in seeds:
+        res, _ = run_one(msgspec.structs.replace(spec, seed=seed))
+        ttfts.extend(res.ttft_s)
+        results.append(res)
+    t = np.asarray(ttfts)
+    row = {"policy": spec.policy, "rate": spec.rate, "seeds": len(results),
+           "ttft_p50": float(np.percentile(t, 50)), "ttft_p90": float(np.percentile(t, 90)),
+           "ttft_p99": float(np.percentile(t, 99)), "ttft_mean": float(t.mean()),
+           "throughput_rps": float(np.mean([r.throughput_rps for r in results])),
+           "prefill_utilisation": float(np.mean([r.prefill_utilisation for r in results])),
+           "mean_chunks": float(np.mean([r.mean_chunks for r in results])),
+           "mean_sp": float(np.mean([r.mean_sp for r in results])),
+           "sim_requests_per_s": float(sum(r.requests for r in results)
+                                       / sum(r.sim_wall_s for r in results))}
+    if results[0].tbt is not None:
+        row["tbt_p50"] = float(np.mean([r.tbt.p50 for r in results]))
+        row["tbt_p99"] = float(np.mean([r.tbt.p99 for r in results]))
+    row["_ttfts"] = ttfts
+    return row
+
+
+def light_load(model: str, workload: str, n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """``ℓ50, ℓ99``: percentiles of each request's TTFT alone on an idle pool."""
+    cluster = cluster_by_name(model)
+    lat = _profile(cluster)
+    reqs = make_requests(workload, 1.0, n, seed)
+    sizes = [s for s in cluster.sp_candidates if s <= cluster.prefill_instances]
+    alone = np.array([min(lat.predict(s, 0, r.prompt_tokens) for s in sizes) for r in reqs])
+    return float(np.percentile(alone, 50)), float(np.percentile(alone, 99))
+
+
+class Capacity(msgspec.Struct):
+    policy: str
+    capacity_rps: float
+    light_p50: float
+    light_p99: float
+    probes: list[tuple[float, float, float, bool]]   # (rate, P50, P99, sustained)
+
+
+def capacity(base: RunSpec, seeds: Sequence[int] = (0,), lo: float = 0.25, hi: float = 16.0,
+             tol: float = 0.05, light: tuple[float, float] | None = None) -> Capacity:
+    """Bisection for the highest sustainable rate (module docstring); ``lo`` must be sustainable."""
+    l50, l99 = light or light_load(base.model, base.workload)
+    probes = []
+
+    def ok(rate: float) -> bool:
+        row = _pooled(msgspec.structs.replace(base, rate=rate), seeds)
+        good = row["ttft_p50"] <= SLO_FACTOR * l50 and row["ttft_p99"] <= SLO_FACTOR * l99
+        probes.append((rate, row["ttft_p50"], row["ttft_p99"], good))
+        return good
+
+    if not ok(lo):
+        return Capacity(base.policy, 0.0, l50, l99, probes)
+    while ok(hi):  # grow the bracket until it fails
+        lo, hi = hi, hi * 2
+    while hi - lo > tol:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return Capacity(base.policy, lo, l50, l99, probes)

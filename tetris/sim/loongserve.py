@@ -1,0 +1,154 @@
+"""LoongServe (unified): elastic SP over every GPU of the cluster, decode on reserved instances.
+
+Follows research/loongserve-notes.md §5.1 at the granularity the Tetris paper compares with
+(paper §7.1: TP 1 for 8B, TP 4 for 70B, single-request prefill scheduling). Model:
+
+- All ``total_gpus / tp`` instances form one ESP pool (8B: 32 TP-1 instances on 4 nodes).
+- Prefill: LoongServe's single-request ESP choice (the ``loongserve-disagg`` policy: one chunk,
+  the SP size minimising the request's own TTFT, θ = 0) over the instances *not* reserved for
+  decoding; reserved instances are hidden from the planner (queue time +inf).
+- Decode (scale-down after prefill, §1.3 of the notes): at planning time each request gets a
+  decode home, the reserved instance with the most free KV slots that fits its final KV
+  (prompt + output) and has fewer than 128 requests (the artifact's per-master threshold);
+  if none fits, a member of its own prefill group becomes a new reserved decode instance, so
+  its KV lands there during the ring at no cost (proactive migration). KV going to an existing
+  decode instance outside the prefill group is migrated over the NICs with the layer-wise
+  overlap of ``transfer.py``.
+- A reserved instance decodes its requests with continuous batching at TP ``tp`` (the decode
+  model's TP-1 step time for 8B) and returns to the prefill pool when it has none left.
+
+Simplified away (stated in docs/simulation.md): multi-master decoding and decode scale-up
+(a request's KV fits one instance: 426k tokens per 8B TP-1 instance vs at most 192k here),
+preemption of decoding instances by prefill (Eq. 1/2 of the notes), batched prefill (the
+paper runs LoongServe with single-request scheduling), and the out-of-order dispatch window.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tetris.scheduler.latency import load_profile
+from tetris.scheduler.policies import make_policy
+from tetris.scheduler.pool import PoolState
+from tetris.sim.cluster import GPUS_PER_NODE, NIC_BYTES_PER_S, ClusterSpec, Simulation
+from tetris.sim.decode import DecodeInstanceSim, DecodeRequest
+from tetris.sim.events import EventKind
+from tetris.sim.transfer import KVTransferModel
+from tetris.sim.workload import SimRequest
+
+__all__ = ["LoongServeSimulation", "run_loongserve", "MAX_REQUESTS_PER_MASTER"]
+
+MAX_REQUESTS_PER_MASTER = 128
+
+
+class _NoRouter:
+    """LoongServe places KV itself; the Llumnix router of the disaggregated cluster is unused."""
+
+    def release(self, d: int, kv: int) -> None:
+        pass
+
+    def update(self, d: int, free: int, batch: int) -> None:
+        pass
+
+
+class LoongServeSimulation(Simulation):
+    def __init__(self, requests: list[SimRequest], *, cluster: ClusterSpec, decode_step,
+                 record: bool = False, workload: str = "", seed: int = 0, rate: float = 0.0):
+        tp = cluster.prefill_tp
+        n = cluster.total_gpus // tp
+        node_size = GPUS_PER_NODE // tp
+        lat = load_profile(cluster.profile)
+        policy = make_policy("loongserve-disagg", lat, sp_candidates=cluster.sp_candidates)
+        policy.name = "loongserve"
+        pool = PoolState([0.0] * n, [i // node_size for i in range(n)])
+        super().__init__(requests, cluster=cluster, policy=policy, pool=pool, latency=lat,
+                         decode_step=None, record=record, workload=workload, seed=seed, rate=rate)
+        self.router = _NoRouter()
+        cap = cluster.kv_capacity_tokens(tp)
+        self.decoders = [DecodeInstanceSim(i, tp, cap, MAX_REQUESTS_PER_MASTER, decode_step)
+                         for i in range(n)]
+        self.link_free = [0.0] * n
+        self.transfer = KVTransferModel(cluster.kv_bytes_per_token, cluster.num_layers,
+                                        tp * NIC_BYTES_PER_S, tp * NIC_BYTES_PER_S)
+        self.reserved = [False] * n
+        self.assigned_tokens = [0] * n     # KV of requests placed on an instance, not finished
+        self.assigned_count = [0] * n
+        self.max_reserved = 0
+
+    def _visible_pool(self) -> PoolState:
+        view = self.pool.copy()
+        for i, r in enumerate(self.reserved):
+            if r:
+                view.queue_times[i] = math.inf
+        return view
+
+    def _choose_home(self, kv: int, group: tuple[int, ...]) -> int:
+        fits = [i for i, r in enumerate(self.reserved) if r
+                and self.assigned_tokens[i] + kv <= self.decoders[i].capacity
+                and self.assigned_count[i] < MAX_REQUESTS_PER_MASTER]
+        if fits:  # most free slots; a prefill-group member first (no migration); lowest index
+            return min(fits, key=lambda i: (i not in group, self.assigned_tokens[i], i))
+        home = group[0]
+        self.reserved[home] = True
+        self.max_reserved = max(self.max_reserved, sum(self.reserved))
+        return home
+
+    def _on_arrival(self, now: float, i: int) -> None:
+        r = self.requests[i]
+        view = self._visible_pool()
+        plan = self.policy.plan(r.request_id, r.prompt_tokens, now, view, improvement_rate=0.0)
+        self.pool.commit(plan)
+        end, runs = self.prefill.execute(plan, now)
+        if self.plans is not None:
+            self.plans.append(plan)
+        self.ttft[i], self.prefill_end[i] = end - now, end
+        self.chunks += len(runs)
+        self.sp_tokens += sum(len(c.instances) * c.tokens for c in runs)
+        kv = r.prompt_tokens + r.output_tokens
+        home = self._choose_home(kv, plan.instances)
+        self.assigned_tokens[home] += kv
+        self.assigned_count[home] += 1
+        if home in plan.instances:
+            ready = end                       # proactive scale-down: KV written during the ring
+        else:
+            ready = self.transfer.ready_time(runs, self.link_free[home])
+            self.link_free[home] = ready
+        # Decode may start only when the instance has finished the prefill work it still owes.
+        ready = max(ready, self.prefill.free_at[home])
+        req = DecodeRequest(r.request_id, i, r.prompt_tokens, r.output_tokens, end)
+        req.ready_time = ready
+        self.decode_reqs[i] = req
+        self.events.push(ready, EventKind.KV_READY, (home, req))
+
+    def _start_step(self, now: float, inst: DecodeInstanceSim) -> None:
+        end = inst.start_step(now)
+        if end is not None:
+            self.events.push(end, EventKind.DECODE_STEP, inst.index)
+
+    def _on_kv_ready(self, now: float, d: int, req: DecodeRequest) -> None:
+        super()._on_kv_ready(now, d, req)
+        if req.remaining <= 0:
+            self._finished(now, d, req)
+
+    def _finished(self, now: float, d: int, req: DecodeRequest) -> None:
+        self.assigned_tokens[d] -= req.kv_tokens
+        self.assigned_count[d] -= 1
+        if self.assigned_count[d] == 0:
+            self.reserved[d] = False
+            self.pool.queue_times[d] = max(self.pool.queue_times[d], now)
+            self.prefill.free_at[d] = max(self.prefill.free_at[d], now)
+
+    def _on_decode_step(self, now: float, d: int) -> None:
+        inst = self.decoders[d]
+        for req in inst.finish_step(now):
+            self._finished(now, d, req)
+        self._start_step(now, inst)
+
+
+def run_loongserve(spec, cluster: ClusterSpec, requests: list[SimRequest]):
+    from tetris.scheduler.decode_latency import DecodeLatencyModel
+    step = DecodeLatencyModel.for_model(cluster.model).step_time
+    sim = LoongServeSimulation(requests, cluster=cluster, decode_step=step, record=spec.record,
+                               workload=spec.workload, seed=spec.seed, rate=spec.rate)
+    res = sim.run()
+    return res, sim
