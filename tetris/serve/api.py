@@ -1,0 +1,251 @@
+"""The OpenAI-compatible HTTP API over any ``GenerationBackend``.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with SSE streaming,
+``stream_options.include_usage`` and usage counts), ``GET /v1/models``, ``GET /health``,
+``GET /metrics``. Every refusal is an OpenAI error body with a 4xx status (429/503 with
+``Retry-After`` under overload), and a client that goes away mid-stream aborts its request.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tetris.engine.request import RequestOutput
+from tetris.serve.backend import GenerationBackend, Overloaded
+from tetris.serve.metrics import CONTENT_TYPE, ServingMetrics
+from tetris.serve.protocol import (
+    SSE_DONE,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    ProtocolError,
+    error_body,
+    sse,
+    to_sampling_params,
+)
+
+__all__ = ["create_api"]
+
+
+def _error_response(err: ProtocolError) -> JSONResponse:
+    return JSONResponse(error_body(err), status_code=err.status, headers=err.headers)
+
+
+def _validation_error(exc: RequestValidationError) -> ProtocolError:
+    first = exc.errors()[0] if exc.errors() else {}
+    if first.get("type") == "json_invalid":
+        return ProtocolError(f"malformed JSON body: {first.get('msg', '')}".rstrip(": "))
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    return ProtocolError(f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}",
+                         param=".".join(loc) or None)
+
+
+class _Prepared:
+    """A validated request, ready for the backend."""
+
+    def __init__(self, gen: GenerateRequest, created: int, kind: str):
+        self.gen, self.created, self.kind = gen, created, kind
+
+
+def create_api(backend: GenerationBackend, *, metrics: ServingMetrics | None = None,
+               default_max_tokens: int = 16) -> FastAPI:
+    """Build the FastAPI app; the Ray Serve ingress wraps it, tests call it directly."""
+    app = FastAPI(title="Tetris", version="0.1.0")
+    metrics = metrics or ServingMetrics(backend.model_name)
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_invalid(_: Request, exc: RequestValidationError):
+        return _error_response(_validation_error(exc))
+
+    @app.exception_handler(ProtocolError)
+    async def _on_protocol(_: Request, exc: ProtocolError):
+        return _error_response(exc)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": backend.model_name}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": backend.model_name, "object": "model", "created": 0, "owned_by": "tetris",
+            "max_model_len": backend.max_model_len}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        stats = backend.stats()
+        metrics.set_load(running=stats.get("running", 0), waiting=stats.get("waiting", 0))
+        for instance, usage in stats.get("kv_usage", {}).items():
+            metrics.set_kv_usage(instance, usage)
+        if "improvement_rate" in stats:
+            metrics.set_improvement_rate(stats["improvement_rate"])
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        prepared = _prepare(backend, req, _completion_prompt(backend, req), "text_completion",
+                            default_max_tokens)
+        return await _respond(backend, metrics, prepared)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest):
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        try:
+            text = backend.tokenizer.apply_chat_template(messages)
+        except ValueError as e:
+            raise ProtocolError(str(e), param="messages") from None
+        prompt = backend.tokenizer.encode(text, add_bos=True)
+        return await _respond(backend, metrics,
+                              _prepare(backend, req, prompt, "chat.completion", default_max_tokens))
+
+    return app
+
+
+def _completion_prompt(backend: GenerationBackend, req: CompletionRequest) -> list[int]:
+    p = req.prompt
+    if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        if len(p) != 1:
+            raise ProtocolError("batched prompts are not supported; send one prompt per request",
+                                param="prompt")
+        p = p[0]
+    if isinstance(p, str):
+        return backend.tokenizer.encode(p, add_bos=True) if p else []
+    return list(p)
+
+
+def _prepare(backend: GenerationBackend, req, prompt: list[int], kind: str,
+             default_max_tokens: int) -> _Prepared:
+    if req.model != backend.model_name:
+        raise ProtocolError(f"model {req.model!r} does not exist; this server serves "
+                            f"{backend.model_name!r}", status=404, param="model",
+                            code="model_not_found")
+    if not prompt:
+        raise ProtocolError("prompt is empty: at least one token is needed", param="prompt")
+    limit = backend.max_model_len
+    if len(prompt) >= limit:
+        raise ProtocolError(f"this model's maximum context length is {limit} tokens, but the "
+                            f"prompt has {len(prompt)} tokens", param="prompt",
+                            code="context_length_exceeded")
+    default = min(default_max_tokens, limit - len(prompt))
+    sampling = to_sampling_params(req, default_max_tokens=default)
+    if len(prompt) + sampling.max_tokens > limit:
+        raise ProtocolError(f"max_tokens is too large: this model's maximum context length is "
+                            f"{limit} tokens and the prompt has {len(prompt)}, so at most "
+                            f"{limit - len(prompt)} tokens can be generated", param="max_tokens")
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
+    gen = GenerateRequest(request_id=f"{prefix}-{uuid.uuid4().hex}",
+                          prompt_token_ids=tuple(prompt), sampling=sampling, stream=req.stream,
+                          include_usage=include_usage, arrival_time=time.monotonic())
+    return _Prepared(gen, int(time.time()), kind)
+
+
+async def _start(backend: GenerationBackend, prepared: _Prepared):
+    """Start generation and wait for the first output, so refusals still get a 4xx status."""
+    stream = backend.generate(prepared.gen)
+    try:
+        first = await anext(stream)
+    except Overloaded as e:
+        await stream.aclose()
+        raise ProtocolError(f"server overloaded: {e}", status=429, type="rate_limit_error",
+                            headers={"Retry-After": str(max(1, round(e.retry_after_s)))}) from None
+    except ValueError as e:
+        await stream.aclose()
+        raise ProtocolError(str(e)) from None
+    return stream, first
+
+
+async def _respond(backend, metrics: ServingMetrics, prepared: _Prepared):
+    stream, first = await _start(backend, prepared)
+    tracker = _Tracker(metrics, prepared.gen)
+    tracker.on_output(first)
+    if prepared.gen.stream:
+        return StreamingResponse(_sse_events(stream, first, prepared, backend, tracker),
+                                 media_type="text/event-stream")
+    last = first
+    try:
+        async for out in stream:
+            tracker.on_output(out)
+            last = out
+    finally:
+        await stream.aclose()
+    return _full_body(prepared, backend.model_name, last)
+
+
+class _Tracker:
+    """Records TTFT, inter-token gaps and end-to-end latency of one request."""
+
+    def __init__(self, metrics: ServingMetrics, gen: GenerateRequest):
+        self.metrics, self.gen = metrics, gen
+        self.last: float | None = None
+
+    def on_output(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        if out.new_token_ids:
+            if self.last is None:
+                self.metrics.observe_first_token(now - self.gen.arrival_time, 0.0,
+                                                 len(self.gen.prompt_token_ids))
+            else:
+                self.metrics.observe_token_gap(now - self.last)
+            self.last = now
+        if out.finished:
+            self.metrics.observe_finish(now - self.gen.arrival_time, len(out.token_ids),
+                                        out.finish_reason or "stop")
+
+
+def _usage(out: RequestOutput) -> dict:
+    p, c = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _full_body(prepared: _Prepared, model: str, out: RequestOutput) -> dict:
+    if prepared.kind == "chat.completion":
+        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                  "logprobs": None, "finish_reason": out.finish_reason}
+    else:
+        choice = {"index": 0, "text": out.text, "logprobs": None,
+                  "finish_reason": out.finish_reason}
+    return {"id": prepared.gen.request_id, "object": prepared.kind, "created": prepared.created,
+            "model": model, "choices": [choice], "usage": _usage(out)}
+
+
+def _chunk(prepared: _Prepared, model: str, out: RequestOutput | None, *, first: bool) -> dict:
+    finish = out.finish_reason if out is not None and out.finished else None
+    text = out.new_text if out is not None else ""
+    if prepared.kind == "chat.completion":
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        kind = "text_completion"
+    return {"id": prepared.gen.request_id, "object": kind, "created": prepared.created,
+            "model": model, "choices": [choice]}
+
+
+async def _sse_events(stream: AsyncIterator[RequestOutput], first: RequestOutput,
+                      prepared: _Prepared, backend, tracker: _Tracker):
+    """SSE frames; leaving early (client gone) closes ``stream``, which aborts the request."""
+    model = backend.model_name
+    last = first
+    try:
+        yield sse(_chunk(prepared, model, first, first=True))
+        if not first.finished:
+            async for out in stream:
+                tracker.on_output(out)
+                last = out
+                if out.new_text or out.finished:
+                    yield sse(_chunk(prepared, model, out, first=False))
+        if prepared.gen.include_usage:
+            yield sse({"id": prepared.gen.request_id, "object": _chunk(prepared, model, None,
+                       first=False)["object"], "created": prepared.created, "model": model,
+                       "choices": [], "usage": _usage(last)})
+        yield SSE_DONE
+    finally:
+        await stream.aclose()
