@@ -14,6 +14,7 @@ import sys
 # command name -> (module, one-line help). Add a line here to add a command.
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("tetris.cli.generate", "generate a completion for one prompt"),
+    "sim": ("tetris.cli.sim", "discrete-event simulation: run, sweep, capacity, profile-rate, figures"),
 }
 
 

@@ -19,6 +19,7 @@ import numpy as np
 from tetris.scheduler.latency import PrefillLatencyModel, load_profile
 from tetris.scheduler.policies import make_policy
 from tetris.scheduler.pool import PoolState
+from tetris.sim import contract
 from tetris.sim.cluster import ClusterSpec, Simulation, cluster_by_name
 from tetris.sim.metrics import SimResult
 from tetris.sim.workload import (SimRequest, WORKLOADS, load_trace, poisson_workload,
@@ -67,21 +68,18 @@ def _profile(cluster: ClusterSpec) -> PrefillLatencyModel:
 
 
 def _online_monitor(spec: RunSpec):
-    from tetris.scheduler.rate import ImprovementRateTable, RateMonitor
     path = Path(spec.rate_table) if spec.rate_table else rate_table_path(spec.model, spec.workload)
     if not path.is_file():
         raise ValueError(f"no improvement-rate table at {path}; run `tetris sim profile-rate "
                          f"--model {spec.model} --workload {spec.workload}` or pass a fixed θ")
-    table = ImprovementRateTable.load(path)
-    return RateMonitor(spec.rate_window_s, spec.rate_update_interval_s, table)
+    table = contract.load_rate_table(path)
+    return contract.make_rate_monitor(spec.rate_window_s, spec.rate_update_interval_s, table)
 
 
 def _decode_side(cluster: ClusterSpec):
-    from tetris.scheduler.decode_latency import DecodeLatencyModel
-    from tetris.scheduler.router import DecodeRouter
-    model = DecodeLatencyModel.for_model(cluster.model)
-    router = DecodeRouter([cluster.kv_capacity_tokens(cluster.decode_tp)] * cluster.decode_instances)
-    return model.step_time, router
+    router = contract.make_router([cluster.kv_capacity_tokens(cluster.decode_tp)]
+                                  * cluster.decode_instances)
+    return contract.decode_step_fn(cluster), router
 
 
 def run_one(spec: RunSpec, requests: list[SimRequest] | None = None) -> tuple[SimResult, Simulation]:

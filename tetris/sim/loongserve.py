@@ -146,8 +146,8 @@ class LoongServeSimulation(Simulation):
 
 
 def run_loongserve(spec, cluster: ClusterSpec, requests: list[SimRequest]):
-    from tetris.scheduler.decode_latency import DecodeLatencyModel
-    step = DecodeLatencyModel.for_model(cluster.model).step_time
+    from tetris.sim.contract import decode_step_fn
+    step = decode_step_fn(cluster)
     sim = LoongServeSimulation(requests, cluster=cluster, decode_step=step, record=spec.record,
                                workload=spec.workload, seed=spec.seed, rate=spec.rate)
     res = sim.run()

@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-import msgspec
 import numpy as np
 
 from tetris.sim.experiments import RunSpec, make_requests, run_one
@@ -56,11 +55,6 @@ def profile_rates(model: str, workload: str, rates: Sequence[float],
 
 def save_table(path: str | Path, rates: list[float], thetas: list[float], *, model: str,
                workload: str, note: str = "") -> Path:
-    from tetris.scheduler.rate import ImprovementRateTable
-    table = ImprovementRateTable(rates=rates, improvement_rates=thetas,
-                                 description=note or f"tetris sim profile-rate --model {model} "
-                                 f"--workload {workload}")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    table.save(path)
-    return path
+    from tetris.sim.contract import write_rate_table
+    return write_rate_table(path, rates, thetas, note or f"tetris sim profile-rate --model "
+                            f"{model} --workload {workload}: θ with the lowest mean TTFT per rate")
