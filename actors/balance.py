@@ -159,9 +159,9 @@ class LayerBalancer:
         """Finish layer ``layer``'s moves and write what arrived into the store."""
         if not self.active:
             return
+        t0 = time.perf_counter()   # in blocking mode the issue counts as balancing time too
         if layer not in self.pending:
             self.issue(layer)
-        t0 = time.perf_counter()
         works, bufs, _keep = self.pending.pop(layer)
         for w in works:
             if not w.wait(self.timeout):

@@ -1,0 +1,176 @@
+"""The Executor interface of a prefill worker, with two bodies (ARCHITECTURE "two bodies").
+
+``ModelExecutor`` runs the real model: per layer, cache balancing, ring attention over the
+chunk's group, MLP. ``EmulatedExecutor`` runs no model: it waits as long as the latency profile
+predicts for the chunk (SPEC §2, Eq. 1), so the live control plane can run at paper scale on one
+machine. The worker actor and the pool drive both the same way; results of the emulated body
+carry ``emulated=True`` and every number derived from them must say so.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import torch
+
+from tetris.actors.balance import BALANCE_TAG_KIND, LayerBalancer
+from tetris.actors.kv_store import PagedKVStore, ranges_tensor
+from tetris.actors.prefill_messages import ChunkResult, ChunkTask
+from tetris.actors.ring import RING_TAG_KIND, RingAttention
+from tetris.actors.zigzag import normalize_ranges, ranges_len
+from tetris.sampling_params import SamplingParams
+
+__all__ = ["Executor", "ModelExecutor", "EmulatedExecutor", "sample_first_token", "message_tag"]
+
+_TAG_SPACE = 1 << 30
+
+
+def message_tag(seq: int, kind: int) -> int:
+    """Gloo tag of one chunk's traffic of one kind (ring or balancing)."""
+    return (seq * 2 + kind) % _TAG_SPACE
+
+
+class FaultInjected(RuntimeError):
+    """Raised by a test hook to simulate a worker failing in the middle of a chunk."""
+
+
+def sample_first_token(logits: torch.Tensor, params: SamplingParams | None) -> int:
+    """The first output token from the last prompt token's logits [V], as the engine samples."""
+    if params is None or params.greedy:
+        return int(logits.argmax().item())
+    from tetris.engine.sampling import make_generator, process_logits
+
+    gen = make_generator(params.seed) if params.seed is not None else None
+    return int(torch.multinomial(process_logits(logits, params), 1, generator=gen).item())
+
+
+class Executor(Protocol):
+    emulated: bool
+
+    def prepare(self, task: ChunkTask) -> None:
+        """Check the task and reserve what it needs, without communicating."""
+
+    def execute(self, task: ChunkTask) -> ChunkResult:
+        """Run this member's share of the chunk (all members of the group run together)."""
+
+    def abort(self, request_id: str) -> None:
+        """Free everything held for the request."""
+
+
+class ModelExecutor:
+    emulated = False
+
+    def __init__(self, model, store: PagedKVStore) -> None:
+        self.model = model
+        self.store = store
+        self.fault: tuple[str, int, int] | None = None   # (request_id, chunk, layer), tests only
+
+    def prepare(self, task: ChunkTask) -> None:
+        me = task.instance
+        incoming = normalize_ranges([p for m in task.moves if m.dst == me for p in m.positions])
+        kept = _subtract(task.history[task.rank], incoming)
+        if ranges_len(kept):
+            self.store.slots(task.request_id, kept)   # KeyError if the history is not here
+        if len(task.token_ids) != ranges_len(task.chunk_positions[task.rank]):
+            raise ValueError(f"chunk {task.chunk_index}: token count does not match positions")
+        self.store.reserve(task.request_id, normalize_ranges(
+            list(task.chunk_positions[task.rank]) + list(incoming)))
+
+    def execute(self, task: ChunkTask) -> ChunkResult:
+        t0 = time.perf_counter()
+        model, store, req = self.model, self.store, task.request_id
+        mine = task.chunk_positions[task.rank]
+        q_pos = ranges_tensor(mine)
+        blocks = [normalize_ranges(list(h) + list(c))
+                  for h, c in zip(task.history, task.chunk_positions)]
+        ring = RingAttention(task.group, task.rank, [ranges_tensor(b) for b in blocks],
+                             message_tag(task.seq, RING_TAG_KIND), task.timeout_s)
+        moves = task.moves if task.balance != "off" else ()
+        balancer = LayerBalancer(store, req, task.instance, moves,
+                                 message_tag(task.seq, BALANCE_TAG_KIND), task.timeout_s)
+        overlap = task.balance == "overlap"
+        if overlap:
+            balancer.issue(0)   # runs during embedding and layer 0's projections
+        hidden = model.embed(torch.tensor(task.token_ids, dtype=torch.long))
+        for i in range(model.num_layers):
+            q, k, v = model.layer_qkv(i, hidden, q_pos)
+            store.write(req, i, mine, k, v)
+            balancer.wait(i)
+            self._maybe_fail(task, i)
+            kb, vb = store.read(req, i, blocks[task.rank])
+            attn = ring(q, q_pos, kb, vb, layer=i)
+            if overlap:
+                balancer.issue(i + 1)   # hidden behind this layer's o_proj and MLP (Fig. 6-b)
+            hidden = model.layer_mlp(i, model.layer_attn_out(i, hidden, attn))
+        sent = normalize_ranges([p for m in balancer.sends for p in m.positions])
+        store.release(req, sent)
+        token, logits = self._first_token(task, hidden, q_pos)
+        return ChunkResult(
+            request_id=req, chunk_index=task.chunk_index, instance=task.instance,
+            rank=task.rank, elapsed_s=time.perf_counter() - t0,
+            balance_wait_s=balancer.wait_s, balance_sent_tokens=balancer.sent_tokens,
+            balance_recv_tokens=balancer.recv_tokens, first_token=token, logits=logits,
+        )
+
+    def _first_token(self, task: ChunkTask, hidden, q_pos):
+        last = task.prompt_tokens - 1
+        if task.chunk_index != task.num_chunks - 1 or not bool((q_pos == last).any()):
+            return None, None
+        idx = int((q_pos == last).nonzero()[0, 0])
+        logits = self.model.logits(self.model.final_norm(hidden[idx: idx + 1]))[0]
+        token = sample_first_token(logits, task.sampling)
+        return token, (logits.tolist() if task.return_logits else None)
+
+    def _maybe_fail(self, task: ChunkTask, layer: int) -> None:
+        if self.fault == (task.request_id, task.chunk_index, layer):
+            self.fault = None
+            raise FaultInjected(f"injected fault at layer {layer}")
+
+    def abort(self, request_id: str) -> None:
+        self.store.free(request_id)
+
+
+class EmulatedExecutor:
+    """Waits the profile's predicted chunk time: ``T_s(h, l)`` of SPEC §2 (paper Eq. 1)."""
+
+    emulated = True
+
+    def __init__(self, profile) -> None:
+        self.profile = profile
+        self.fault: tuple[str, int, int] | None = None
+
+    def prepare(self, task: ChunkTask) -> None:
+        if task.chunk_end <= task.chunk_start:
+            raise ValueError(f"chunk {task.chunk_index} is empty")
+
+    def execute(self, task: ChunkTask) -> ChunkResult:
+        t0 = time.perf_counter()
+        if self.fault is not None and self.fault[:2] == (task.request_id, task.chunk_index):
+            self.fault = None
+            raise FaultInjected("injected fault (emulated)")
+        seconds = self.profile.predict(len(task.group), task.chunk_start,
+                                       task.chunk_end - task.chunk_start)
+        time.sleep(max(0.0, float(seconds)))
+        return ChunkResult(
+            request_id=task.request_id, chunk_index=task.chunk_index, instance=task.instance,
+            rank=task.rank, elapsed_s=time.perf_counter() - t0, emulated=True,
+        )
+
+    def abort(self, request_id: str) -> None:
+        return None
+
+
+def _subtract(a, b):
+    """Positions of ranges ``a`` not in ranges ``b`` (both normalized)."""
+    if not b:
+        return a
+    drop = set(p for lo, hi in b for p in range(lo, hi))
+    keep = [p for lo, hi in a for p in range(lo, hi) if p not in drop]
+    out: list[tuple[int, int]] = []
+    for p in keep:
+        if out and out[-1][1] == p:
+            out[-1] = (out[-1][0], p + 1)
+        else:
+            out.append((p, p + 1))
+    return tuple(out)

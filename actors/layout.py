@@ -1,0 +1,96 @@
+"""Where a request's KV lives, chunk by chunk: the driver-side bookkeeping of a plan.
+
+Given a validated ``PrefillPlan`` this derives, for every chunk, each member's zigzag share
+of the chunk, the cache-balancing moves that precede it, and what every member holds as history
+once the moves are done. It is pure (no Ray, no torch), so the layout can be tested and
+reasoned about without running a model; the workers trust it and check it against their stores.
+
+Forced plans (``--plan 1500x1,2500x2,4000x4``) are also built here, growing the groups with the
+scheduler's topology-aware ``extend``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from tetris.actors.balance import plan_balance
+from tetris.actors.prefill_messages import BalanceMode, Move
+from tetris.actors.zigzag import Ranges, normalize_ranges, zigzag_layout
+from tetris.plan import Chunk, PlanError, PrefillPlan
+
+__all__ = ["ChunkLayout", "plan_layout", "parse_plan_spec", "forced_plan"]
+
+
+class ChunkLayout(msgspec.Struct, frozen=True):
+    group: tuple[int, ...]
+    chunk_positions: tuple[Ranges, ...]   # per ring member
+    history: tuple[Ranges, ...]           # per ring member, after ``moves``
+    moves: tuple[Move, ...]
+
+
+def plan_layout(plan: PrefillPlan, balance: BalanceMode = "overlap"
+                ) -> tuple[list[ChunkLayout], dict[int, Ranges]]:
+    """Per-chunk layouts and the final ``instance -> positions`` map of the request's KV.
+
+    Balancing runs only when a chunk's group is larger than the previous one (paper §4.1);
+    with ``balance="off"`` history stays where the earlier chunks left it.
+    """
+    held: dict[int, Ranges] = {}
+    prev: tuple[int, ...] = ()
+    layouts = []
+    for c in plan.chunks:
+        group = c.instances
+        if balance != "off" and len(group) > len(prev) and c.start > 0:
+            moves, after = plan_balance([held[i] for i in prev], group)
+        else:
+            moves, after = (), tuple(held.get(i, ()) for i in group)
+        chunk = zigzag_layout(c.start, c.end, len(group))
+        layouts.append(ChunkLayout(group=group, chunk_positions=chunk, history=after,
+                                   moves=moves))
+        held = {i: normalize_ranges(list(after[r]) + list(chunk[r])) for r, i in enumerate(group)}
+        prev = group
+    return layouts, held
+
+
+_SPEC_ITEM = re.compile(r"^\s*(\d+|rest)\s*x\s*(\d+)\s*$")
+
+
+def parse_plan_spec(spec: str) -> list[tuple[int | None, int]]:
+    """``"1500x1,2500x2,restx4"`` -> ``[(1500, 1), (2500, 2), (None, 4)]`` (None: the rest)."""
+    items = []
+    for part in spec.split(","):
+        m = _SPEC_ITEM.match(part)
+        if not m:
+            raise PlanError(f"--plan item {part!r}: expected TOKENSxSP, e.g. 1500x2")
+        tokens = None if m.group(1) == "rest" else int(m.group(1))
+        items.append((tokens, int(m.group(2))))
+    if any(t is None for t, _ in items[:-1]):
+        raise PlanError("--plan: only the last chunk may be 'rest'")
+    return items
+
+
+def forced_plan(request_id: str, prompt_tokens: int, spec: str, node_of: tuple[int, ...]
+                ) -> PrefillPlan:
+    """A plan with the given chunk sizes and SP sizes; groups grown by the scheduler's extend."""
+    from tetris.scheduler.extend import GroupBuilder
+
+    items = parse_plan_spec(spec)
+    builder = GroupBuilder([0.0] * len(node_of), node_of)
+    chunks, pos, chain = [], 0, ()
+    for k, (tokens, sp) in enumerate(items):
+        end = prompt_tokens if tokens is None else pos + tokens
+        chain = chain + (sp,)
+        try:
+            group = builder.group(chain).members
+        except ValueError as e:
+            raise PlanError(f"--plan chunk {k}: {e}") from None
+        chunks.append(Chunk(start=pos, end=end, instances=group))
+        pos = end
+    plan = PrefillPlan(request_id=request_id, prompt_tokens=prompt_tokens, chunks=tuple(chunks),
+                       policy="forced")
+    if pos != prompt_tokens:
+        raise PlanError(f"--plan covers {pos} tokens but the prompt has {prompt_tokens} "
+                        "(end it with restxSP to take the remainder)")
+    return plan.validate(len(node_of))

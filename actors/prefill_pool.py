@@ -1,0 +1,204 @@
+"""The driver side of the SP pool: N prefill workers, one gloo world, plans executed chunk by chunk.
+
+Lifecycle of one request (``run``):
+
+1. Reject a broken plan before anything runs: ``PrefillPlan.validate`` (coverage, groups only
+   grow, instances inside the pool) and the prompt's length.
+2. Derive the KV layout of every chunk (``layout.plan_layout``).
+3. Per chunk, in order: every member ``prepare``s (reserves KV slots; no communication), then
+   every member ``execute``s (cache balancing + ring attention + MLP, layer by layer).
+4. The member holding the last prompt token returns the first output token.
+5. On any failure, every member that may hold part of the request frees it, and the caller
+   gets a ``PrefillError`` naming the chunk and the worker; the pool keeps serving.
+The KV stays on the workers until ``release`` (after hand-off) or ``abort``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+import time
+
+import ray
+
+from tetris.actors.layout import plan_layout
+from tetris.actors.prefill_messages import (
+    BalanceMode,
+    ChunkResult,
+    ChunkTask,
+    PrefillError,
+    PrefillResult,
+)
+from tetris.actors.prefill_worker import PrefillWorkerActor
+from tetris.actors.zigzag import ranges_to_list
+from tetris.config import DeploymentConfig
+from tetris.plan import PlanError, PrefillPlan
+from tetris.sampling_params import SamplingParams
+
+__all__ = ["PrefillPool", "free_port"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now (the OS picks it); the world's store listens there."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class PrefillPool:
+    """``num_instances`` workers, ``node_size`` per (virtual) node, forming one gloo world."""
+
+    def __init__(self, deployment: DeploymentConfig, *, num_instances: int | None = None,
+                 node_size: int | None = None, profile: str | None = None,
+                 timeout_s: float = 60.0, chunk_timeout_s: float = 600.0,
+                 balance: BalanceMode = "overlap") -> None:
+        pc = deployment.prefill
+        n = num_instances or pc.num_instances
+        per_node = node_size or pc.node_size
+        if n % per_node:
+            raise ValueError(f"{n} instances cannot be cut into nodes of {per_node}")
+        self.deployment = deployment
+        self.node_of = tuple(i // per_node for i in range(n))
+        self.timeout_s = timeout_s
+        self.chunk_timeout_s = chunk_timeout_s
+        self.balance: BalanceMode = balance
+        self.emulated = pc.executor == "emulated"
+        profile = profile or deployment.scheduler.profile
+        self.workers = [
+            PrefillWorkerActor.options(num_cpus=0).remote(
+                i, self.node_of[i], deployment.model, pc, profile=profile)
+            for i in range(n)
+        ]
+        port = free_port()
+        ray.get([w.init_world.remote("127.0.0.1", port, n, timeout_s) for w in self.workers],
+                timeout=max(120.0, timeout_s))
+        self._seq = itertools.count()
+        self._lock = threading.Lock()
+        self._active: set[str] = set()
+
+    @property
+    def size(self) -> int:
+        return len(self.workers)
+
+    def run(self, plan: PrefillPlan, token_ids: list[int], *,
+            sampling: SamplingParams | None = None, return_logits: bool = False,
+            balance: BalanceMode | None = None) -> PrefillResult:
+        """Execute a plan; returns the first token. Raises PlanError / PrefillError."""
+        self._check(plan, token_ids)
+        balance = balance or self.balance
+        layouts, final = plan_layout(plan, balance)
+        with self._lock:
+            if plan.request_id in self._active:
+                raise PlanError(f"request {plan.request_id} is already running")
+            self._active.add(plan.request_id)
+        t0 = time.perf_counter()
+        touched: list[int] = []
+        results: list[list[ChunkResult]] = []
+        try:
+            for k, lay in enumerate(layouts):
+                touched = sorted(set(touched) | set(lay.group))
+                with self._lock:
+                    seq = next(self._seq)
+                tasks = [self._task(plan, k, r, lay, token_ids, seq, balance, sampling,
+                                    return_logits) for r in range(len(lay.group))]
+                self._phase(plan, k, tasks, "prepare")
+                results.append(self._phase(plan, k, tasks, "execute"))
+        except BaseException:
+            self.abort(plan.request_id, touched)
+            raise
+        finally:
+            with self._lock:
+                self._active.discard(plan.request_id)
+        return self._result(plan, results, final, time.perf_counter() - t0)
+
+    def _check(self, plan: PrefillPlan, token_ids: list[int]) -> None:
+        plan.validate(self.size)
+        if len(token_ids) != plan.prompt_tokens:
+            raise PlanError(f"plan {plan.request_id} is for {plan.prompt_tokens} tokens, "
+                            f"the prompt has {len(token_ids)}")
+
+    def _task(self, plan, k, r, lay, token_ids, seq, balance, sampling, return_logits):
+        c = plan.chunks[k]
+        mine = lay.chunk_positions[r]
+        return ChunkTask(
+            request_id=plan.request_id, chunk_index=k, num_chunks=len(plan.chunks), seq=seq,
+            group=lay.group, rank=r, chunk_start=c.start, chunk_end=c.end,
+            prompt_tokens=plan.prompt_tokens, chunk_positions=lay.chunk_positions,
+            history=lay.history, moves=lay.moves if balance != "off" else (),
+            token_ids=tuple(token_ids[p] for p in ranges_to_list(mine)), balance=balance,
+            sampling=sampling, return_logits=return_logits, timeout_s=self.timeout_s,
+        )
+
+    def _phase(self, plan: PrefillPlan, k: int, tasks: list[ChunkTask], method: str):
+        """Run ``method`` on every member; on failure name the root-cause worker."""
+        refs = [getattr(self.workers[t.instance], method).remote(t) for t in tasks]
+        done, pending = ray.wait(refs, num_returns=len(refs), timeout=self.chunk_timeout_s)
+        out, errors = [], []
+        for t, ref in zip(tasks, refs):
+            if ref in pending:
+                errors.append((t, TimeoutError(f"no answer in {self.chunk_timeout_s}s")))
+                continue
+            try:
+                out.append(ray.get(ref))
+            except Exception as e:  # noqa: BLE001 - every failure becomes a PrefillError
+                errors.append((t, getattr(e, "cause", None) or e))
+        if errors:
+            # Peers of a failed worker time out waiting for it: report the other error first.
+            errors.sort(key=lambda te: isinstance(te[1], TimeoutError) or "imed out" in str(te[1]))
+            t, err = errors[0]
+            others = ", ".join(str(e[0].instance) for e in errors[1:])
+            raise PrefillError(
+                f"request {plan.request_id} chunk {k} failed on prefill instance {t.instance} "
+                f"(node {self.node_of[t.instance]}) during {method}: {type(err).__name__}: "
+                f"{_first_line(err)}" + (f"; also failed: instances {others}" if others else "")
+            )
+        return out
+
+    def _result(self, plan, results, final, elapsed) -> PrefillResult:
+        last = [r for r in results[-1] if r.first_token is not None or r.emulated]
+        first = last[0] if last else None
+        return PrefillResult(
+            request_id=plan.request_id,
+            first_token=first.first_token if first else None,
+            logits=first.logits if first else None,
+            elapsed_s=elapsed,
+            chunk_elapsed_s=tuple(max(r.elapsed_s for r in rs) for rs in results),
+            balance_wait_s=sum(max(r.balance_wait_s for r in rs) for rs in results),
+            balance_moved_tokens=sum(r.balance_sent_tokens for rs in results for r in rs),
+            kv_layout=tuple(sorted(final.items())),
+            emulated=self.emulated,
+        )
+
+    # -- KV ownership -------------------------------------------------------------------------
+    def abort(self, request_id: str, instances: list[int] | None = None) -> None:
+        """Free the request's KV on ``instances`` (default: every worker)."""
+        targets = range(self.size) if instances is None else instances
+        ray.get([self.workers[i].abort.remote(request_id) for i in targets],
+                timeout=self.chunk_timeout_s)
+
+    def release(self, request_id: str) -> None:
+        """The request's KV has been handed off: free it everywhere."""
+        ray.get([w.release.remote(request_id) for w in self.workers],
+                timeout=self.chunk_timeout_s)
+
+    def export_kv(self, request_id: str) -> dict[int, tuple]:
+        """instance -> (positions, k [L, n, Hkv, D], v) for every worker holding some of it."""
+        parts = ray.get([w.export_kv.remote(request_id) for w in self.workers])
+        return {i: p for i, p in enumerate(parts) if p[0].numel()}
+
+    def held_requests(self) -> dict[int, list[str]]:
+        return dict(enumerate(ray.get([w.held_requests.remote() for w in self.workers])))
+
+    def shutdown(self) -> None:
+        try:
+            ray.get([w.shutdown.remote() for w in self.workers], timeout=30)
+        finally:
+            for w in self.workers:
+                ray.kill(w)
+            self.workers = []
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else ""
