@@ -1,0 +1,100 @@
+"""Paged KV cache: writing K/V into blocks and single-query (decode) attention over them.
+
+Cache layout per layer (vLLM-style):
+    k_cache, v_cache   [NB, BS, Hkv, D]     NB blocks of BS token slots
+    slot               block * BS + offset   (a flat index into [NB * BS])
+    block_tables       int32 [B, MAXB]       a sequence's blocks, in token order
+    context_lens       int32 [B]             tokens of each sequence in the cache (its own
+                                             newest token included: write_kv before attention)
+Table entries past a sequence's last block may hold anything; they are never read as keys.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["write_kv", "paged_decode_attention", "paged_decode_attention_with_lse"]
+
+
+def write_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
+    """Store k, v [T, Hkv, D] at ``slot_mapping`` int64 [T] of the caches (in place)."""
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
+        raise ValueError(
+            f"caches must both be [NB, BS, Hkv, D]; got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    nb, bs, hkv, d = k_cache.shape
+    t = k.shape[0]
+    if k.shape != (t, hkv, d) or v.shape != (t, hkv, d):
+        raise ValueError(
+            f"k/v must be [T, Hkv, D] = [{t}, {hkv}, {d}]; got {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if slot_mapping.shape != (t,):
+        raise ValueError(f"slot_mapping must be [T]={t}, got {tuple(slot_mapping.shape)}")
+    if t == 0:
+        return
+    slots = slot_mapping.to(device=k_cache.device, dtype=torch.int64)
+    lo, hi = int(slots.min()), int(slots.max())
+    if lo < 0 or hi >= nb * bs:
+        raise ValueError(f"slot_mapping holds slots outside [0, {nb * bs}): min {lo}, max {hi}")
+    k_cache.view(nb * bs, hkv, d)[slots] = k.to(k_cache.dtype)
+    v_cache.view(nb * bs, hkv, d)[slots] = v.to(v_cache.dtype)
+
+
+def _check(q, k_cache, v_cache, block_tables, context_lens) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"expected q [B, Hq, D] and caches [NB, BS, Hkv, D]; got q {tuple(q.shape)}, "
+            f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
+    b, hq, d = q.shape
+    _, bs, hkv, dk = k_cache.shape
+    if d != dk or hq % hkv:
+        raise ValueError(f"q heads/dim ({hq}, {d}) do not fit cache heads/dim ({hkv}, {dk})")
+    if block_tables.dim() != 2 or block_tables.shape[0] != b or context_lens.shape != (b,):
+        raise ValueError(
+            f"block_tables must be [B={b}, MAXB] and context_lens [B]; got "
+            f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}"
+        )
+    if b and int(context_lens.max()) > block_tables.shape[1] * bs:
+        raise ValueError(
+            f"a context length ({int(context_lens.max())}) exceeds the block table's capacity "
+            f"({block_tables.shape[1]} blocks x {bs})"
+        )
+
+
+def paged_decode_attention_with_lse(q, k_cache, v_cache, block_tables, context_lens, scale=None):
+    """One query per sequence against its cached keys -> (out [B, Hq, D], lse [B, Hq] fp32).
+
+    Torch path: gathers each sequence's blocks into [B, L, Hkv, D] (L = longest context,
+    rounded up to whole blocks) and masks slots past each context length. A sequence with
+    context length 0 gets out = 0, lse = -inf.
+    """
+    _check(q, k_cache, v_cache, block_tables, context_lens)
+    b, hq, d = q.shape
+    nb, bs, hkv, _ = k_cache.shape
+    group = hq // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if b == 0:
+        return q.new_zeros(0, hq, d), torch.zeros(0, hq, dtype=torch.float32, device=q.device)
+    lens = context_lens.to(device=q.device, dtype=torch.int64)
+    nblk = max(1, -(-int(lens.max()) // bs))
+    tables = block_tables[:, :nblk].to(device=q.device, dtype=torch.int64).clamp(0, nb - 1)
+    keys = k_cache[tables].view(b, nblk * bs, hkv, d).float()  # [B, L, Hkv, D]
+    vals = v_cache[tables].view(b, nblk * bs, hkv, d).float()
+    qg = q.float().view(b, hkv, group, d)
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, keys) * scale  # [B, Hkv, group, L]
+    hidden = torch.arange(nblk * bs, device=q.device)[None, :] >= lens[:, None]  # [B, L]
+    scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, Hkv, group]
+    shift = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    probs = torch.exp(scores - shift[..., None])
+    out = torch.einsum("bhgl,blhd->bhgd", probs, vals)
+    return out.reshape(b, hq, d).to(q.dtype), lse.reshape(b, hq)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None):
+    """q [B, Hq, D] against the paged cache -> out [B, Hq, D] in q.dtype."""
+    return paged_decode_attention_with_lse(q, k_cache, v_cache, block_tables, context_lens,
+                                           scale)[0]
