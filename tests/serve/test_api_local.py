@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -176,32 +177,43 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_client_disconnect_mid_stream_aborts_and_frees_blocks(backend, app):
+@contextlib.contextmanager
+def _serving(app):
+    """A real uvicorn server on a loopback port (httpx's ASGI transport buffers whole bodies)."""
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.05)
-    free_before = backend.engine.num_free_blocks
     try:
-        for _ in range(5):
-            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
-                with c.stream("POST", "/v1/completions", json={
-                        "model": MODEL, "prompt": "x" * 50, "max_tokens": 400,
-                        "ignore_eos": True, "stream": True}) as r:
-                    assert r.status_code == 200
-                    next(r.iter_lines())  # read one event, then hang up
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and (backend.engine.has_unfinished()
-                                               or backend.engine.num_free_blocks != free_before):
-            time.sleep(0.05)
-        assert not backend.engine.has_unfinished()
-        assert backend.engine.num_free_blocks == free_before
-        assert backend.stats()["running"] == 0
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_blocks(backend, app):
+    with _serving(app) as url:
+        _disconnect_five_times(backend, url)
+
+
+def _disconnect_five_times(backend, url):
+    free_before = backend.engine.num_free_blocks
+    for _ in range(5):
+        with httpx.Client(base_url=url, timeout=30) as c:
+            with c.stream("POST", "/v1/completions", json={
+                    "model": MODEL, "prompt": "x" * 50, "max_tokens": 400,
+                    "ignore_eos": True, "stream": True}) as r:
+                assert r.status_code == 200
+                next(r.iter_lines())  # read one event, then hang up
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (backend.engine.has_unfinished()
+                                           or backend.engine.num_free_blocks != free_before):
+        time.sleep(0.05)
+    assert not backend.engine.has_unfinished()
+    assert backend.engine.num_free_blocks == free_before
+    assert backend.stats()["running"] == 0
 
 
 def test_overload_beyond_the_bounded_queue_gets_429_with_retry_after(backend):
@@ -209,19 +221,15 @@ def test_overload_beyond_the_bounded_queue_gets_429_with_retry_after(backend):
                                                         num_blocks=64), MODEL, max_pending=1)
     app = create_api(small)
 
-    async def go():
-        async with _client(app) as c:
-            async with c.stream("POST", "/v1/completions", json={
-                    "model": MODEL, "prompt": "x", "max_tokens": 200, "ignore_eos": True,
+    try:
+        with _serving(app) as url, httpx.Client(base_url=url, timeout=30) as c:
+            with c.stream("POST", "/v1/completions", json={
+                    "model": MODEL, "prompt": "x", "max_tokens": 300, "ignore_eos": True,
                     "stream": True}) as held:
                 assert held.status_code == 200
-                second = await c.post("/v1/completions", json={"model": MODEL, "prompt": "y"})
-            after = await c.post("/v1/completions", json={"model": MODEL, "prompt": "y",
-                                                          "max_tokens": 2})
-            return second, after
-
-    try:
-        second, after = _run(go())
+                next(held.iter_lines())
+                second = c.post("/v1/completions", json={"model": MODEL, "prompt": "y"})
+            after = c.post("/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 2})
     finally:
         small.close()
     assert second.status_code == 429
