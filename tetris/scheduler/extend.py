@@ -23,36 +23,64 @@ __all__ = ["Group", "GroupBuilder"]
 
 
 class Group:
-    """An instance group: members in ring order, as a set, the nodes used, max queue time."""
+    """An instance group: members per node, its max queue time, and (lazily) its ring order.
 
-    __slots__ = ("members", "member_set", "nodes", "max_queue")
+    Within a node, ``extend`` always takes the shortest-queued instances first, so a group's
+    members on node ``n`` are exactly the first ``counts[n]`` of that node's queue-sorted list;
+    a group is grown by counting, never by scanning its members. The ring order (the parent's
+    members, then the new ones node by node, by index) is built only for the chosen plan.
+    """
 
-    def __init__(self, members: tuple[int, ...], member_set: frozenset[int],
-                 nodes: tuple[int, ...], max_queue: float):
-        self.members = members
-        self.member_set = member_set
-        self.nodes = nodes
+    __slots__ = ("size", "counts", "max_queue", "parent", "takes", "_members", "_by_node")
+
+    def __init__(self, size: int, counts: dict[int, int], max_queue: float,
+                 parent: "Group | None" = None, takes: dict[int, int] | None = None,
+                 by_node: dict[int, list[int]] | None = None):
+        self.size = size
+        self.counts = counts
         self.max_queue = max_queue
+        self.parent = parent
+        self.takes = takes
+        self._by_node = by_node
+        self._members: tuple[int, ...] | None = () if parent is None else None
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        if self._members is None:
+            added: list[int] = []
+            pc = self.parent.counts
+            for n in sorted(self.takes):
+                c0 = pc.get(n, 0)
+                added.extend(sorted(self._by_node[n][c0:c0 + self.takes[n]]))
+            self._members = self.parent.members + tuple(added)
+        return self._members
 
 
-_EMPTY = Group((), frozenset(), (), float("-inf"))
+_EMPTY = Group(0, {}, float("-inf"))
 
 
 class GroupBuilder:
     """``extend`` over one snapshot of queue times, memoised by chain of SP sizes."""
 
-    __slots__ = ("queue", "node_of", "node_ids", "by_node", "_memo")
+    __slots__ = ("queue", "by_node", "pos", "node_size", "_rank", "_full_rank", "_memo")
 
     def __init__(self, queue: Sequence[float], node_of: Sequence[int]):
         self.queue = queue
-        self.node_of = node_of
-        # One sort of the whole pool, then bucketing keeps each node's list sorted by (q, i).
+        # One stable sort of the whole pool: each node's bucket is then sorted by (q, i), and an
+        # instance's position in it is its (q, i) rank, a cheap int sort key.
         order = sorted(range(len(queue)), key=queue.__getitem__)
+        pos = [0] * len(queue)
         by_node: dict[int, list[int]] = {}
-        for i in order:
+        for k, i in enumerate(order):
+            pos[i] = k
             by_node.setdefault(node_of[i], []).append(i)
-        self.node_ids: tuple[int, ...] = tuple(sorted(by_node))
         self.by_node = by_node
+        self.pos = pos
+        sizes = {len(v) for v in by_node.values()}
+        # Equal nodes (the usual case) allow rule 1 in one step; 0 means "nodes differ".
+        self.node_size = sizes.pop() if len(sizes) == 1 else 0
+        self._rank: dict[int, list[int]] = {}
+        self._full_rank: list[int] | None = None
         self._memo: dict[tuple[int, ...], Group] = {(): _EMPTY}
 
     def group(self, chain: tuple[int, ...]) -> Group:
@@ -64,49 +92,81 @@ class GroupBuilder:
         return g
 
     def extend(self, g: Group, s: int) -> Group:
-        need = s - len(g.members)
+        need = s - g.size
         if need < 0:
-            raise ValueError(f"cannot shrink a group of {len(g.members)} to SP size {s}")
+            raise ValueError(f"cannot shrink a group of {g.size} to SP size {s}")
         if need == 0:
             return g
-        if need + len(g.members) > len(self.queue):
+        if s > len(self.queue):
             raise ValueError(f"SP size {s} exceeds the pool of {len(self.queue)} instances")
-        added: list[int] = []
-        if g.nodes:
-            free = [i for n in g.nodes for i in self.by_node[n] if i not in g.member_set]
-            if len(free) > need:
-                q = self.queue
-                free.sort(key=lambda i: (q[i], i))
-                free = free[:need]
-            added.extend(free)
-            need -= len(free)
-        new_nodes: list[int] = []
+        by_node, counts = self.by_node, g.counts
+        takes: dict[int, int] = {}  # node -> instances added there
+        partial = sorted(n for n, c in counts.items() if c < len(by_node[n]))
+        if len(partial) == 1:
+            n = partial[0]
+            takes[n] = min(need, len(by_node[n]) - counts[n])
+        elif partial:
+            # Rule 2 over several nodes: the globally shortest-queued free instances.
+            pos = self.pos
+            free = sorted((pos[i], n) for n in partial for i in by_node[n][counts[n]:])
+            for _, n in free[:need]:
+                takes[n] = takes.get(n, 0) + 1
+        need -= sum(takes.values())
         if need:
-            used = set(g.nodes)
-            untouched = [n for n in self.node_ids if n not in used]
-            self._fill_from_untouched(untouched, need, added, new_nodes)
-        added.sort(key=lambda i: (self.node_of[i], i))
-        members = g.members + tuple(added)
-        mq = max(g.max_queue, max(self.queue[i] for i in added))
-        nodes = tuple(sorted(g.nodes + tuple(new_nodes)))
-        return Group(members, g.member_set.union(added), nodes, mq)
+            self._fill_from_untouched(need, counts, takes)
+        q = self.queue
+        new_counts = dict(counts)
+        mq = g.max_queue
+        for n, k in takes.items():
+            c = counts.get(n, 0) + k
+            new_counts[n] = c
+            last = q[by_node[n][c - 1]]  # node lists are queue-sorted: the last taken waits longest
+            if last > mq:
+                mq = last
+        return Group(s, new_counts, mq, g, takes, by_node)
 
-    def _fill_from_untouched(self, untouched: list[int], need: int, added: list[int],
-                             new_nodes: list[int]) -> None:
-        """Rule 1 over fully free nodes: whole nodes while ``need`` spans one, then one node."""
-        q, by_node = self.queue, self.by_node
+    def rank(self, r: int) -> list[int]:
+        """Nodes with at least ``r`` instances, by their ``r``-th shortest queue, then index."""
+        nodes = self._rank.get(r)
+        if nodes is None:
+            q, by_node = self.queue, self.by_node
+            nodes = sorted((n for n in by_node if len(by_node[n]) >= r),
+                           key=lambda n: (q[by_node[n][r - 1]], n))
+            self._rank[r] = nodes
+        return nodes
+
+    def full_rank(self) -> list[int]:
+        """Nodes by the time all of them is free; larger nodes first on ties."""
+        if self._full_rank is None:
+            q, by_node = self.queue, self.by_node
+            self._full_rank = sorted(by_node, key=lambda n: (q[by_node[n][-1]], -len(by_node[n]), n))
+        return self._full_rank
+
+    def _fill_from_untouched(self, need: int, counts: dict[int, int],
+                             takes: dict[int, int]) -> None:
+        """Rule 1 over untouched nodes: whole nodes while ``need`` spans one, then one node."""
+        by_node, k = self.by_node, self.node_size
+        if k:
+            whole, rem = divmod(need, k)
+            if whole:
+                # With equal nodes the full-node order is rank(k): whole nodes go first.
+                for n in self.full_rank():
+                    if n not in counts and n not in takes:
+                        takes[n] = k
+                        whole -= 1
+                        if not whole:
+                            break
+                if whole:
+                    raise ValueError("pool has too few instances for the requested SP size")
+            need = rem
         while need:
-            fits = [n for n in untouched if len(by_node[n]) >= need]
-            if fits:
-                # The node whose need-th shortest queue is smallest starts the soonest.
-                n = min(fits, key=lambda n: (q[by_node[n][need - 1]], n))
-                added.extend(by_node[n][:need])
-                new_nodes.append(n)
-                return
-            if not untouched:
+            for n in self.rank(need):
+                if n not in counts and n not in takes:
+                    # The node whose need-th shortest queue is smallest starts the soonest.
+                    takes[n] = need
+                    return
+            n = next((n for n in self.full_rank() if n not in counts and n not in takes), None)
+            if n is None:
                 raise ValueError("pool has too few instances for the requested SP size")
-            n = min(untouched, key=lambda n: (q[by_node[n][-1]], -len(by_node[n]), n))
-            untouched.remove(n)
-            added.extend(by_node[n])
-            new_nodes.append(n)
+            takes[n] = len(by_node[n])
             need -= len(by_node[n])
