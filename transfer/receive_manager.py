@@ -42,8 +42,11 @@ class BlockAllocator(Protocol):
 class SimpleBlockAllocator:
     """A free list of block ids, lowest first; enough for tests and single-engine tools."""
 
-    def __init__(self, num_blocks: int) -> None:
-        self._free = list(range(num_blocks))
+    def __init__(self, num_blocks: int, order: Sequence[int] | None = None) -> None:
+        # ``order``: the initial free list (a permutation), e.g. to scatter a request's blocks
+        self._free = list(range(num_blocks)) if order is None else list(order)
+        if sorted(self._free) != list(range(num_blocks)):
+            raise ValueError("order must be a permutation of range(num_blocks)")
         self.num_blocks = num_blocks
 
     @property
