@@ -68,9 +68,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _read_prompt(args) -> str:
-    if args.prompt_file is not None:
-        return args.prompt_file.read_text()
-    return args.prompt
+    text = args.prompt_file.read_text() if args.prompt_file is not None else args.prompt
+    if not text:
+        raise ValueError("prompt is empty")
+    return text
 
 
 def _sampling_params(args):
