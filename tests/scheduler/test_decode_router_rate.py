@@ -1,0 +1,87 @@
+"""Decode latency ratios (paper Fig. 2a), virtual-usage routing, improvement-rate table/monitor."""
+
+from __future__ import annotations
+
+import pytest
+
+from tetris.scheduler.decode_latency import DecodeLatencyModel
+from tetris.scheduler.rate import ImprovementRateTable, RateMonitor, RateTableError
+from tetris.scheduler.router import DecodeRouter, RouterError
+
+# Our Fig. 2a grid: batch 1-64, 4k-128k tokens per request, where the KV fits the TP size.
+GRID = [(b, c) for b in (1, 2, 4, 8, 16, 32, 64) for c in (4096, 8192, 16384, 32768, 65536, 131072)]
+PAPER = {1: 5.73, 2: 3.87, 4: 1.93}
+
+
+def test_decode_slowdowns_vs_tp8_match_the_paper_within_12_percent():
+    m = DecodeLatencyModel.for_model("llama3-8b")
+    for tp, paper in PAPER.items():
+        cap = m.kv_capacity_tokens(tp)
+        worst = max(m.step_time(tp, b, b * c) / m.step_time(8, b, b * c)
+                    for b, c in GRID if b * c <= cap)
+        assert worst == pytest.approx(paper, rel=0.12), tp
+    # Where it peaks for TP 1: the largest batch x context that fits one GPU (2 x 128k).
+    assert m.step_time(1, 2, 262144) / m.step_time(8, 2, 262144) == pytest.approx(6.09, abs=0.01)
+
+
+def test_decode_step_grows_with_context_and_batch_and_70b_is_slower():
+    m8, m70 = DecodeLatencyModel.for_model("8b"), DecodeLatencyModel.for_model("LLaMA3-70B")
+    assert m8.step_time(8, 16, 200000) > m8.step_time(8, 16, 100000) > m8.step_time(8, 1, 100000)
+    assert m70.step_time(8, 16, 100000) > 4 * m8.step_time(8, 16, 100000)
+    assert m8.step_time(8, 0, 0) == 0.0
+    with pytest.raises(ValueError):
+        DecodeLatencyModel.for_model("gpt2")
+    with pytest.raises(ValueError):
+        m8.step_time(0, 1, 1)
+
+
+def test_router_prefers_freeness_and_counts_virtual_usage():
+    r = DecodeRouter([1000, 1000])
+    r.update(0, 900, 2)   # freeness 450
+    r.update(1, 600, 1)   # freeness 600
+    assert r.choose(100) == 1
+    r.reserve(1, 300)     # in flight: (600 - 300) / 1 = 300 < 450
+    assert r.choose(100) == 0
+    r.release(1, 300)
+    assert r.choose(100) == 1
+    # No room anywhere: still an instance (the request queues there), the freest one.
+    assert r.choose(5000) == 1
+    # Room beats freeness: instance 0 is less free per request but only it fits 800.
+    r.update(0, 900, 8)
+    r.update(1, 700, 1)
+    assert r.choose(800) == 0
+    with pytest.raises(RouterError):
+        r.release(0, 1)
+    with pytest.raises(RouterError):
+        r.reserve(5, 1)
+
+
+def test_rate_table_lookup_and_roundtrip(tmp_path):
+    t = ImprovementRateTable([2.0, 1.0, 3.0], [0.3, 0.1, 0.6], description="test")
+    assert t.rates == [1.0, 2.0, 3.0]
+    assert [t.lookup(x) for x in (0.0, 1.4, 1.5, 1.6, 2.9, 10.0)] == [0.1, 0.1, 0.1, 0.3, 0.6, 0.6]
+    for suffix in (".toml", ".json"):
+        back = ImprovementRateTable.load(t.save(tmp_path / f"t{suffix}"))
+        assert back.rates == t.rates and back.improvement_rates == t.improvement_rates
+        assert back.description == "test"
+    with pytest.raises(RateTableError):
+        ImprovementRateTable([1.0], [1.5])
+    with pytest.raises(RateTableError):
+        ImprovementRateTable.load(tmp_path / "missing.toml")
+
+
+def test_rate_monitor_sliding_window_and_update_interval():
+    table = ImprovementRateTable([0.5, 1.0, 2.0], [0.1, 0.3, 0.6])
+    mon = RateMonitor(window_s=10.0, update_interval_s=5.0, table=table)
+    for k in range(20):            # 2 req/s for 10 s
+        mon.observe_arrival(k * 0.5)
+    assert mon.current_rate(9.9) == pytest.approx(20 / 9.9)
+    assert mon.maybe_update(10.0) == 0.6
+    assert mon.maybe_update(12.0) is None        # not due yet
+    for k in range(5):             # then 0.5 req/s
+        mon.observe_arrival(10.0 + 2 * k)
+    assert mon.current_rate(20.0) == pytest.approx(4 / 10.0)  # window (10, 20]: 10 is out
+    assert mon.maybe_update(20.0) == 0.1
+    assert mon.improvement_rate == 0.1
+    with pytest.raises(RateTableError):
+        mon.observe_arrival(1.0)
