@@ -175,9 +175,22 @@ class Simulation:
             self.events.push(end, EventKind.DECODE_STEP, inst.index)
 
     def _on_decode_step(self, now: float, d: int) -> None:
+        # Iterations that end before the next event cannot be affected by anything: run them
+        # inline instead of through the heap (exact; decode dominates the event count).
         inst = self.decoders[d]
+        events = self.events
+        while True:
+            self._step_done(now, inst)
+            end = inst.start_step(now)
+            if end is None or end >= events.peek_time():
+                break
+            now = end
+        self._refresh_router(inst)
+        if end is not None:
+            events.push(end, EventKind.DECODE_STEP, d)
+
+    def _step_done(self, now: float, inst: DecodeInstanceSim) -> None:
         inst.finish_step(now)
-        self._start_step(now, inst)
 
     def _refresh_router(self, inst: DecodeInstanceSim) -> None:
         waiting = sum(r.kv_tokens for r in inst.waiting)

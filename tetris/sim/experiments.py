@@ -102,7 +102,7 @@ def run_one(spec: RunSpec, requests: list[SimRequest] | None = None) -> tuple[Si
                      rate_monitor=monitor, decode_step=step, router=router, record=spec.record,
                      workload=spec.workload, seed=spec.seed, rate=spec.rate)
     if monitor is not None:
-        sim.theta = monitor.current
+        sim.theta = monitor.improvement_rate
     return sim.run(), sim
 
 

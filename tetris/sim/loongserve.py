@@ -74,6 +74,7 @@ class LoongServeSimulation(Simulation):
         self.assigned_tokens = [0] * n     # KV of requests placed on an instance, not finished
         self.assigned_count = [0] * n
         self.max_reserved = 0
+        self.homes: list[int] = [-1] * len(requests)
 
     def _visible_pool(self) -> PoolState:
         view = self.pool.copy()
@@ -106,6 +107,7 @@ class LoongServeSimulation(Simulation):
         self.sp_tokens += sum(len(c.instances) * c.tokens for c in runs)
         kv = r.prompt_tokens + r.output_tokens
         home = self._choose_home(kv, plan.instances)
+        self.homes[i] = home
         self.assigned_tokens[home] += kv
         self.assigned_count[home] += 1
         if home in plan.instances:
@@ -120,11 +122,6 @@ class LoongServeSimulation(Simulation):
         self.decode_reqs[i] = req
         self.events.push(ready, EventKind.KV_READY, (home, req))
 
-    def _start_step(self, now: float, inst: DecodeInstanceSim) -> None:
-        end = inst.start_step(now)
-        if end is not None:
-            self.events.push(end, EventKind.DECODE_STEP, inst.index)
-
     def _on_kv_ready(self, now: float, d: int, req: DecodeRequest) -> None:
         super()._on_kv_ready(now, d, req)
         if req.remaining <= 0:
@@ -138,11 +135,12 @@ class LoongServeSimulation(Simulation):
             self.pool.queue_times[d] = max(self.pool.queue_times[d], now)
             self.prefill.free_at[d] = max(self.prefill.free_at[d], now)
 
-    def _on_decode_step(self, now: float, d: int) -> None:
-        inst = self.decoders[d]
+    def _step_done(self, now: float, inst: DecodeInstanceSim) -> None:
         for req in inst.finish_step(now):
-            self._finished(now, d, req)
-        self._start_step(now, inst)
+            self._finished(now, inst.index, req)
+
+    def _refresh_router(self, inst: DecodeInstanceSim) -> None:
+        pass
 
 
 def run_loongserve(spec, cluster: ClusterSpec, requests: list[SimRequest]):

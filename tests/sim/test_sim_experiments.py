@@ -1,0 +1,86 @@
+import json
+
+import msgspec
+import numpy as np
+import pytest
+
+from tetris.cli.main import main
+from tetris.sim import contract
+from tetris.sim.experiments import RunSpec, capacity, light_load, make_requests, run_one
+from tetris.sim.profiler import profile_rates, save_table
+from tetris.sim.trace_export import chrome_trace
+
+
+def test_tetris_plans_execute_as_planned_and_beat_fixed_sp16_under_load():
+    base = RunSpec(workload="short", rate=4.0, requests=150, decode=False, improvement_rate=0.3)
+    tetris, _ = run_one(base)
+    fixed16, _ = run_one(msgspec.structs.replace(base, policy="fixed-sp-16"))
+    assert tetris.max_plan_deviation_s < 1e-6
+    assert tetris.mean_chunks > 1.0        # CDSP actually splits some requests
+    assert tetris.ttft.p50 < fixed16.ttft.p50
+
+
+def test_capacity_bisection_brackets_the_slo_crossing():
+    base = RunSpec(workload="short", policy="fixed-sp-8", requests=120, decode=False)
+    light = light_load("8b", "short", n=500)
+    cap = capacity(base, seeds=[0], lo=0.5, hi=4.0, tol=0.25, light=light)
+    ok = [p for p in cap.probes if p[3]]
+    bad = [p for p in cap.probes if not p[3]]
+    assert ok and bad and cap.capacity_rps == max(p[0] for p in ok)
+    assert min(p[0] for p in bad) - cap.capacity_rps <= 0.25 + 1e-9
+    for rate, p50, p99, good in cap.probes:
+        assert good == (p50 <= 25 * light[0] and p99 <= 25 * light[1])
+
+
+def test_profiler_table_drives_the_online_monitor(tmp_path):
+    rates, best, grid = profile_rates("8b", "short", [0.5, 6.0], [0.05, 0.65], seeds=1, requests=80)
+    assert len(grid) == 4 and all(b in (0.05, 0.65) for b in best)
+    for r, b in zip(rates, best):  # the recorded θ really has the lowest mean TTFT at its rate
+        pts = {g["theta"]: g["ttft_mean"] for g in grid if g["rate"] == r}
+        assert pts[b] == min(pts.values())
+    path = save_table(tmp_path / "t.toml", rates, best, model="8b", workload="short")
+    table = contract.load_rate_table(path)
+    spec = RunSpec(workload="short", rate=6.0, requests=400, decode=False, rate_table=str(path))
+    res, _ = run_one(spec)
+    assert res.improvement_rates[-1] == best[1]   # the monitor saw ~6 req/s and switched
+
+
+def test_loongserve_never_plans_prefill_on_an_instance_while_it_decodes():
+    spec = RunSpec(policy="loongserve", workload="short", rate=3.0, requests=60, record=True)
+    res, sim = run_one(spec)
+    assert res.tbt is not None and sim.max_reserved >= 1
+    arrival = {r.request_id: r.arrival_time for r in sim.requests}
+    for i, home in enumerate(sim.homes):
+        req = sim.decode_reqs[i]
+        assert req.finish_time >= req.ready_time >= req.first_token_time
+        # no request that arrived while `home` held request i's KV may prefill on `home`
+        t0, t1 = sim.requests[i].arrival_time, req.finish_time
+        for run in sim.prefill.runs:
+            if home in run.instances and run.request_id != req.request_id:
+                assert not (t0 < arrival[run.request_id] < t1)
+    assert sum(sim.assigned_count) == 0 and not any(sim.reserved)
+
+
+def test_chrome_trace_has_one_event_per_chunk_member():
+    spec = RunSpec(workload="short", rate=4.0, requests=30, decode=False, improvement_rate=0.3,
+                   record=True)
+    _, sim = run_one(spec)
+    trace = chrome_trace(sim.prefill.runs, num_instances=16)
+    xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(xs) == sum(len(r.instances) for r in sim.prefill.runs)
+    assert all(e["dur"] > 0 for e in xs)
+
+
+def test_cli_run_json_prints_one_object(capsys, tmp_path):
+    rc = main(["sim", "run", "--json", "--policy", "fixed-sp-8", "--rate", "2", "--requests", "40",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["policy"] == "fixed-sp-8" and obj["requests"] == 40 and obj["tbt"]["p50"] > 0
+    assert (tmp_path / "schedule.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+
+
+def test_unknown_workload_is_a_clear_error():
+    with pytest.raises(ValueError, match="does not exist"):
+        make_requests("nope", 1.0, 10, 0)
