@@ -145,3 +145,14 @@ def test_bad_masks_raise_value_error():
     with pytest.raises(ValueError, match=r"shape \(6,\)"):
         ta.attention_with_lse(q, k, v, q_positions=torch.arange(8, device=DEVICE),
                               k_positions=torch.arange(5, device=DEVICE))
+
+
+def test_dispatch_routes_to_triton_when_asked(monkeypatch):
+    dispatch = pytest.importorskip("tetris.kernels.dispatch")
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TETRIS_KERNEL_BACKEND", "triton")
+    q, k, v = _qkv(12, 12)
+    pos = torch.arange(12, device=DEVICE)
+    assert dispatch.attention_backend_for(q, k, q_positions=pos, k_positions=pos) == "triton"
+    got = dispatch.attention_with_lse(q, k, v, q_positions=pos, k_positions=pos)
+    _assert_close(got, ta.attention_with_lse_reference(q, k, v, causal=True), torch.float32)
