@@ -15,6 +15,8 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("tetris.cli.generate", "generate a completion for one prompt"),
     "sim": ("tetris.cli.sim", "discrete-event simulation: run, sweep, capacity, profile-rate, figures"),
+    "plan": ("tetris.cli.plan", "show the prefill plan (chunks, groups, times) of one request"),
+    "profile": ("tetris.cli.profile", "fit or show prefill latency profiles (paper Eq. 1)"),
 }
 
 

@@ -1,0 +1,103 @@
+"""``tetris plan``: the prefill plan one request would get, and the alternatives it beat.
+
+    tetris plan --profile a100-llama3-8b-tp1 --pool 16 --node-size 8 \\
+        --queue-times 0.31,0.31,0.31,0.31,0.31,0.31,0.31,0.31,0,0,0,0,0,0,0,0 \\
+        --prompt-tokens 131072 --improvement-rate 0.3 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tetris.scheduler.latency import ProfileError, load_profile
+from tetris.scheduler.policies import DEFAULT_MIN_CHUNK_TOKENS, CdspPolicy, PolicyError, make_policy
+from tetris.scheduler.pool import PoolError, PoolState
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="show the prefill plan of one request on a given pool",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("--profile", default="a100-llama3-8b-tp1",
+                   help="latency profile: embedded name or JSON path")
+    p.add_argument("--pool", type=int, required=True, help="prefill instances in the SP pool")
+    p.add_argument("--node-size", type=int, default=8, help="instances per node")
+    p.add_argument("--queue-times", default="0",
+                   help="comma-separated seconds until each instance is free (one value: all)")
+    p.add_argument("--prompt-tokens", type=int, required=True)
+    p.add_argument("--improvement-rate", type=float, default=0.3, help="θ (default 0.3)")
+    p.add_argument("--policy", default="tetris",
+                   help="tetris, tetris-single-chunk, loongserve-disagg or fixed-sp-<k>")
+    p.add_argument("--sp-candidates", default=None,
+                   help="comma-separated SP sizes (default: every size of the profile)")
+    p.add_argument("--min-chunk-tokens", type=int, default=DEFAULT_MIN_CHUNK_TOKENS)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def _ints(text: str | None) -> list[int] | None:
+    return None if text is None else [int(x) for x in text.split(",") if x.strip()]
+
+
+def _queues(text: str, n: int) -> list[float]:
+    vals = [float(x) for x in text.split(",") if x.strip()]
+    if len(vals) == 1:
+        return vals * n
+    if len(vals) != n:
+        raise ValueError(f"--queue-times has {len(vals)} values for a pool of {n}")
+    return vals
+
+
+def build(args: argparse.Namespace) -> dict:
+    prof = load_profile(args.profile)
+    pool = PoolState.uniform(args.pool, args.node_size, _queues(args.queue_times, args.pool))
+    cands = _ints(args.sp_candidates)
+    policy = make_policy(args.policy, prof, sp_candidates=cands,
+                         min_chunk_tokens=args.min_chunk_tokens,
+                         improvement_rate=args.improvement_rate)
+    plan = policy.plan("cli", args.prompt_tokens, 0.0, pool, args.improvement_rate).validate(pool.size)
+    # Algorithm 2's view, whatever the policy: each single chunk, and the one θ would pick.
+    single = CdspPolicy("tetris-single-chunk", prof, chunked=False, sp_candidates=cands,
+                        improvement_rate=args.improvement_rate)
+    search = single.search(args.prompt_tokens, 0.0, pool)
+    pick = single.plan("cli", args.prompt_tokens, 0.0, pool)
+    return {
+        "policy": plan.policy, "profile": prof.name, "prompt_tokens": plan.prompt_tokens,
+        "improvement_rate": plan.improvement_rate, "pool": pool.size, "node_size": args.node_size,
+        "ttft_estimate": plan.ttft_estimate,
+        "chunks": [{"start": c.start, "end": c.end, "tokens": c.tokens, "sp_size": c.sp_size,
+                    "instances": list(c.instances), "expected_start": c.expected_start,
+                    "expected_end": c.expected_end} for c in plan.chunks],
+        "single_chunk_options": [{"sp_size": s, "instances": list(m), "expected_start": st,
+                                  "ttft": t} for s, m, st, t in search.options(args.prompt_tokens)],
+        "single_chunk_choice": {"sp_size": pick.chunks[0].sp_size, "ttft": pick.ttft_estimate},
+    }
+
+
+def _print_table(out: dict) -> None:
+    print(f"{out['policy']}: {out['prompt_tokens']} tokens on a pool of {out['pool']} "
+          f"(nodes of {out['node_size']}), θ = {out['improvement_rate']}, profile {out['profile']}")
+    print(f"{'chunk':>5} {'tokens':>8} {'range':>17} {'SP':>3} {'start s':>8} {'end s':>8}  instances")
+    for k, c in enumerate(out["chunks"]):
+        rng = f"[{c['start']}, {c['end']})"
+        print(f"{k:>5} {c['tokens']:>8} {rng:>17} {c['sp_size']:>3} {c['expected_start']:>8.3f} "
+              f"{c['expected_end']:>8.3f}  {','.join(map(str, c['instances']))}")
+    print(f"TTFT estimate {out['ttft_estimate']:.3f} s")
+    print("single-chunk alternatives (Algorithm 2):")
+    for o in out["single_chunk_options"]:
+        mark = " <- θ pick" if o["sp_size"] == out["single_chunk_choice"]["sp_size"] else ""
+        print(f"  SP {o['sp_size']:>3}: start {o['expected_start']:.3f} s, TTFT {o['ttft']:.3f} s{mark}")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        out = build(args)
+    except (ProfileError, PolicyError, PoolError, ValueError) as e:
+        print(f"tetris plan: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(out))
+    else:
+        _print_table(out)
+    return 0
