@@ -121,6 +121,31 @@ def unpack_kv(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], block_tabl
         _copy_layer(*kv_caches[layer], slots, packed[i], to_packed=False)
 
 
+def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """One layer: cache slots [n] -> out [n, 2, Hkv, D] (allocated if None), as `kv_pack.gather_kv`."""
+    _check_layer(k_cache, v_cache, None)
+    check_launchable(k_cache.device)
+    shape = (slots.numel(), 2, k_cache.shape[2], k_cache.shape[3])
+    if out is None:
+        out = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
+    elif tuple(out.shape) != shape or out.dtype != k_cache.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {shape} {k_cache.dtype}, got {tuple(out.shape)} {out.dtype}")
+    _copy_layer(k_cache, v_cache, slots.to(device=k_cache.device, dtype=torch.int64).contiguous(), out, True)
+    return out
+
+
+def scatter_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, packed: torch.Tensor) -> None:
+    """One layer: packed [n, 2, Hkv, D] -> cache slots [n] (in place), as `kv_pack.scatter_kv`."""
+    _check_layer(k_cache, v_cache, None)
+    check_launchable(k_cache.device)
+    shape = (slots.numel(), 2, k_cache.shape[2], k_cache.shape[3])
+    if tuple(packed.shape) != shape or packed.dtype != k_cache.dtype:
+        raise ValueError(f"packed KV must be {shape} {k_cache.dtype}, got {tuple(packed.shape)} {packed.dtype}")
+    packed = packed.to(k_cache.device).contiguous()
+    _copy_layer(k_cache, v_cache, slots.to(device=k_cache.device, dtype=torch.int64).contiguous(), packed, False)
+
+
 def pack_kv_reference(kv_caches, block_table, positions, layers) -> torch.Tensor:
     """Torch reference: index the caches token by token through the block table."""
     page = kv_caches[layers[0]][0].shape[1]

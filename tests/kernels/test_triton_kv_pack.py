@@ -78,3 +78,17 @@ def test_bad_inputs_raise_value_error():
     mixed = [caches[0], (caches[1][0].half(), caches[1][1].half())]
     with pytest.raises(ValueError, match="layers differ"):
         tkp.pack_kv(mixed, table, pos, [0, 1])
+
+
+def test_single_layer_gather_scatter_match_torch_path():
+    (k, v), = _caches(layers=1, seed=6)
+    slots = torch.tensor([23, 0, 5, 6, 17], device=DEVICE)
+    got = tkp.gather_kv(k, v, slots)
+    assert torch.equal(got, kv_pack.gather_kv(k, v, slots))
+    (k2, v2), = _caches(layers=1, seed=7)
+    (k3, v3) = (k2.clone(), v2.clone())
+    tkp.scatter_kv(k2, v2, slots, got)
+    kv_pack.scatter_kv(k3, v3, slots, got)
+    assert torch.equal(k2, k3) and torch.equal(v2, v3)
+    with pytest.raises(ValueError, match="packed KV must be"):
+        tkp.scatter_kv(k2, v2, slots[:3], got)
