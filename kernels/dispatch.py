@@ -9,10 +9,14 @@ define those functions under the same names (a missing module just means "not av
                 tetris.kernels.triton_paged_decode (paged_decode_attention)
     flash_attn  tetris.kernels.flash_attn_backend (any of the three), CUDA fp16/bf16
 
-Order for each call: flash-attn (CUDA, half precision, no position mask) > Triton (CUDA, or
-CPU when TRITON_INTERPRET=1 and TETRIS_KERNEL_BACKEND=triton asks for it: the interpreter is
-far slower than torch, so it is never picked by itself) > the CPU flash kernel (CPU, no mask
-or plain causal) > the torch path. TETRIS_KERNEL_BACKEND=torch forces the torch path.
+Order for each call:
+  1. flash-attn: CUDA, half precision (position masks become a few causal pieces there)
+  2. Triton: CUDA; or CPU when TRITON_INTERPRET=1 and TETRIS_KERNEL_BACKEND=triton ask for it
+     (the interpreter is far slower than torch, so it is never picked by itself)
+  3. the CPU flash kernel: CPU, no mask or plain causal
+  4. the torch path
+TETRIS_KERNEL_BACKEND (flash_attn, triton, cpu_flash, torch) narrows the choice; "torch"
+forces the torch path.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ def attention_backend_for(q, k, *, causal=False, q_positions=None, k_positions=N
     if asked == "torch":
         return "torch"
     dev = q.device.type
-    if (dev == "cuda" and asked in (None, "flash_attn") and q_positions is None
+    if (dev == "cuda" and asked in (None, "flash_attn")
             and q.dtype in (torch.float16, torch.bfloat16)
             and _impl("flash_attn", "attention_with_lse") is not None):
         return "flash_attn"
