@@ -30,6 +30,41 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def online_softmax_step(q, kt, v, visible, m_i, l_i, acc, qk_scale_log2, IEEE: tl.constexpr):
+    """Fold one key tile into the running (max m, sum l, accumulator) of FlashAttention-2.
+
+    q [M, D], kt [D, N], v [N, D], visible [M, N] bool; m_i, l_i [M] fp32 (base-2 units),
+    acc [M, D] fp32. Returns the updated (m_i, l_i, acc).
+    """
+    if IEEE:
+        s = tl.dot(q, kt, input_precision="ieee")
+    else:
+        s = tl.dot(q, kt)
+    s = tl.where(visible, s * qk_scale_log2, float("-inf"))  # [M, N], base-2 logits
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # Rows that have seen no key yet keep m = -inf; shift by 0 there to avoid inf - inf.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_shift[:, None])
+    alpha = tl.math.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def finish_softmax(m_i, l_i, acc):
+    """Normalise the accumulator -> (out [M, D] fp32, natural-log lse [M]); -inf / 0 where no key was seen."""
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    # lse = ln(sum exp(logit)) = (m + log2 l) * ln 2 with m in base-2 units.
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    return out, lse
+
+
+@triton.jit
 def _attention_step_kernel(
     Q, K, V, QPOS, KPOS, OUT, LSE,  # q [Tq, Hq, D], k/v [Tk, Hkv, D], pos int64, out [Tq, Hq, D], lse [Hq, Tq]
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -89,34 +124,13 @@ def _attention_step_kernel(
             if UPCAST:
                 kt = kt.to(tl.float32)
                 v = v.to(tl.float32)
-            if IEEE:
-                s = tl.dot(q, kt, input_precision="ieee")
-            else:
-                s = tl.dot(q, kt)
-            s = s * qk_scale_log2  # [BLOCK_M, BLOCK_N], base-2 logits
             if MASKED:
                 visible = (k_pos[None, :] <= q_pos[:, None]) & n_valid[None, :]
             else:
                 visible = m_valid[:, None] & n_valid[None, :]
-            s = tl.where(visible, s, float("-inf"))
+            m_i, l_i, acc = online_softmax_step(q, kt, v, visible, m_i, l_i, acc, qk_scale_log2, IEEE)
 
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            # Rows that have seen no key yet keep m = -inf; shift by 0 there to avoid inf - inf.
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_shift[:, None])
-            alpha = tl.math.exp2(m_i - m_shift)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-
-    seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    # lse = ln(sum exp(logit)) = (m + log2 l) * ln 2 in base-2 units; -inf where no key was visible.
-    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    out, lse = finish_softmax(m_i, l_i, acc)
     tl.store(
         OUT + offs_m[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
         out.to(OUT.dtype.element_ty),

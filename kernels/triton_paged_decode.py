@@ -23,7 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
-from tetris.kernels.triton_attention import INTERPRETED, SUPPORTED_DTYPES, check_launchable
+from tetris.kernels.triton_attention import (
+    INTERPRETED,
+    SUPPORTED_DTYPES,
+    check_launchable,
+    finish_softmax,
+    online_softmax_step,
+)
 
 DEFAULT_PARTITION = 512
 _LOG2E = 1.4426950408889634
@@ -80,26 +86,9 @@ def _decode_partition_kernel(
         if UPCAST:
             kt = kt.to(tl.float32)
             v = v.to(tl.float32)
-        if IEEE:
-            s = tl.dot(q, kt, input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
-        s = tl.where(n_valid[None, :], s * qk_scale_log2, float("-inf"))  # [BLOCK_G, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(q, kt, v, n_valid[None, :], m_i, l_i, acc, qk_scale_log2, IEEE)
 
-    seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    out, lse = finish_softmax(m_i, l_i, acc)
     tl.store(PART_OUT + seq * stride_pob + heads[:, None] * stride_poh + part * stride_pop + offs_d[None, :],
              out, mask=g_valid[:, None] & d_valid[None, :])
     tl.store(PART_LSE + seq * stride_plb + heads * stride_plh + part, lse, mask=g_valid)
