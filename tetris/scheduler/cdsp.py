@@ -23,11 +23,11 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from tetris.scheduler.extend import GroupBuilder
+from tetris.scheduler.extend import Group, GroupBuilder
 
 __all__ = ["SearchResult", "CdspSearch"]
 
-# A chunk under construction: (tokens, chain of SP sizes of its group, start, end, next chunk).
+# A chunk under construction: (tokens, group, start, end, next chunk).
 _Link = tuple
 
 
@@ -58,16 +58,18 @@ class CdspSearch:
 
     # ---- Algorithm 2 ----------------------------------------------------------------------
 
-    def single_chunk(self, remaining: int, history: int, chain: tuple[int, ...],
+    def single_chunk(self, remaining: int, history: int, g_prev: Group,
                      t_prev: float, lo: int) -> tuple[float, int, float]:
         """Best single chunk from size index ``lo``: (ttft, size index, start)."""
-        sizes, coeffs, group, theta = self.sizes, self.coeffs, self.groups.group, self.theta
+        sizes, coeffs, theta = self.sizes, self.coeffs, self.theta
+        children, child = g_prev.children, self.groups.child
         best_ttft = math.inf
         best_k = -1
         best_start = 0.0
         for k in range(lo, len(sizes)):
             s = sizes[k]
-            mq = group(chain + (s,)).max_queue
+            g = children.get(s) or child(g_prev, s)
+            mq = g.max_queue
             start = t_prev if t_prev > mq else mq
             a, b, g, d = coeffs[s]
             ttft = start + a + remaining * (b + g * history + d * remaining)
@@ -77,8 +79,10 @@ class CdspSearch:
         return best_ttft, best_k, best_start
 
     def single_chunk_plan(self, prompt_tokens: int) -> SearchResult:
-        ttft, k, start = self.single_chunk(prompt_tokens, 0, (), 0.0, 0)
-        return self._result(ttft, (prompt_tokens, (self.sizes[k],), start, ttft, None))
+        root = self.groups.root
+        ttft, k, start = self.single_chunk(prompt_tokens, 0, root, 0.0, 0)
+        return self._result(ttft, (prompt_tokens, self.groups.child(root, self.sizes[k]), start,
+                                   ttft, None))
 
     def options(self, prompt_tokens: int) -> list[tuple[int, tuple[int, ...], float, float]]:
         """Every single-chunk alternative: (sp, members, start, ttft), for explaining a plan."""
@@ -93,27 +97,28 @@ class CdspSearch:
     # ---- Algorithms 1 and 3 ---------------------------------------------------------------
 
     def plan(self, prompt_tokens: int) -> SearchResult:
-        ttft, head = self._cdsp(prompt_tokens, 0, (), 0.0, 0, math.inf)
+        ttft, head = self._cdsp(prompt_tokens, 0, self.groups.root, 0.0, 0, math.inf)
         return self._result(ttft, head)
 
-    def _cdsp(self, remaining: int, history: int, chain: tuple[int, ...], t_prev: float,
+    def _cdsp(self, remaining: int, history: int, g_prev: Group, t_prev: float,
               lo: int, bound: float) -> tuple[float, _Link]:
-        best_ttft, k_max, start = self.single_chunk(remaining, history, chain, t_prev, lo)
-        best: _Link = (remaining, chain + (self.sizes[k_max],), start, best_ttft, None)
+        best_ttft, k_max, start = self.single_chunk(remaining, history, g_prev, t_prev, lo)
+        best: _Link = (remaining, g_prev.children[self.sizes[k_max]], start, best_ttft, None)
         if k_max == lo:  # one candidate left up to s_max: no pair to chunk with
             return best_ttft, best
-        sizes, coeffs, group = self.sizes, self.coeffs, self.groups.group
+        sizes, coeffs, child = self.sizes, self.coeffs, self.groups.child
         min_chunk, align = self.min_chunk, self.align
         for i in range(lo, k_max):
             s_cur = sizes[i]
-            chain_cur = chain + (s_cur,)
-            mq_cur = group(chain_cur).max_queue
+            g_cur = g_prev.children[s_cur]  # built by single_chunk above
+            mq_cur = g_cur.max_queue
             start_cur = t_prev if t_prev > mq_cur else mq_cur
             a, b, g, d = coeffs[s_cur]
             lin = b + g * history
             for j in range(i + 1, k_max + 1):
                 # Algorithm 3: the budget is the wait until the larger group is free.
-                mq_next = group(chain_cur + (sizes[j],)).max_queue
+                s_next = sizes[j]
+                mq_next = (g_cur.children.get(s_next) or child(g_cur, s_next)).max_queue
                 budget = (t_prev if t_prev > mq_next else mq_next) - start_cur - a
                 if budget <= 0.0:
                     continue
@@ -126,16 +131,16 @@ class CdspSearch:
                 if end >= cut:
                     continue
                 # Eq. 2: every member of G_cur is busy until this chunk's end.
-                rest_ttft, rest = self._cdsp(remaining - tokens, history + tokens, chain_cur,
+                rest_ttft, rest = self._cdsp(remaining - tokens, history + tokens, g_cur,
                                              end, j, cut)
                 if rest_ttft < best_ttft:
                     best_ttft = rest_ttft
-                    best = (tokens, chain_cur, start_cur, end, rest)
+                    best = (tokens, g_cur, start_cur, end, rest)
         return best_ttft, best
 
     def _result(self, ttft: float, link: _Link | None) -> SearchResult:
         chunks = []
         while link is not None:
-            tokens, chain, start, end, link = link
-            chunks.append((tokens, self.groups.group(chain).members, start, end))
+            tokens, group, start, end, link = link
+            chunks.append((tokens, group.members, start, end))
         return SearchResult(ttft, chunks)

@@ -12,7 +12,7 @@ Why the CDSP search can reuse one ``GroupBuilder`` for the whole decision: Eq. 2
 the queue times of a chunk's own members, and every later group contains them, so which
 instances ``extend`` *adds* depends only on the untouched queue times of non-members. A group
 is therefore fixed by the sequence of SP sizes that built it (its *chain*), and is memoised
-by that chain. Ties break on node index, then instance index, so plans are deterministic.
+as a tree: each group keeps the groups extended from it by SP size. Ties break on node index, then instance index, so plans are deterministic.
 """
 
 from __future__ import annotations
@@ -31,17 +31,20 @@ class Group:
     members, then the new ones node by node, by index) is built only for the chosen plan.
     """
 
-    __slots__ = ("size", "counts", "max_queue", "parent", "takes", "_members", "_by_node")
+    __slots__ = ("size", "counts", "partial", "max_queue", "parent", "takes", "children",
+                 "_members", "_by_node")
 
-    def __init__(self, size: int, counts: dict[int, int], max_queue: float,
+    def __init__(self, size: int, counts: dict[int, int], partial: list[int], max_queue: float,
                  parent: "Group | None" = None, takes: dict[int, int] | None = None,
                  by_node: dict[int, list[int]] | None = None):
         self.size = size
         self.counts = counts
+        self.partial = partial  # used nodes that still have free instances, ascending
         self.max_queue = max_queue
         self.parent = parent
         self.takes = takes
         self._by_node = by_node
+        self.children: dict[int, Group] = {}  # SP size -> extend(self, size), memoised
         self._members: tuple[int, ...] | None = () if parent is None else None
 
     @property
@@ -56,13 +59,10 @@ class Group:
         return self._members
 
 
-_EMPTY = Group(0, {}, float("-inf"))
-
-
 class GroupBuilder:
     """``extend`` over one snapshot of queue times, memoised by chain of SP sizes."""
 
-    __slots__ = ("queue", "by_node", "pos", "node_size", "_rank", "_full_rank", "_memo")
+    __slots__ = ("queue", "by_node", "pos", "node_size", "root", "_rank", "_full_rank")
 
     def __init__(self, queue: Sequence[float], node_of: Sequence[int]):
         self.queue = queue
@@ -81,14 +81,20 @@ class GroupBuilder:
         self.node_size = sizes.pop() if len(sizes) == 1 else 0
         self._rank: dict[int, list[int]] = {}
         self._full_rank: list[int] | None = None
-        self._memo: dict[tuple[int, ...], Group] = {(): _EMPTY}
+        self.root = Group(0, {}, [], float("-inf"))  # the empty group of a new request
+
+    def child(self, g: Group, s: int) -> Group:
+        """``extend(g, s)``, memoised on ``g``."""
+        c = g.children.get(s)
+        if c is None:
+            c = g.children[s] = self.extend(g, s)
+        return c
 
     def group(self, chain: tuple[int, ...]) -> Group:
         """The group built by extending from empty through the SP sizes of ``chain``."""
-        g = self._memo.get(chain)
-        if g is None:
-            g = self.extend(self.group(chain[:-1]), chain[-1])
-            self._memo[chain] = g
+        g = self.root
+        for s in chain:
+            g = self.child(g, s)
         return g
 
     def extend(self, g: Group, s: int) -> Group:
@@ -101,7 +107,7 @@ class GroupBuilder:
             raise ValueError(f"SP size {s} exceeds the pool of {len(self.queue)} instances")
         by_node, counts = self.by_node, g.counts
         takes: dict[int, int] = {}  # node -> instances added there
-        partial = sorted(n for n, c in counts.items() if c < len(by_node[n]))
+        partial = g.partial
         if len(partial) == 1:
             n = partial[0]
             takes[n] = min(need, len(by_node[n]) - counts[n])
@@ -116,14 +122,18 @@ class GroupBuilder:
             self._fill_from_untouched(need, counts, takes)
         q = self.queue
         new_counts = dict(counts)
+        new_partial = [n for n in partial if n not in takes]
         mq = g.max_queue
         for n, k in takes.items():
             c = counts.get(n, 0) + k
             new_counts[n] = c
+            if c < len(by_node[n]):
+                new_partial.append(n)
             last = q[by_node[n][c - 1]]  # node lists are queue-sorted: the last taken waits longest
             if last > mq:
                 mq = last
-        return Group(s, new_counts, mq, g, takes, by_node)
+        new_partial.sort()
+        return Group(s, new_counts, new_partial, mq, g, takes, by_node)
 
     def rank(self, r: int) -> list[int]:
         """Nodes with at least ``r`` instances, by their ``r``-th shortest queue, then index."""
