@@ -1,6 +1,6 @@
 """Every message that crosses a process boundary in KV streaming (msgspec Structs).
 
-Control messages (``Handshake``, ``Grant``, ``Abort``, ``TransferError``) are routed by the
+Control messages (``Handshake``, ``LayersReady``, ``Grant``, ``Abort``, ``TransferError``) are routed by the
 managers' owners (Ray actors) in an ``Envelope``; ``PieceNotice`` rides on the data backend's
 own notification (a NIXL notif), so that it arrives only after the bytes it describes.
 ``encode``/``decode`` give the msgpack form for transports that want bytes.
@@ -19,6 +19,7 @@ __all__ = [
     "Handshake",
     "Grant",
     "PieceNotice",
+    "LayersReady",
     "Abort",
     "TransferError",
     "ControlMessage",
@@ -79,6 +80,17 @@ class Handshake(msgspec.Struct, frozen=True, tag=True):
     agent: str
 
 
+class LayersReady(msgspec.Struct, frozen=True, tag=True):
+    """Sender -> receiver: layers ``[0, ready_layers)`` of the shard are computed and may be
+    sent. The receiver grants only shards with data waiting, so a backend never idles on a
+    shard whose next layer is still being computed while another shard could use it."""
+
+    request_id: str
+    sender_id: int
+    chunk_index: int
+    ready_layers: int
+
+
 class Grant(msgspec.Struct, frozen=True, tag=True):
     """Receiver -> sender (SPEC 7 step 3): one credit to write one piece into ``region``."""
 
@@ -123,7 +135,7 @@ class TransferError(msgspec.Struct, frozen=True, tag=True):
     reason: str
 
 
-ControlMessage = Handshake | Grant | Abort | TransferError
+ControlMessage = Handshake | LayersReady | Grant | Abort | TransferError
 
 
 class Envelope(msgspec.Struct, frozen=True):

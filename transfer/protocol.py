@@ -13,8 +13,9 @@ Lifecycle of one request whose KV lies on several prefill instances:
      earliest first handshake that holds none, and stays with it until all its chunks have
      arrived, even while it waits for a later chunk's handshake. A request that started
      arriving therefore always finishes; no half-filled request holds decode memory forever.
-4. As each layer finishes (``SendManager.layer_ready``), the sender writes it piece by piece
-   into the granted buffer with a ``PieceNotice`` on the backend's notification; the receiver
+4. As each layer finishes (``SendManager.layer_ready``), the sender says so (``LayersReady``;
+   grants go only to shards with data waiting) and writes it piece by piece into the granted
+   buffer with a ``PieceNotice`` on the backend's notification; the receiver
    checks it, places it into its paged cache by absolute position (``kernels/kv_pack``) and
    grants the next piece. Bulk pieces yield to activations at piece boundaries (``traffic``).
 5. When all layers of ``[0, prompt_tokens)`` have arrived, ``poll`` returns ``RequestReady``
@@ -67,10 +68,17 @@ class IncomingShard:
         self.positions_t = torch.from_numpy(positions)
         self.received = np.zeros((handshake.num_layers, positions.size), dtype=bool)
         self.seq = seq   # arrival order of this shard's own handshake
+        self.ready_layers = 0   # layers [0, ready_layers) are computed on the sender
 
     @property
     def done(self) -> bool:
         return bool(self.received.all())
+
+    @property
+    def has_data(self) -> bool:
+        """Its next piece is computed: a credit would be used at once."""
+        pending = ~self.received.all(axis=1)
+        return bool(pending.any()) and int(pending.argmax()) < self.ready_layers
 
 
 class IncomingRequest:
@@ -123,7 +131,7 @@ def _active(requests: dict[str, IncomingRequest]) -> list[IncomingRequest]:
 
 
 def _round_robin(shards: list[IncomingShard], after: ShardKey | None) -> IncomingShard | None:
-    pending = [s for s in shards if not s.done]
+    pending = [s for s in shards if s.has_data]
     if not pending:
         return None
     if after is not None:
@@ -166,7 +174,7 @@ def _per_chunk_fcfs(backend: ReceiveBackend, live: list[IncomingRequest],
         req = next((r for r in live if r.request_id == backend.holder), None)
         shard = None if req is None else req.shards.get(backend.holder_shard)
         if shard is not None and not shard.done:
-            return req, shard
+            return (req, shard) if shard.has_data else None
         backend.free()
     candidates = [(s.seq, r, s) for r in live for s in r.shards.values()
                   if not s.done and (r.request_id, s.key) not in held]
@@ -175,7 +183,7 @@ def _per_chunk_fcfs(backend: ReceiveBackend, live: list[IncomingRequest],
     _, req, shard = min(candidates, key=lambda c: c[0])
     backend.holder, backend.holder_shard = req.request_id, shard.key
     held.add((req.request_id, shard.key))
-    return req, shard
+    return (req, shard) if shard.has_data else None
 
 
 def assign_backends(backends: list[ReceiveBackend], requests: dict[str, IncomingRequest],

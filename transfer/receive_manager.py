@@ -21,7 +21,7 @@ import torch
 
 from tetris.kernels.kv_pack import packed_bytes_per_token, positions_to_slots, scatter_kv
 from tetris.transfer.backends.base import TransferAgent
-from tetris.transfer.messages import (Abort, ControlMessage, Envelope, Grant, Handshake, PieceNotice,
+from tetris.transfer.messages import (Abort, ControlMessage, Envelope, Grant, Handshake, LayersReady, PieceNotice,
                                       TransferError, decode_notice)
 from tetris.transfer.protocol import (IncomingRequest, IncomingShard, ReceiveBackend, assign_backends,
                                       shard_positions)
@@ -103,6 +103,14 @@ class ReceiveManager:
     def deliver(self, msg: ControlMessage, now: float) -> None:
         if isinstance(msg, Handshake):
             self._on_handshake(msg, now)
+        elif isinstance(msg, LayersReady):
+            req = self.requests.get(msg.request_id)
+            shard = None if req is None else req.shards.get((msg.sender_id, msg.chunk_index))
+            if shard is None or not 0 <= msg.ready_layers <= self.num_layers:
+                self._reject(msg.request_id, msg.sender_id, msg.chunk_index,
+                             f"LayersReady({msg.ready_layers}) for an unknown shard or past the last layer")
+            else:
+                shard.ready_layers = max(shard.ready_layers, msg.ready_layers)
         elif isinstance(msg, Abort):
             req = self.requests.get(msg.request_id)
             if req is not None:

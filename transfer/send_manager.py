@@ -21,8 +21,8 @@ import torch
 
 from tetris.kernels.kv_pack import packed_bytes_per_token
 from tetris.transfer.backends.base import TransferAgent
-from tetris.transfer.messages import (Abort, ControlMessage, Envelope, Grant, Handshake, PieceNotice, TokenRange,
-                                      TransferError, encode_notice)
+from tetris.transfer.messages import (Abort, ControlMessage, Envelope, Grant, Handshake, LayersReady, PieceNotice,
+                                      TokenRange, TransferError, encode_notice)
 from tetris.transfer.states import (ActivationGo, ShardSent, TransferConfig, TransferEvent, TransferFailed,
                                     TransferState)
 from tetris.transfer.traffic import LinkChunk, LinkScheduler, TrafficClass
@@ -39,6 +39,7 @@ class _OutgoingShard:
         self.layer = 0           # cursor: next piece starts at (layer, offset)
         self.offset = 0
         self.queued = False      # its next piece waits on the link
+        self.ready_layers = 0    # layers [0, ready_layers) were handed over (told to the receiver)
         self.state = TransferState.BOOTSTRAPPING
         self.last_progress = now
 
@@ -93,9 +94,16 @@ class SendManager:
         want = (shard.num_tokens, 2, hs.kv_heads, hs.head_dim)
         if tuple(kv.shape) != want or str(kv.dtype).removeprefix("torch.") != hs.dtype:
             raise ValueError(f"layer KV must be {want} {hs.dtype}, got {tuple(kv.shape)} {kv.dtype}")
-        if not 0 <= layer < hs.num_layers or layer in shard.layers:
+        if not 0 <= layer < hs.num_layers or layer in shard.layers or layer < shard.layer:
             raise ValueError(f"layer {layer} is out of range or was already given")
         shard.layers[layer] = kv.contiguous()
+        ready = shard.ready_layers
+        while ready in shard.layers or ready < shard.layer:
+            ready += 1
+        if ready > shard.ready_layers and not shard.state.finished:
+            shard.ready_layers = ready
+            self._send(hs.receiver_id, LayersReady(request_id=request_id, sender_id=self.sender_id,
+                                                   chunk_index=chunk_index, ready_layers=ready))
 
     def deliver(self, msg: ControlMessage, now: float) -> None:
         if isinstance(msg, Grant):

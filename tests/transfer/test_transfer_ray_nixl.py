@@ -63,9 +63,10 @@ def test_kv_bitwise_equal_through_nixl_between_ray_actors(ray_session):
     if reason is not None:
         pytest.skip(reason)
     ray = ray_session
-    # 2 backends for 3 senders: the ordered (scarce) path; 512 B pieces: several pieces per layer
-    config = TransferConfig(num_backends=2, pool_size=3, backend_buffer_bytes=1024,
-                            send_buffer_bytes=1024, bulk_chunk_bytes=512)
+    # 2 backends for 3 senders: the ordered (scarce) path; 4 KiB pieces (16 tokens): shards of 17-20
+    # tokens take two pieces per layer
+    config = TransferConfig(num_backends=2, pool_size=3, backend_buffer_bytes=4096,
+                            send_buffer_bytes=4096, bulk_chunk_bytes=4096)
     receiver = ray.remote(num_cpus=0)(ReceiverEndpoint).remote(
         0, config, num_layers=LAYERS, num_blocks=BLOCKS, block_size=BS, kv_heads=HKV, head_dim=D,
         free_blocks=FREE_ORDER)
@@ -86,8 +87,7 @@ def test_kv_bitwise_equal_through_nixl_between_ray_actors(ray_session):
             ray.get([senders[s].layer_ready.remote(
                 "req", chunk, layer, truth[layer][torch.cat([torch.arange(a, b) for a, b in r])])
                 for s, r in shards])
-            for _ in range(2):
-                router.round()
+            router.round()
     deadline = time.monotonic() + 60
     while router.ready is None and time.monotonic() < deadline:
         router.round()

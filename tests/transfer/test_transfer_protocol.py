@@ -1,0 +1,214 @@
+"""Send/receive managers over the in-process backend: integrity, layer-wise streaming, bad
+messages, aborts, timeouts and lost peers (deterministic clock)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transfer_helpers import HKV, LAYERS, D, Cluster, source_kv
+
+from tetris.kernels.kv_pack import pack_kv
+from tetris.transfer.messages import Grant, Handshake, PieceNotice, encode_notice
+from tetris.transfer.states import (ChunkArrived, MessageRejected, RequestReady, ShardSent, TransferConfig,
+                                    TransferFailed, TransferState)
+
+SMALL = TransferConfig(num_backends=2, pool_size=3, backend_buffer_bytes=1024, send_buffer_bytes=1024,
+                       bulk_chunk_bytes=512, timeout_s=1.0, abort_grace_s=0.05)
+
+
+def _add(cluster, sender, rid, chunk, span, ranges, prompt, *, kv=None, layers=()):
+    cluster.senders[sender].add_shard(request_id=rid, chunk_index=chunk, receiver_id=0, prompt_tokens=prompt,
+                                      chunk=span, ranges=ranges, num_layers=LAYERS, kv_heads=HKV, head_dim=D,
+                                      dtype=torch.float32, now=cluster.now)
+    pos = torch.cat([torch.arange(a, b) for a, b in ranges])
+    for layer in layers:
+        cluster.senders[sender].layer_ready(rid, chunk, layer, kv[layer][pos])
+    return pos
+
+
+def _run_until(cluster, cond, limit=500):
+    for _ in range(limit):
+        events = cluster.step()
+        if cond(events):
+            return events
+    raise AssertionError("condition not reached")
+
+
+def _cache_snapshot(cluster):
+    return [(k.clone(), v.clone()) for k, v in cluster.recv_cache]
+
+
+def _same_cache(a, b):
+    return all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+
+
+def test_uneven_shards_over_two_chunks_arrive_bitwise_equal_layer_by_layer():
+    c = Cluster(3, SMALL)
+    L = 45
+    kv = source_kv(L, seed=3)
+    shards = [(0, 0, (0, 20), [(0, 4), (16, 20)]), (1, 0, (0, 20), [(4, 16)]),
+              (0, 1, (20, 45), [(20, 23), (41, 45)]), (1, 1, (20, 45), [(23, 30)]), (2, 1, (20, 45), [(30, 41)])]
+    positions = {}
+    for s, chunk, span, ranges in shards:
+        if chunk == 0:
+            positions[(s, chunk)] = _add(c, s, "r", chunk, span, ranges, L, kv=kv, layers=[0])
+    # only layer 0 of chunk 0 is computed: it streams while layer 1 "computes"
+    _run_until(c, lambda ev: c.receiver.requests["r"].coverage[0, :20].all())
+    assert not c.receiver.requests["r"].coverage[1].any()
+    assert c.receiver.state("r") == TransferState.TRANSFERRING
+    for s, chunk, span, ranges in shards:
+        if chunk == 0:
+            c.senders[s].layer_ready("r", 0, 1, kv[1][positions[(s, 0)]])
+    events = _run_until(c, lambda ev: any(isinstance(e, ChunkArrived) for e in ev))
+    assert [e.chunk_index for e in events if isinstance(e, ChunkArrived)] == [0]
+    for s, chunk, span, ranges in shards:
+        if chunk == 1:
+            _add(c, s, "r", chunk, span, ranges, L, kv=kv, layers=range(LAYERS))
+    events = _run_until(c, lambda ev: any(isinstance(e, RequestReady) for e in ev))
+    ready = next(e for e in events if isinstance(e, RequestReady))
+    got = pack_kv(c.recv_cache, torch.tensor(ready.block_table, dtype=torch.int32), torch.arange(L),
+                  list(range(LAYERS)))
+    assert torch.equal(got, torch.stack(kv))
+    sent = sorted((s, e.chunk_index) for s, e in c.events if isinstance(e, ShardSent))
+    assert sent == sorted((s, chunk) for s, chunk, *_ in shards)
+    assert c.receiver.state("r") == TransferState.DONE
+    assert c.allocator.num_free == 64 - len(ready.block_table)   # the blocks now belong to the engine
+
+
+def test_dedicated_backends_serve_each_sender_without_ordering():
+    cfg = TransferConfig(num_backends=3, pool_size=3, backend_buffer_bytes=1024, send_buffer_bytes=1024,
+                         bulk_chunk_bytes=1024)
+    c = Cluster(3, cfg)
+    kv = source_kv(30, seed=4)
+    for s in range(3):
+        _add(c, s, "r", 0, (0, 30), [(10 * s, 10 * s + 10)], 30, kv=kv, layers=range(LAYERS))
+    c.step()
+    holders = {b.backend_id: b.credit for b in c.receiver.backends}
+    assert holders == {0: ("r", (0, 0)), 1: ("r", (1, 0)), 2: ("r", (2, 0))}
+    _run_until(c, lambda ev: any(isinstance(e, RequestReady) for e in ev))
+
+
+def _one_shard(c, rid="r", L=16):
+    kv = source_kv(L, seed=5)
+    _add(c, 0, rid, 0, (0, L), [(0, L)], L, kv=kv, layers=range(LAYERS))
+    return kv
+
+
+def _grant_for(c, rid):
+    for mgr in c.senders.values():   # sender -> receiver only: grants stay with the test
+        for env in mgr.drain_outbox():
+            c.receiver.deliver(env.msg, c.now)
+    c.receiver.poll(c.now)
+    return next(env.msg for env in c.receiver.drain_outbox() if isinstance(env.msg, Grant) and env.msg.request_id == rid)
+
+
+def _forge(c, grant, **changes):
+    """Write bytes straight into the granted buffer with a hand-made notice (a buggy sender)."""
+    fields = dict(request_id=grant.request_id, sender_id=0, chunk_index=grant.chunk_index,
+                  backend_id=grant.backend_id, layer=0, token_offset=0, num_tokens=2, nbytes=2 * 2 * HKV * D * 4,
+                  dtype="float32")
+    fields.update(changes)
+    notice = PieceNotice(**fields)
+    agent = c.senders[0].agent
+    src = torch.full((notice.nbytes // 4,), 7.0)
+    agent.register(src)
+    assert agent.status(agent.write(src, grant.region, 0, encode_notice(notice))) == "done"
+    events = c.receiver.poll(c.now)
+    agent.deregister(src)
+    return events
+
+
+@pytest.mark.parametrize("changes, reason", [
+    (dict(request_id="ghost"), "unknown request"),
+    (dict(nbytes=2 * 2 * HKV * D * 4 - 4), "bytes for 2 tokens"),
+    (dict(dtype="bfloat16"), "dtype bfloat16"),
+    (dict(layer=LAYERS), "outside the shard"),
+    (dict(chunk_index=3), "no handshake for chunk 3"),
+])
+def test_bad_pieces_are_rejected_and_write_nothing(changes, reason):
+    c = Cluster(1, SMALL)
+    _one_shard(c)
+    grant = _grant_for(c, "r")   # kept from the real sender: the test writes in its place
+    before = _cache_snapshot(c)
+    events = _forge(c, grant, **changes)
+    rejected = [e for e in events if isinstance(e, MessageRejected)]
+    assert len(rejected) == 1 and reason in rejected[0].reason
+    assert _same_cache(before, c.recv_cache)
+    assert not c.receiver.requests["r"].coverage.any()
+
+
+def test_duplicate_piece_and_duplicate_handshake_are_rejected():
+    c = Cluster(1, SMALL)
+    _one_shard(c)
+    grant = _grant_for(c, "r")
+    hs = c.senders[0].shards[("r", 0)].handshake
+    c.receiver.deliver(hs, c.now)   # the same chunk twice
+    overlap = Handshake(**{**{f: getattr(hs, f) for f in hs.__struct_fields__}, "sender_id": 1,
+                           "ranges": (TokenRange(8, 12),)})
+    c.receiver.deliver(overlap, c.now)
+    wrong_shape = Handshake(**{**{f: getattr(hs, f) for f in hs.__struct_fields__}, "chunk_index": 1,
+                               "head_dim": D * 2})
+    c.receiver.deliver(wrong_shape, c.now)
+    events = c.receiver.poll(c.now)
+    reasons = [e.reason for e in events if isinstance(e, MessageRejected)]
+    assert len(reasons) == 3
+    assert "duplicate shard" in reasons[0] and "duplicate shard" in reasons[1] and "KV shape" in reasons[2]
+    assert _forge(c, grant) == []                 # first copy of the piece is placed
+    placed = _cache_snapshot(c)
+    assert c.receiver.requests["r"].coverage[0, :2].all()
+    grant = _grant_for(c, "r")
+    events = _forge(c, grant)                     # the same piece again
+    assert any("duplicate piece" in e.reason for e in events if isinstance(e, MessageRejected))
+    assert _same_cache(placed, c.recv_cache)
+
+
+def test_sender_abort_mid_transfer_frees_blocks_and_backends():
+    c = Cluster(2, SMALL)
+    kv = source_kv(40, seed=6)
+    _add(c, 0, "a", 0, (0, 40), [(0, 20)], 40, kv=kv, layers=range(LAYERS))
+    _add(c, 1, "a", 0, (0, 40), [(20, 40)], 40, kv=kv, layers=range(LAYERS))
+    free_before = c.allocator.num_free
+    _run_until(c, lambda ev: c.receiver.requests["a"].coverage.sum() > 8)
+    assert c.allocator.num_free == free_before - 10
+    c.senders[0].abort("a", "client cancelled")
+    events = c.step()
+    assert any(isinstance(e, TransferFailed) and "client cancelled" in e.reason for e in events)
+    assert c.allocator.num_free == free_before + 0 and "a" not in c.receiver.requests
+    assert c.receiver.state("a") == TransferState.FAILED
+    # the other sender is told, and its shard fails too
+    c.step()
+    assert c.senders[1].state("a", 0) == TransferState.FAILED
+    assert all(b.holder is None and b.credit is None for b in c.receiver.backends)
+    # a late handshake of the aborted request is refused, not allocated
+    _add(c, 0, "a", 1, (0, 40), [(0, 5)], 40, kv=kv)
+    events = c.step()
+    assert any(isinstance(e, MessageRejected) and "already" in e.reason for e in events)
+    assert c.allocator.num_free == free_before
+    # after the grace period the backends serve a new request to completion
+    c.now += SMALL.abort_grace_s
+    _add(c, 1, "b", 0, (0, 8), [(0, 8)], 8, kv=source_kv(8, seed=7), layers=range(LAYERS))
+    _run_until(c, lambda ev: any(isinstance(e, RequestReady) and e.request_id == "b" for e in ev))
+
+
+def test_receiver_timeout_and_lost_sender_free_everything():
+    c = Cluster(2, SMALL)
+    kv = source_kv(16, seed=8)
+    _add(c, 0, "slow", 0, (0, 16), [(0, 16)], 16, kv=kv)          # handshakes, never computes a layer
+    _add(c, 1, "lost", 0, (0, 16), [(0, 16)], 16, kv=kv, layers=[0])
+    for _ in range(3):
+        c.step()
+    assert c.allocator.num_free == 64 - 8
+    c.receiver.peer_lost(1, c.now)
+    events = c.step()
+    assert [e.request_id for e in events if isinstance(e, TransferFailed)] == ["lost"]
+    assert c.allocator.num_free == 64 - 4
+    events = []
+    for _ in range(200):                    # 2 s of 10 ms steps on the test clock
+        events += c.step()
+        if c.receiver.state("slow") == TransferState.FAILED:
+            break
+    assert [e.request_id for e in events if isinstance(e, TransferFailed)] == ["slow"]
+    assert "timed out" in next(e.reason for e in events if isinstance(e, TransferFailed))
+    assert c.allocator.num_free == 64
+    # the sender learns of it through the Abort the receiver sent
+    assert c.senders[0].state("slow", 0) == TransferState.FAILED
