@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tetris.plan import Chunk, PlanError, PrefillPlan
-from tetris.scheduler.extend import GroupBuilder
+from tetris.scheduler.extend import GroupBuilder, node_members
 from tetris.scheduler.pool import PoolError, PoolState
 
 
@@ -29,7 +29,7 @@ def test_pool_validation():
 
 
 def _builder(queues, node_size):
-    return GroupBuilder(queues, [i // node_size for i in range(len(queues))])
+    return GroupBuilder(queues, node_members([i // node_size for i in range(len(queues))]))
 
 
 def test_one_node_rule_takes_node_with_smallest_sth_queue():
@@ -62,3 +62,13 @@ def test_whole_nodes_then_remainder():
     assert sorted(g3.members) == [2, 6, 7]
     with pytest.raises(ValueError):
         b.group((16,))
+
+
+def test_uneven_nodes_take_whole_nodes_then_one():
+    # node 0 has 4 instances, node 1 has 2, node 2 has 2 (instances interleaved on purpose)
+    node_of = [0, 1, 0, 2, 0, 1, 0, 2]
+    b = GroupBuilder([0.0] * 8, node_members(node_of))
+    assert sorted(b.group((4,)).members) == [0, 2, 4, 6]
+    g6 = b.group((6,))  # no node fits 6: whole node 0 (largest on ties), then a node of 2
+    assert sorted(g6.members) == [0, 1, 2, 4, 5, 6]
+    assert b.group((2, 6)).members[:2] == b.group((2,)).members

@@ -70,7 +70,7 @@ def build(args: argparse.Namespace) -> dict:
                     "instances": list(c.instances), "expected_start": c.expected_start,
                     "expected_end": c.expected_end} for c in plan.chunks],
         "single_chunk_options": [{"sp_size": s, "instances": list(m), "expected_start": st,
-                                  "ttft": t} for s, m, st, t in search.options(args.prompt_tokens)],
+                                  "ttft": t} for s, m, st, t in search.options(args.prompt_tokens)],  # now = 0
         "single_chunk_choice": {"sp_size": pick.chunks[0].sp_size, "ttft": pick.ttft_estimate},
     }
 

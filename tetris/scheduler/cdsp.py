@@ -1,7 +1,8 @@
 """CDSP search: paper Algorithms 1-3 and Eq. 2 (SPEC §3) over one snapshot of the pool.
 
-All times inside the search are relative to the request's arrival ``now`` (queue times in the
-past count as 0), so a TTFT is simply a chunk's end. A decision:
+Times are absolute on the caller's clock; the search starts at the request's arrival ``now``
+(an instance whose queue time is in the past starts at ``now``), and a TTFT is the last
+chunk's end minus ``now``. A decision:
 
     Algorithm 2  single_chunk: every remaining token as one chunk; SP size grows only while the
                  TTFT gain exceeds θ·best (this also caps the SP size of the search, s_max).
@@ -32,7 +33,7 @@ _Link = tuple
 
 
 class SearchResult:
-    """A plan in relative times: ``chunks`` as (tokens, members, start, end), and the TTFT."""
+    """A plan: ``chunks`` as (tokens, members, start, end) in absolute times, and the TTFT."""
 
     __slots__ = ("ttft", "chunks")
 
@@ -44,14 +45,16 @@ class SearchResult:
 class CdspSearch:
     """One decision's search state: coefficients, candidate SP sizes and a group builder."""
 
-    __slots__ = ("coeffs", "sizes", "groups", "theta", "min_chunk", "align")
+    __slots__ = ("coeffs", "sizes", "groups", "now", "theta", "min_chunk", "align")
 
     def __init__(self, coeffs: dict[int, tuple[float, float, float, float]],
-                 sizes: Sequence[int], queue_rel: Sequence[float], node_of: Sequence[int],
+                 sizes: Sequence[int], queue: Sequence[float],
+                 topology: list[tuple[int, list[int]]], now: float,
                  *, theta: float, min_chunk_tokens: int, chunk_align: int):
         self.coeffs = coeffs
         self.sizes = tuple(sizes)
-        self.groups = GroupBuilder(queue_rel, node_of)
+        self.groups = GroupBuilder(queue, topology)
+        self.now = now
         self.theta = theta
         self.min_chunk = max(1, min_chunk_tokens)
         self.align = max(1, chunk_align)
@@ -60,8 +63,8 @@ class CdspSearch:
 
     def single_chunk(self, remaining: int, history: int, g_prev: Group,
                      t_prev: float, lo: int) -> tuple[float, int, float]:
-        """Best single chunk from size index ``lo``: (ttft, size index, start)."""
-        sizes, coeffs, theta = self.sizes, self.coeffs, self.theta
+        """Best single chunk from size index ``lo``: (end, size index, start)."""
+        sizes, coeffs, theta, now = self.sizes, self.coeffs, self.theta, self.now
         children, child = g_prev.children, self.groups.child
         best_ttft = math.inf
         best_k = -1
@@ -73,23 +76,24 @@ class CdspSearch:
             start = t_prev if t_prev > mq else mq
             a, b, g, d = coeffs[s]
             ttft = start + a + remaining * (b + g * history + d * remaining)
-            # A larger SP size must gain more than θ of the best TTFT so far (SPEC §3).
-            if best_k < 0 or best_ttft - ttft > theta * best_ttft:
+            # A larger SP size must gain more than θ of the best TTFT so far (SPEC §3);
+            # TTFTs count from the arrival, hence `- now`.
+            if best_k < 0 or best_ttft - ttft > theta * (best_ttft - now):
                 best_ttft, best_k, best_start = ttft, k, start
         return best_ttft, best_k, best_start
 
     def single_chunk_plan(self, prompt_tokens: int) -> SearchResult:
         root = self.groups.root
-        ttft, k, start = self.single_chunk(prompt_tokens, 0, root, 0.0, 0)
+        ttft, k, start = self.single_chunk(prompt_tokens, 0, root, self.now, 0)
         return self._result(ttft, (prompt_tokens, self.groups.child(root, self.sizes[k]), start,
                                    ttft, None))
 
     def options(self, prompt_tokens: int) -> list[tuple[int, tuple[int, ...], float, float]]:
-        """Every single-chunk alternative: (sp, members, start, ttft), for explaining a plan."""
+        """Every single-chunk alternative: (sp, members, start, end), for explaining a plan."""
         out = []
         for s in self.sizes:
             g = self.groups.group((s,))
-            start = max(0.0, g.max_queue)
+            start = max(self.now, g.max_queue)
             a, b, _, d = self.coeffs[s]
             out.append((s, g.members, start, start + a + prompt_tokens * (b + d * prompt_tokens)))
         return out
@@ -97,7 +101,7 @@ class CdspSearch:
     # ---- Algorithms 1 and 3 ---------------------------------------------------------------
 
     def plan(self, prompt_tokens: int) -> SearchResult:
-        ttft, head = self._cdsp(prompt_tokens, 0, self.groups.root, 0.0, 0, math.inf)
+        ttft, head = self._cdsp(prompt_tokens, 0, self.groups.root, self.now, 0, math.inf)
         return self._result(ttft, head)
 
     def _cdsp(self, remaining: int, history: int, g_prev: Group, t_prev: float,
@@ -138,9 +142,9 @@ class CdspSearch:
                     best = (tokens, g_cur, start_cur, end, rest)
         return best_ttft, best
 
-    def _result(self, ttft: float, link: _Link | None) -> SearchResult:
+    def _result(self, end: float, link: _Link | None) -> SearchResult:
         chunks = []
         while link is not None:
-            tokens, group, start, end, link = link
-            chunks.append((tokens, group.members, start, end))
-        return SearchResult(ttft, chunks)
+            tokens, group, start, chunk_end, link = link
+            chunks.append((tokens, group.members, start, chunk_end))
+        return SearchResult(end - self.now, chunks)

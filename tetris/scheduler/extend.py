@@ -19,7 +19,15 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["Group", "GroupBuilder"]
+__all__ = ["Group", "GroupBuilder", "node_members"]
+
+
+def node_members(node_of: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """``(node, its instances ascending)`` for each node, by node index: the pool's topology."""
+    nodes: dict[int, list[int]] = {}
+    for i, n in enumerate(node_of):
+        nodes.setdefault(n, []).append(i)
+    return sorted(nodes.items())
 
 
 class Group:
@@ -62,20 +70,15 @@ class Group:
 class GroupBuilder:
     """``extend`` over one snapshot of queue times, memoised by chain of SP sizes."""
 
-    __slots__ = ("queue", "by_node", "pos", "node_size", "root", "_rank", "_full_rank")
+    __slots__ = ("queue", "by_node", "node_size", "root", "_rank", "_full_rank")
 
-    def __init__(self, queue: Sequence[float], node_of: Sequence[int]):
+    def __init__(self, queue: Sequence[float], topology: list[tuple[int, list[int]]]):
+        """``topology`` is ``node_members(node_of)``, computed once per pool layout."""
         self.queue = queue
-        # One stable sort of the whole pool: each node's bucket is then sorted by (q, i), and an
-        # instance's position in it is its (q, i) rank, a cheap int sort key.
-        order = sorted(range(len(queue)), key=queue.__getitem__)
-        pos = [0] * len(queue)
-        by_node: dict[int, list[int]] = {}
-        for k, i in enumerate(order):
-            pos[i] = k
-            by_node.setdefault(node_of[i], []).append(i)
+        key = queue.__getitem__
+        # Each node's instances by queue time; a stable sort keeps ties in index order.
+        by_node = {n: sorted(members, key=key) for n, members in topology}
         self.by_node = by_node
-        self.pos = pos
         sizes = {len(v) for v in by_node.values()}
         # Equal nodes (the usual case) allow rule 1 in one step; 0 means "nodes differ".
         self.node_size = sizes.pop() if len(sizes) == 1 else 0
@@ -113,9 +116,9 @@ class GroupBuilder:
             takes[n] = min(need, len(by_node[n]) - counts[n])
         elif partial:
             # Rule 2 over several nodes: the globally shortest-queued free instances.
-            pos = self.pos
-            free = sorted((pos[i], n) for n in partial for i in by_node[n][counts[n]:])
-            for _, n in free[:need]:
+            q = self.queue
+            free = sorted((q[i], i, n) for n in partial for i in by_node[n][counts[n]:])
+            for _, _, n in free[:need]:
                 takes[n] = takes.get(n, 0) + 1
         need -= sum(takes.values())
         if need:
@@ -139,17 +142,18 @@ class GroupBuilder:
         """Nodes with at least ``r`` instances, by their ``r``-th shortest queue, then index."""
         nodes = self._rank.get(r)
         if nodes is None:
-            q, by_node = self.queue, self.by_node
-            nodes = sorted((n for n in by_node if len(by_node[n]) >= r),
-                           key=lambda n: (q[by_node[n][r - 1]], n))
+            q = self.queue
+            nodes = [n for _, n in sorted([(q[bn[r - 1]], n) for n, bn in self.by_node.items()
+                                           if len(bn) >= r])]
             self._rank[r] = nodes
         return nodes
 
     def full_rank(self) -> list[int]:
         """Nodes by the time all of them is free; larger nodes first on ties."""
         if self._full_rank is None:
-            q, by_node = self.queue, self.by_node
-            self._full_rank = sorted(by_node, key=lambda n: (q[by_node[n][-1]], -len(by_node[n]), n))
+            q = self.queue
+            self._full_rank = [n for *_, n in sorted(
+                [(q[bn[-1]], -len(bn), n) for n, bn in self.by_node.items()])]
         return self._full_rank
 
     def _fill_from_untouched(self, need: int, counts: dict[int, int],

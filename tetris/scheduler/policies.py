@@ -17,6 +17,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 from tetris.plan import Chunk, PrefillPlan
 from tetris.scheduler.cdsp import CdspSearch, SearchResult
+from tetris.scheduler.extend import node_members
 from tetris.scheduler.latency import PrefillLatencyModel
 from tetris.scheduler.pool import PoolState
 
@@ -50,11 +51,6 @@ class Policy(Protocol):
              improvement_rate: float | None = None) -> PrefillPlan: ...
 
 
-def _relative_queues(pool: PoolState, now: float) -> list[float]:
-    # An instance idle since before `now` can start at `now`: TTFT counts from arrival.
-    return [q - now if q > now else 0.0 for q in pool.queue_times]
-
-
 def _check_request(prompt_tokens: int) -> None:
     if not isinstance(prompt_tokens, int) or prompt_tokens <= 0:
         raise PolicyError(f"prompt_tokens must be a positive int, got {prompt_tokens!r}")
@@ -65,7 +61,7 @@ def _to_plan(request_id: str, prompt_tokens: int, now: float, res: SearchResult,
     chunks = []
     pos = 0
     for tokens, members, start, end in res.chunks:
-        chunks.append(Chunk(pos, pos + tokens, members, now + start, now + end))
+        chunks.append(Chunk(pos, pos + tokens, members, start, end))
         pos += tokens
     return PrefillPlan(request_id, prompt_tokens, tuple(chunks), ttft_estimate=res.ttft,
                        policy=policy, improvement_rate=theta)
@@ -97,6 +93,7 @@ class CdspPolicy:
                 f"{missing or 'an empty set'} (it has {list(profile.sp_sizes)})"
             )
         self.sp_candidates: tuple[int, ...] = tuple(cands)
+        self._layout: tuple[tuple[int, ...], list] = ((), [])  # node_of -> node_members, cached
 
     def search(self, prompt_tokens: int, now: float, pool: PoolState,
                improvement_rate: float | None = None) -> CdspSearch:
@@ -107,7 +104,11 @@ class CdspPolicy:
             raise PolicyError(
                 f"no SP candidate {list(self.sp_candidates)} fits a pool of {pool.size}"
             )
-        return CdspSearch(self.profile.table, sizes, _relative_queues(pool, now), pool.node_of,
+        node_of, topology = self._layout
+        if pool.node_of is not node_of and pool.node_of != node_of:
+            topology = node_members(pool.node_of)
+            self._layout = (pool.node_of, topology)
+        return CdspSearch(self.profile.table, sizes, pool.queue_times, topology, now,
                           theta=theta, min_chunk_tokens=self.min_chunk_tokens,
                           chunk_align=self.chunk_align)
 
