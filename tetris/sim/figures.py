@@ -28,9 +28,9 @@ FIXED_THETAS = (0.1, 0.3, 0.5, 0.7)
 
 
 def _spec(args, workload: str, policy: str, **kw) -> RunSpec:
+    decode = kw.pop("decode", False) or policy == "loongserve"
     return RunSpec(model=args.model, workload=workload, policy=policy, requests=args.requests,
-                   seed=args.seed, rate_table=args.rate_table,
-                   decode=policy == "loongserve" or kw.pop("decode", False), **kw)
+                   seed=args.seed, rate_table=args.rate_table, decode=decode, **kw)
 
 
 def _at_critical(args, workload: str, rate: float, seeds) -> tuple[list[dict], dict]:
@@ -133,6 +133,6 @@ def reproduce(args) -> tuple[dict, list[str]]:
     (out / f"results_{args.model}.json").write_text(json.dumps(results, indent=1, default=float))
     (out / f"capacity_{args.model}.md").write_text("\n".join(table) + "\n")
     obj = {"model": args.model, "requests": args.requests, "seeds": args.seeds,
-"schedule_png": sched,
+           "schedule_png": sched,
            "results": [{k: v for k, v in r.items() if k not in ("fig8", "fig11", "fig13")} for r in results]}
     return obj, table

@@ -26,8 +26,8 @@ PROFILE_SEED_BASE = 1000
 def default_rate_grid(model: str, workload: str) -> list[float]:
     """0.5 req/s steps (the paper's) up to a little past where Tetris saturates."""
     top = {"8b": {"short": 9.0, "medium": 6.5, "long": 4.5},
-           "70b": {"short": 4.0, "medium": 3.0, "long": 2.0}}.get(model, {}).get(workload, 8.0)
-    step = 0.5 if top > 3 else 0.25
+           "70b": {"short": 2.0, "medium": 1.5, "long": 1.0}}.get(model, {}).get(workload, 8.0)
+    step = 0.5 if top > 3 else 0.125  # 70B saturates near 1 req/s: a finer grid
     return [round(step * k, 3) for k in range(1, int(top / step) + 1)]
 
 
