@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("tetris.cli.sim", "discrete-event simulation: run, sweep, capacity, profile-rate, figures"),
     "plan": ("tetris.cli.plan", "show the prefill plan (chunks, groups, times) of one request"),
     "profile": ("tetris.cli.profile", "fit or show prefill latency profiles (paper Eq. 1)"),
+    "bench": ("tetris.cli.bench", "benchmarks measured side by side (transfer, ...)"),
 }
 
 
