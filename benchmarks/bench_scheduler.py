@@ -4,6 +4,11 @@ For each pool size (= max SP size) 8, 16, 32, 64, 128 on nodes of 8, time ``deci
 of the ``tetris`` policy, each with a random prompt length and random queue times, and print
 mean / p99 / max in microseconds next to the paper's C++ figures (Table 2).
 
+The CI machine is shared (2 cores, several jobs), so a single timing of a decision mostly
+measures the neighbours. Each decision is therefore timed ``--repeats`` times (on a fresh
+copy of nothing: the policy is pure) and its fastest run kept; ``--repeats 1`` is the paper's
+single-shot method.
+
 The shipped 8B profile stops at SP 16; sizes 32-128 are extrapolated for this benchmark only
 (α grows with the ring, β, γ, δ shrink with the group: α·s/16, β·16/s, γ·16/s, δ·16/s), which
 keeps the search as wide as the paper's: every power of two up to the pool is a candidate.
@@ -42,7 +47,7 @@ def extended_profile(max_sp: int) -> PrefillLatencyModel:
 
 
 def run(pool_size: int, decisions: int, theta: float, seed: int, policy_name: str,
-        prof: PrefillLatencyModel) -> dict:
+        prof: PrefillLatencyModel, repeats: int = 1) -> dict:
     rng = random.Random(seed)
     sizes = [s for s in prof.sp_sizes if s <= pool_size]
     policy = make_policy(policy_name, prof, sp_candidates=sizes, improvement_rate=theta)
@@ -55,9 +60,13 @@ def run(pool_size: int, decisions: int, theta: float, seed: int, policy_name: st
     gc.disable()
     try:
         for rid, length, pool in cases:
-            t0 = time.perf_counter_ns()
-            plan = policy.plan(rid, length, 0.0, pool)
-            times.append((time.perf_counter_ns() - t0) / 1000.0)
+            best = None
+            for _ in range(repeats):
+                t0 = time.perf_counter_ns()
+                plan = policy.plan(rid, length, 0.0, pool)
+                dt = time.perf_counter_ns() - t0
+                best = dt if best is None or dt < best else best
+            times.append(best / 1000.0)
             chunks += len(plan.chunks)
     finally:
         gc.enable()
@@ -76,16 +85,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--improvement-rate", type=float, default=0.05)
     ap.add_argument("--policy", default="tetris")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=5, help="time each decision this often, keep the fastest")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     prof = extended_profile(128)
-    rows = [run(n, args.decisions, args.improvement_rate, args.seed + n, args.policy, prof)
+    rows = [run(n, args.decisions, args.improvement_rate, args.seed + n, args.policy, prof,
+                args.repeats)
             for n in (8, 16, 32, 64, 128)]
     if args.json:
         print(json.dumps({"policy": args.policy, "improvement_rate": args.improvement_rate,
-                          "decisions": args.decisions, "rows": rows}))
+                          "decisions": args.decisions, "repeats": args.repeats, "rows": rows}))
         return 0
-    print(f"policy {args.policy}, θ = {args.improvement_rate}, {args.decisions} decisions per size")
+    print(f"policy {args.policy}, θ = {args.improvement_rate}, {args.decisions} decisions per size, "
+          f"fastest of {args.repeats} timings each")
     print(f"{'max SP':>6} {'mean us':>9} {'p99 us':>9} {'max us':>9} {'chunks':>7} "
           f"{'paper mean/max us (C++)':>24} {'mean ratio':>10}")
     for r in rows:

@@ -35,25 +35,46 @@ class Group:
 
     Within a node, ``extend`` always takes the shortest-queued instances first, so a group's
     members on node ``n`` are exactly the first ``counts[n]`` of that node's queue-sorted list;
-    a group is grown by counting, never by scanning its members. The ring order (the parent's
-    members, then the new ones node by node, by index) is built only for the chosen plan.
+    a group is grown by counting, never by scanning its members. Most groups of a search are
+    only asked for their ``max_queue``, so ``counts`` (needed to grow a group further) and the
+    ring order (parent's members, then the new ones node by node, by index) are built on demand.
     """
 
-    __slots__ = ("size", "counts", "partial", "max_queue", "parent", "takes", "children",
+    __slots__ = ("size", "max_queue", "parent", "takes", "children", "_counts", "_partial",
                  "_members", "_by_node")
 
-    def __init__(self, size: int, counts: dict[int, int], partial: list[int], max_queue: float,
-                 parent: "Group | None" = None, takes: dict[int, int] | None = None,
+    def __init__(self, size: int, max_queue: float, parent: "Group | None" = None,
+                 takes: dict[int, int] | None = None,
                  by_node: dict[int, list[int]] | None = None):
         self.size = size
-        self.counts = counts
-        self.partial = partial  # used nodes that still have free instances, ascending
         self.max_queue = max_queue
         self.parent = parent
-        self.takes = takes
+        self.takes = takes  # node -> instances added to the parent there
         self._by_node = by_node
         self.children: dict[int, Group] = {}  # SP size -> extend(self, size), memoised
-        self._members: tuple[int, ...] | None = () if parent is None else None
+        root = parent is None
+        self._counts: dict[int, int] | None = {} if root else None
+        self._partial: list[int] | None = [] if root else None
+        self._members: tuple[int, ...] | None = () if root else None
+
+    @property
+    def counts(self) -> dict[int, int]:
+        """Members per node."""
+        if self._counts is None:
+            counts = dict(self.parent.counts)
+            for n, k in self.takes.items():
+                counts[n] = counts.get(n, 0) + k
+            self._counts = counts
+        return self._counts
+
+    @property
+    def partial(self) -> list[int]:
+        """Nodes in use that still have free instances, ascending."""
+        if self._partial is None:
+            counts, by_node = self.counts, self._by_node
+            self._partial = sorted(n for n in set(self.parent.partial).union(self.takes)
+                                   if counts[n] < len(by_node[n]))
+        return self._partial
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -84,7 +105,7 @@ class GroupBuilder:
         self.node_size = sizes.pop() if len(sizes) == 1 else 0
         self._rank: dict[int, list[int]] = {}
         self._full_rank: list[int] | None = None
-        self.root = Group(0, {}, [], float("-inf"))  # the empty group of a new request
+        self.root = Group(0, float("-inf"))  # the empty group of a new request
 
     def child(self, g: Group, s: int) -> Group:
         """``extend(g, s)``, memoised on ``g``."""
@@ -124,19 +145,13 @@ class GroupBuilder:
         if need:
             self._fill_from_untouched(need, counts, takes)
         q = self.queue
-        new_counts = dict(counts)
-        new_partial = [n for n in partial if n not in takes]
         mq = g.max_queue
         for n, k in takes.items():
-            c = counts.get(n, 0) + k
-            new_counts[n] = c
-            if c < len(by_node[n]):
-                new_partial.append(n)
-            last = q[by_node[n][c - 1]]  # node lists are queue-sorted: the last taken waits longest
+            # node lists are queue-sorted: the last instance taken there waits longest
+            last = q[by_node[n][counts.get(n, 0) + k - 1]]
             if last > mq:
                 mq = last
-        new_partial.sort()
-        return Group(s, new_counts, new_partial, mq, g, takes, by_node)
+        return Group(s, mq, g, takes, by_node)
 
     def rank(self, r: int) -> list[int]:
         """Nodes with at least ``r`` instances, by their ``r``-th shortest queue, then index."""
