@@ -221,3 +221,16 @@ def test_bad_inputs(prof):
     small = pol.plan("r", 50000, 0.0, PoolState.uniform(4, 2))
     assert max(c.sp_size for c in small.chunks) <= 4
     assert math.isfinite(small.ttft_estimate)
+
+
+def test_policy_from_deployment_config():
+    from tetris.config import SchedulerConfig
+    from tetris.scheduler.policies import policy_from_config
+
+    pol = policy_from_config(SchedulerConfig(policy="tetris", sp_candidates=(1, 4, 16),
+                                             improvement_rate=0.2))
+    plan = pol.plan("r", 100000, 0.0, PoolState.uniform(16, 8))
+    assert {c.sp_size for c in plan.chunks} <= {1, 4, 16}
+    assert plan.improvement_rate == 0.2
+    with pytest.raises(PolicyError):
+        policy_from_config(SchedulerConfig(policy="fixed-sp-3"))

@@ -13,7 +13,7 @@ caller's clock; it never mutates the pool (the caller commits the plan it dispat
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 from tetris.plan import Chunk, PrefillPlan
 from tetris.scheduler.cdsp import CdspSearch, SearchResult
@@ -21,12 +21,16 @@ from tetris.scheduler.extend import node_members
 from tetris.scheduler.latency import PrefillLatencyModel
 from tetris.scheduler.pool import PoolState
 
+if TYPE_CHECKING:
+    from tetris.config import SchedulerConfig
+
 __all__ = [
     "Policy",
     "PolicyError",
     "CdspPolicy",
     "FixedSpPolicy",
     "make_policy",
+    "policy_from_config",
     "policy_names",
     "DEFAULT_MIN_CHUNK_TOKENS",
     "DEFAULT_CHUNK_ALIGN",
@@ -196,3 +200,13 @@ def make_policy(name: str, profile: PrefillLatencyModel, *,
             raise PolicyError(f"{name}: expected fixed-sp-<k> with a positive integer k")
         return FixedSpPolicy(int(k), profile)
     raise PolicyError(f"unknown policy {name!r}; known: {', '.join(policy_names())}")
+
+
+def policy_from_config(cfg: "SchedulerConfig", default_profile: str = "a100-llama3-8b-tp1") -> Policy:
+    """The policy a deployment's ``[scheduler]`` table describes."""
+    from tetris.scheduler.latency import load_profile
+
+    profile = load_profile(cfg.profile or default_profile)
+    return make_policy(cfg.policy, profile, sp_candidates=cfg.sp_candidates or None,
+                       min_chunk_tokens=cfg.min_chunk_tokens,
+                       improvement_rate=cfg.improvement_rate)
