@@ -14,7 +14,6 @@ owner's activation sends (``submit_activation``), which go first at every piece 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch

@@ -8,7 +8,7 @@ import torch
 from transfer_helpers import HKV, LAYERS, D, Cluster, source_kv
 
 from tetris.kernels.kv_pack import pack_kv
-from tetris.transfer.messages import Grant, Handshake, PieceNotice, encode_notice
+from tetris.transfer.messages import Grant, Handshake, PieceNotice, TokenRange, encode_notice
 from tetris.transfer.states import (ChunkArrived, MessageRejected, RequestReady, ShardSent, TransferConfig,
                                     TransferFailed, TransferState)
 

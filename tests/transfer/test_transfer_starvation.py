@@ -5,7 +5,6 @@ sit half-filled behind everyone's first chunk, later the more requests there are
 
 from __future__ import annotations
 
-import pytest
 import torch
 from transfer_helpers import HKV, LAYERS, D, Cluster, source_kv
 
