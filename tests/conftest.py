@@ -6,22 +6,29 @@ import os
 
 import pytest
 
-# Triton kernels run under the interpreter on CPU; set before any triton import.
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
-
-def pytest_collection_modifyitems(config, items):
+def _has_cuda() -> bool:
     try:
         import torch
 
-        has_cuda = torch.cuda.is_available()
+        return torch.cuda.is_available()
     except ImportError:  # pragma: no cover - torch is a core dependency
-        has_cuda = False
+        return False
+
+
+HAS_CUDA = _has_cuda()
+# Without a GPU, Triton kernels run under the interpreter; set before any triton import. On a GPU
+# machine they compile (the interpreter there would only make the GPU tests slow).
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "gpu" in item.nodeid.split("/") or item.get_closest_marker("gpu"):
             item.add_marker(pytest.mark.gpu)
-            if not has_cuda:
+            if not HAS_CUDA:
                 item.add_marker(skip_gpu)
 
 
@@ -39,7 +46,8 @@ def ray_session():
             include_dashboard=False,
             log_to_driver=False,
             configure_logging=False,
-            runtime_env={"env_vars": {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}},
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}
+                         | ({} if HAS_CUDA else {"TRITON_INTERPRET": "1"})},
         )
     yield ray
     ray.shutdown()

@@ -223,13 +223,21 @@ def test_overload_beyond_the_bounded_queue_gets_429_with_retry_after(backend):
 
     try:
         with _serving(app) as url, httpx.Client(base_url=url, timeout=30) as c:
+            # Long enough that it is still generating (or blocked on the socket) while we ask.
             with c.stream("POST", "/v1/completions", json={
-                    "model": MODEL, "prompt": "x", "max_tokens": 300, "ignore_eos": True,
+                    "model": MODEL, "prompt": "x", "max_tokens": 30000, "ignore_eos": True,
                     "stream": True}) as held:
                 assert held.status_code == 200
                 next(held.iter_lines())
                 second = c.post("/v1/completions", json={"model": MODEL, "prompt": "y"})
-            after = c.post("/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 2})
+            # Hanging up aborts the held request; a client honouring Retry-After gets through.
+            deadline = time.monotonic() + 30
+            while True:
+                after = c.post("/v1/completions", json={"model": MODEL, "prompt": "y",
+                                                        "max_tokens": 2})
+                if after.status_code != 429 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
     finally:
         small.close()
     assert second.status_code == 429
