@@ -19,7 +19,7 @@ Masks:
 Implementations with this exact signature:
     attention_with_lse_ref        explicit fp32 softmax; the oracle for every other path
     attention_with_lse            torch path: fp32 math in query blocks (bounded memory)
-    attention_with_lse_cpu_flash  aten's CPU flash kernel; no mask or plain causal only
+    attention_with_lse_cpu_flash  aten's CPU flash kernel (position masks as additive masks)
 ``kernels/dispatch.py`` picks one by capability.
 """
 
@@ -141,12 +141,9 @@ def attention_with_lse(q, k, v, *, causal=False, q_positions=None, k_positions=N
 
 
 def cpu_flash_supports(q, k, causal, q_positions, k_positions) -> bool:
-    """Whether aten's CPU flash kernel computes exactly this call (no position mask)."""
+    """Whether aten's CPU flash kernel can compute this call (CPU, float dtypes)."""
     return (
         q.device.type == "cpu"
-        and q_positions is None
-        and k_positions is None
-        and (not causal or q.shape[0] == k.shape[0])
         and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and q.dtype == k.dtype
     )
@@ -156,22 +153,34 @@ def attention_with_lse_cpu_flash(q, k, v, *, causal=False, q_positions=None, k_p
                                  scale=None):
     """aten._scaled_dot_product_flash_attention_for_cpu, which returns the LSE as well.
 
-    Only for no mask or plain causal (Tq == Tk); raises otherwise. K/V are expanded to Hq
-    heads because the kernel has no GQA support.
+    No mask and plain causal go to the kernel directly. A position mask becomes an additive
+    -inf mask, built for one block of queries at a time to bound its [block, Tk] memory; query
+    rows that see no key are then set to out = 0, lse = -inf (the kernel reports lse = 0).
+    K/V are expanded to Hq heads because the kernel has no GQA support.
     """
     check_attention_inputs(q, k, v, causal, q_positions, k_positions)
     if not cpu_flash_supports(q, k, causal, q_positions, k_positions):
-        raise ValueError(
-            "the CPU flash path handles CPU tensors with no mask or plain causal (Tq == Tk) only"
-        )
-    hq, hkv = q.shape[1], k.shape[1]
-    group = hq // hkv
+        raise ValueError("the CPU flash path needs CPU tensors of one float dtype")
+    tq, hq, d = q.shape
+    group = hq // k.shape[1]
     if group > 1:
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
     # [T, H, D] -> [1, H, T, D] views; the kernel accepts strided inputs.
     qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qb, kb, vb, 0.0, causal, scale=scale
-    )[:2]
-    return out[0].transpose(0, 1), lse[0].float()
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    if q_positions is None:
+        out, lse = flash(qb, kb, vb, 0.0, causal, scale=scale)[:2]
+        return out[0].transpose(0, 1), lse[0].float()
+    out = torch.empty(tq, hq, d, dtype=q.dtype)
+    lse = torch.empty(hq, tq, dtype=torch.float32)
+    for s in range(0, tq, _QUERY_BLOCK):
+        e = min(s + _QUERY_BLOCK, tq)
+        visible = _visible(q_positions[s:e], k_positions, True, e - s, k.shape[0], q.device)
+        mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
+        ob, lb = flash(qb[:, :, s:e], kb, vb, 0.0, False, attn_mask=mask[None, None],
+                       scale=scale)[:2]
+        empty = ~visible.any(dim=1)  # [Tb]
+        out[s:e] = ob[0].transpose(0, 1).masked_fill(empty[:, None, None], 0.0)
+        lse[:, s:e] = lb[0].float().masked_fill(empty[None, :], float("-inf"))
+    return out, lse

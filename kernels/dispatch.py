@@ -13,7 +13,7 @@ Order for each call:
   1. flash-attn: CUDA, half precision (position masks become a few causal pieces there)
   2. Triton: CUDA; or CPU when TRITON_INTERPRET=1 and TETRIS_KERNEL_BACKEND=triton ask for it
      (the interpreter is far slower than torch, so it is never picked by itself)
-  3. the CPU flash kernel: CPU, no mask or plain causal
+  3. the CPU flash kernel: CPU float tensors (position masks as additive masks)
   4. the torch path
 TETRIS_KERNEL_BACKEND (flash_attn, triton, cpu_flash, torch) narrows the choice; "torch"
 forces the torch path.

@@ -52,7 +52,8 @@ def _assert_matches(got, want, atol=1e-5):
     torch.testing.assert_close(out.float(), ref_out.float(), atol=atol, rtol=atol)
 
 
-IMPLS = [attention_with_lse_ref, attention_with_lse, dispatch.attention_with_lse]
+IMPLS = [attention_with_lse_ref, attention_with_lse, attention_with_lse_cpu_flash,
+         dispatch.attention_with_lse]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -118,12 +119,25 @@ def test_cpu_flash_path_equals_reference(dtype, atol, causal):
     _assert_matches(got, attention_with_lse_ref(q, k, v, causal=causal), atol=atol)
 
 
-def test_dispatch_picks_cpu_flash_only_without_position_mask(monkeypatch):
+def test_cpu_flash_position_mask_in_query_blocks(monkeypatch):
+    import tetris.kernels.attention as attention
+
+    monkeypatch.setattr(attention, "_QUERY_BLOCK", 3)
+    q, k, v = _qkv(10, 7, 8, 2, seed=9)
+    qp = torch.tensor([0, 1, 2, 3, 4, 15, 16, 17, 18, 19])
+    kp = torch.tensor([3, 5, 7, 9, 11, 13, 14])  # queries 0-2 see no key
+    got = attention.attention_with_lse_cpu_flash(q, k, v, q_positions=qp, k_positions=kp)
+    _assert_matches(got, _explicit(q, k, v, lambda i, j: kp[j] <= qp[i]))
+    assert torch.isneginf(got[1][:, :3]).all()
+
+
+def test_dispatch_prefers_cpu_flash_on_cpu(monkeypatch):
     monkeypatch.delenv("TETRIS_KERNEL_BACKEND", raising=False)
     q, k, _ = _qkv(4, 4)
     pos = torch.arange(4)
     assert dispatch.attention_backend_for(q, k, causal=True) == "cpu_flash"
-    assert dispatch.attention_backend_for(q, k, q_positions=pos, k_positions=pos) == "torch"
+    assert dispatch.attention_backend_for(q, k, q_positions=pos, k_positions=pos) == "cpu_flash"
+    assert dispatch.attention_backend_for(q.double(), k.double()) == "torch"
     monkeypatch.setenv("TETRIS_KERNEL_BACKEND", "torch")
     assert dispatch.attention_backend_for(q, k, causal=True) == "torch"
     assert "torch" in dispatch.available_backends()
