@@ -18,12 +18,18 @@ import msgspec
 import numpy as np
 from tqdm import tqdm
 
-from tetris.sim.experiments import BASELINES, RunSpec, capacity, light_load, run_one, sweep
+from tetris.sim.cluster import cluster_by_name
+from tetris.sim.experiments import RunSpec, capacity, light_load, run_one, sweep
 from tetris.sim.plots import plot_cdf, plot_ratio_vs_rate, plot_schedule, plot_ttft_vs_rate
 
-__all__ = ["reproduce", "POLICIES", "FIXED_THETAS"]
+__all__ = ["reproduce", "FIXED_THETAS"]
 
-POLICIES = ("tetris",) + BASELINES
+
+def _baselines(model: str) -> tuple[str, ...]:
+    """Fixed SP at half and all of the pool (8B: 8, 16; 70B with 8 instances: 4, 8)."""
+    n = cluster_by_name(model).prefill_instances
+    return (f"fixed-sp-{n // 2}", f"fixed-sp-{n}", "loongserve-disagg", "loongserve")
+
 FIXED_THETAS = (0.1, 0.3, 0.5, 0.7)
 
 
@@ -35,7 +41,7 @@ def _spec(args, workload: str, policy: str, **kw) -> RunSpec:
 
 def _at_critical(args, workload: str, rate: float, seeds) -> tuple[list[dict], dict]:
     rows, ttfts = [], {}
-    for policy in POLICIES:
+    for policy in ("tetris",) + _baselines(args.model):
         pooled, res = [], []
         for seed in seeds:
             r, _ = run_one(msgspec.structs.replace(_spec(args, workload, policy, decode=True),
@@ -55,6 +61,8 @@ def _at_critical(args, workload: str, rate: float, seeds) -> tuple[list[dict], d
 
 def _one_workload(args, workload: str, out: Path, bar) -> dict:
     seeds = list(range(args.seed, args.seed + args.seeds))
+    BASELINES = _baselines(args.model)
+    POLICIES = ("tetris",) + BASELINES
     light = light_load(args.model, workload)
     caps = {}
     for policy in POLICIES:
@@ -123,6 +131,7 @@ def _schedule_png(args, workload: str, rate: float, out: Path) -> str:
 
 
 def _table(model: str, results: list[dict]) -> list[str]:
+    POLICIES = ("tetris",) + _baselines(model)
     lines = [f"| workload | " + " | ".join(POLICIES) + " | vs | critical rate | capacity ratio | "
              "P50 ratio | P99 ratio | throughput ratio |",
              "|" + "---|" * (len(POLICIES) + 7)]
@@ -140,7 +149,7 @@ def reproduce(args) -> tuple[dict, list[str]]:
     out.mkdir(parents=True, exist_ok=True)
     workloads = [w for w in args.workloads.split(",") if w]
     results = []
-    with tqdm(total=len(workloads) * (len(POLICIES) + 3), desc="figures", disable=args.json) as bar:
+    with tqdm(total=len(workloads) * (len(_baselines(args.model)) + 4), desc="figures", disable=args.json) as bar:
         for w in workloads:
             results.append(_one_workload(args, w, out, bar))
     sched = _schedule_png(args, workloads[0], results[0]["critical_rate"], out)
