@@ -127,11 +127,14 @@ def _handshake_overhead(ray, requests: int, tick: Callable[[], None]) -> dict:
         times.append(time.perf_counter() - t0)
         if not grants:
             raise RuntimeError(f"no grant for {rid}")
-        for _ in range(20):   # finish the request so the next one finds the backend free
+        deadline = time.monotonic() + 30
+        while True:   # finish the request (untimed) so that the next one finds the backend free
             events, _ = ray.get(receiver.step.remote([e.msg for e in envs]))
-            envs = []
             if any(type(e).__name__ == "RequestReady" for e in events):
                 break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{rid} did not complete")
+            _, envs = ray.get(sender.step.remote([]))
         tick()
     for actor in (sender, receiver):
         ray.kill(actor)
