@@ -74,10 +74,10 @@ def parse_plan_spec(spec: str) -> list[tuple[int | None, int]]:
 def forced_plan(request_id: str, prompt_tokens: int, spec: str, node_of: tuple[int, ...]
                 ) -> PrefillPlan:
     """A plan with the given chunk sizes and SP sizes; groups grown by the scheduler's extend."""
-    from tetris.scheduler.extend import GroupBuilder
+    from tetris.scheduler.extend import GroupBuilder, node_members
 
     items = parse_plan_spec(spec)
-    builder = GroupBuilder([0.0] * len(node_of), node_of)
+    builder = GroupBuilder([0.0] * len(node_of), node_members(node_of))
     chunks, pos, chain = [], 0, ()
     for k, (tokens, sp) in enumerate(items):
         end = prompt_tokens if tokens is None else pos + tokens

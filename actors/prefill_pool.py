@@ -15,7 +15,9 @@ The KV stays on the workers until ``release`` (after hand-off) or ``abort``.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import socket
 import threading
 import time
@@ -37,6 +39,8 @@ from tetris.plan import PlanError, PrefillPlan
 from tetris.sampling_params import SamplingParams
 
 __all__ = ["PrefillPool", "free_port"]
+
+log = logging.getLogger(__name__)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -64,18 +68,25 @@ class PrefillPool:
         self.chunk_timeout_s = chunk_timeout_s
         self.balance: BalanceMode = balance
         self.emulated = pc.executor == "emulated"
-        profile = profile or deployment.scheduler.profile
-        self.workers = [
-            PrefillWorkerActor.options(num_cpus=0).remote(
-                i, self.node_of[i], deployment.model, pc, profile=profile)
-            for i in range(n)
-        ]
-        port = free_port()
-        ray.get([w.init_world.remote("127.0.0.1", port, n, timeout_s) for w in self.workers],
-                timeout=max(120.0, timeout_s))
+        self._profile = profile or deployment.scheduler.profile
+        self.workers = [self._spawn(i) for i in range(n)]
         self._seq = itertools.count()
         self._lock = threading.Lock()
+        self._gate = _SharedExclusive()
         self._active: set[str] = set()
+        self._form_world()
+
+    def _spawn(self, i: int):
+        # num_cpus=0: workers mostly wait on each other; Ray must not refuse to place them.
+        return PrefillWorkerActor.options(num_cpus=0).remote(
+            i, self.node_of[i], self.deployment.model, self.deployment.prefill,
+            profile=self._profile)
+
+    def _form_world(self) -> None:
+        """(Re)make the one gloo world of all workers, with its store on a fresh free port."""
+        port = free_port()
+        ray.get([w.init_world.remote("127.0.0.1", port, self.size, self.timeout_s)
+                 for w in self.workers], timeout=max(120.0, self.timeout_s))
 
     @property
     def size(self) -> int:
@@ -102,15 +113,35 @@ class PrefillPool:
                     seq = next(self._seq)
                 tasks = [self._task(plan, k, r, lay, token_ids, seq, balance, sampling,
                                     return_logits) for r in range(len(lay.group))]
-                self._phase(plan, k, tasks, "prepare")
-                results.append(self._phase(plan, k, tasks, "execute"))
+                with self._gate.shared():
+                    self._phase(plan, k, tasks, "prepare")
+                    results.append(self._phase(plan, k, tasks, "execute"))
+        except _ChunkFailed as failed:
+            self._recover(plan.request_id, touched, failed)
+            raise failed.error from None
         except BaseException:
-            self.abort(plan.request_id, touched)
+            self._abort_quietly(plan.request_id, touched)
             raise
         finally:
             with self._lock:
                 self._active.discard(plan.request_id)
         return self._result(plan, results, final, time.perf_counter() - t0)
+
+    def _recover(self, request_id: str, touched: list[int], failed: "_ChunkFailed") -> None:
+        """Free the request everywhere; after a failure inside a ring, re-form the world.
+
+        A gloo wait that times out closes its connection for good, so once a chunk failed
+        while its members were communicating, the world is rebuilt (dead actors replaced)
+        before the next chunk runs; chunks already running elsewhere finish first.
+        """
+        dead = [i for i, err in failed.errors if isinstance(err, ray.exceptions.RayActorError)]
+        alive = [i for i in touched if i not in dead]
+        self._abort_quietly(request_id, alive)
+        if failed.method == "execute" and (failed.group_size > 1 or dead):
+            with self._gate.exclusive():
+                for i in dead:
+                    self.workers[i] = self._spawn(i)
+                self._form_world()
 
     def _check(self, plan: PrefillPlan, token_ids: list[int]) -> None:
         plan.validate(self.size)
@@ -148,11 +179,12 @@ class PrefillPool:
             errors.sort(key=lambda te: isinstance(te[1], TimeoutError) or "imed out" in str(te[1]))
             t, err = errors[0]
             others = ", ".join(str(e[0].instance) for e in errors[1:])
-            raise PrefillError(
+            raise _ChunkFailed(method, len(tasks), [(e[0].instance, e[1]) for e in errors],
+                               PrefillError(
                 f"request {plan.request_id} chunk {k} failed on prefill instance {t.instance} "
                 f"(node {self.node_of[t.instance]}) during {method}: {type(err).__name__}: "
                 f"{_first_line(err)}" + (f"; also failed: instances {others}" if others else "")
-            )
+            ))
         return out
 
     def _result(self, plan, results, final, elapsed) -> PrefillResult:
@@ -169,6 +201,12 @@ class PrefillPool:
             kv_layout=tuple(sorted(final.items())),
             emulated=self.emulated,
         )
+
+    def _abort_quietly(self, request_id: str, instances: list[int]) -> None:
+        try:
+            self.abort(request_id, instances)
+        except Exception as e:  # noqa: BLE001 - the original error matters more
+            log.warning("abort of %s on %s failed: %s", request_id, instances, e)
 
     # -- KV ownership -------------------------------------------------------------------------
     def abort(self, request_id: str, instances: list[int] | None = None) -> None:
@@ -197,6 +235,46 @@ class PrefillPool:
             for w in self.workers:
                 ray.kill(w)
             self.workers = []
+
+
+class _ChunkFailed(Exception):
+    def __init__(self, method: str, group_size: int, errors: list, error: PrefillError):
+        super().__init__(str(error))
+        self.method, self.group_size, self.errors, self.error = method, group_size, errors, error
+
+
+class _SharedExclusive:
+    """Chunks run under a shared hold; re-forming the world waits for them and runs alone."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+
+    @contextlib.contextmanager
+    def shared(self):
+        with self._cond:
+            self._cond.wait_for(lambda: not self._exclusive)
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        with self._cond:
+            self._cond.wait_for(lambda: not self._exclusive)
+            self._exclusive = True
+            self._cond.wait_for(lambda: self._shared == 0)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
 
 
 def _first_line(err: BaseException) -> str:

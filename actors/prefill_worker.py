@@ -53,7 +53,13 @@ class PrefillWorker:
             self.executor = ModelExecutor(model, self.store)
 
     def init_world(self, host: str, port: int, world_size: int, timeout_s: float) -> int:
-        """Join the pool's world (gloo); every worker must call this at the same time."""
+        """Join the pool's world (gloo); every worker must call this at the same time.
+
+        Called again after a failed ring: the old world (whose timed-out connections gloo
+        closed) is dropped first. KV stores are untouched.
+        """
+        if dist.is_initialized():
+            dist.destroy_process_group()
         dist.init_process_group(
             "gloo", init_method=f"tcp://{host}:{port}", rank=self.instance,
             world_size=world_size, timeout=timedelta(seconds=timeout_s),

@@ -4,9 +4,8 @@ Each member ``r`` of a ring of ``s`` holds a KV *block*: its share of the reques
 plus its zigzag share of the current chunk, with absolute positions. At step ``t`` member ``r``
 attends with its queries to the block that started on member ``(r - t) mod s``, while it sends
 the block it holds to ``r + 1`` and receives the next one from ``r - 1``; partial results merge
-by log-sum-exp. The absolute-position mask (key ``j`` visible to query ``i`` iff
-``k_pos[j] <= q_pos[i]``) makes history keys fully visible and chunk keys causal, so one call
-per step serves both.
+by log-sum-exp. Visibility is by absolute position (key ``j`` visible to query ``i`` iff
+``k_pos[j] <= q_pos[i]``): history keys are fully visible, chunk keys causal.
 
 Block sizes differ by member and are known to every member from the plan, so receivers size
 their buffers without a handshake, and empty blocks are simply not sent. The rings use P2P
@@ -29,11 +28,7 @@ __all__ = ["partial_attention", "ring_source", "simulate_ring", "RingAttention",
 
 RING_TAG_KIND = 0
 
-try:  # the capability-based chooser, once the kernels helper lands it
-    from tetris.kernels.dispatch import attention_with_lse, merge_attention
-except ImportError:  # pragma: no cover - fallback to the torch path of the same contract
-    from tetris.kernels.attention import attention_with_lse
-    from tetris.kernels.merge import merge_attention
+from tetris.kernels.dispatch import attention_with_lse, merge_attention
 
 
 def ring_source(rank: int, step: int, sp_size: int) -> int:
@@ -44,17 +39,49 @@ def ring_source(rank: int, step: int, sp_size: int) -> int:
 def partial_attention(q, q_pos, k, v, k_pos, acc=None, scale=None):
     """Attend q [Tq, Hq, D] to one block k, v [Tk, Hkv, D] and merge into ``acc``.
 
-    acc: None or (out [Tq, Hq, D], lse [Hq, Tq] fp32). Empty queries or keys leave acc as is.
+    q_pos, k_pos: sorted int64 positions. acc: None or (out [Tq, Hq, D], lse [Hq, Tq] fp32).
+    Each contiguous run of queries ``[lo, hi)`` (a zigzag piece) meets the block's keys in two
+    slices: keys before ``lo`` are all visible (no mask: the fast unmasked kernel), keys inside
+    ``[lo, hi)`` need the causal or position mask, and later keys are skipped. So the position
+    mask is only ever built for the diagonal, and history keys never need one.
     """
-    if q.shape[0] == 0 or k.shape[0] == 0:
+    tq = q.shape[0]
+    if tq == 0 or k.shape[0] == 0:
         if acc is not None:
             return acc
-        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
+        lse = torch.full((q.shape[1], tq), float("-inf"), dtype=torch.float32, device=q.device)
         return torch.zeros_like(q), lse
-    out, lse = attention_with_lse(q, k, v, q_positions=q_pos, k_positions=k_pos, scale=scale)
-    if acc is None:
-        return out, lse
-    return merge_attention(acc[0], acc[1], out, lse)
+    outs, lses = [], []
+    for a, b in _runs(q_pos):
+        lo, hi = int(q_pos[a]), int(q_pos[b - 1]) + 1
+        i_lo, i_hi = torch.searchsorted(k_pos, torch.tensor([lo, hi])).tolist()
+        part = None
+        if i_lo:
+            part = attention_with_lse(q[a:b], k[:i_lo], v[:i_lo], scale=scale)
+        if i_hi > i_lo:
+            kp = k_pos[i_lo:i_hi]
+            if i_hi - i_lo == b - a and torch.equal(kp, q_pos[a:b]):
+                diag = attention_with_lse(q[a:b], k[i_lo:i_hi], v[i_lo:i_hi], causal=True,
+                                          scale=scale)
+            else:
+                diag = attention_with_lse(q[a:b], k[i_lo:i_hi], v[i_lo:i_hi],
+                                          q_positions=q_pos[a:b], k_positions=kp, scale=scale)
+            part = diag if part is None else merge_attention(*part, *diag)
+        if part is None:
+            part = (torch.zeros_like(q[a:b]),
+                    torch.full((q.shape[1], b - a), float("-inf"), dtype=torch.float32,
+                               device=q.device))
+        outs.append(part[0])
+        lses.append(part[1])
+    out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(lses, 1))
+    return (out, lse) if acc is None else merge_attention(acc[0], acc[1], out, lse)
+
+
+def _runs(pos: torch.Tensor) -> list[tuple[int, int]]:
+    """Index ranges of the contiguous runs of sorted positions [n]."""
+    breaks = ((pos[1:] - pos[:-1]) != 1).nonzero().flatten().add(1).tolist()
+    idx = [0, *breaks, pos.numel()]
+    return list(zip(idx[:-1], idx[1:]))
 
 
 def simulate_ring(qs, q_pos, ks, vs, k_pos, scale=None) -> list[torch.Tensor]:

@@ -1,0 +1,199 @@
+"""CDSP prefill on a pool of 8 Ray actors over 2 nodes (gloo), against single-instance prefill.
+
+One pool serves the whole module (actors start slowly on two shared cores). The reference is the
+engine's prefill math: ``model.forward`` with plain causal attention on one instance.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tetris.actors.layout import forced_plan
+from tetris.actors.prefill_messages import PrefillError
+from tetris.actors.zigzag import ranges_to_list
+from tetris.config import load_deployment
+from tetris.kernels.dispatch import attention_with_lse
+from tetris.plan import Chunk, PlanError, PrefillPlan
+
+pytestmark = pytest.mark.ray
+
+POOL_SIZE, NODE_SIZE = 8, 4
+
+
+@pytest.fixture(scope="module")
+def deployment():
+    import msgspec
+
+    cfg = load_deployment("tiny-cpu.toml")
+    # 640 blocks x 16 = 10240 token slots per worker: the 8k case fits, a 12k chunk does not.
+    return msgspec.structs.replace(
+        cfg, prefill=msgspec.structs.replace(cfg.prefill, kv_blocks_per_instance=640))
+
+
+@pytest.fixture(scope="module")
+def pool(ray_session, deployment):
+    from tetris.actors.prefill_pool import PrefillPool
+
+    p = PrefillPool(deployment, num_instances=POOL_SIZE, node_size=NODE_SIZE, timeout_s=8.0)
+    yield p
+    p.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model(deployment):
+    from tetris.model.loader import load_model
+
+    torch.set_num_threads(1)
+    return load_model(deployment.model)[0]
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _reference(model, ids):
+    """Last-token logits [V] and per-layer K, V [L, T, Hkv, D] of single-instance prefill."""
+    ks, vs = [], []
+
+    def causal(i, q, k, v):
+        ks.append(k)
+        vs.append(v)
+        return attention_with_lse(q, k, v, causal=True)[0]
+
+    hidden = model.forward(torch.tensor(ids), torch.arange(len(ids)), causal)
+    return model.logits(hidden[-1:])[0], torch.stack(ks), torch.stack(vs)
+
+
+def _check_against_reference(pool, model, plan, ids, **kw):
+    res = pool.run(plan, ids, return_logits=True, **kw)
+    ref_logits, ref_k, ref_v = _reference(model, ids)
+    got = torch.tensor(res.logits)
+    rel = ((got - ref_logits).abs().max() / ref_logits.abs().max()).item()
+    assert rel < 1e-4, f"last-token logits differ by {rel:.2e} relative"
+    assert res.first_token == int(ref_logits.argmax())
+    # The union of the workers' KV is exactly the single-instance KV, every layer and position.
+    parts = pool.export_kv(plan.request_id)
+    assert sorted(parts) == sorted(plan.instances)
+    pos = torch.cat([p for p, _, _ in parts.values()])
+    assert sorted(pos.tolist()) == list(range(len(ids)))
+    k = torch.cat([k for _, k, _ in parts.values()], dim=1)
+    v = torch.cat([v for _, _, v in parts.values()], dim=1)
+    torch.testing.assert_close(k, ref_k[:, pos], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(v, ref_v[:, pos], rtol=1e-4, atol=1e-5)
+    # Each worker holds what the plan's layout says, and the final group's shares are even.
+    layout = dict(res.kv_layout)
+    for i, (p, _, _) in parts.items():
+        assert p.tolist() == ranges_to_list(layout[i])
+    sizes = [len(ranges_to_list(r)) for r in layout.values()]
+    last = plan.chunks[-1]
+    assert max(sizes) - min(sizes) <= 2 + (2 if kw.get("balance") == "off" else 0) * last.start
+    pool.release(plan.request_id)
+    assert all(not held for held in pool.held_requests().values())
+    return res
+
+
+@pytest.mark.parametrize("n,spec,balance", [
+    (1024, "1024x1", "overlap"),
+    (1500, "300x1,500x2,restx4", "overlap"),
+    (1500, "300x1,500x2,restx4", "blocking"),
+    (1500, "300x1,500x2,restx4", "off"),
+    (1999, "333x2,777x3,restx8", "overlap"),     # odd lengths, SP 3, both nodes
+])
+def test_forced_plans_match_single_instance(pool, model, n, spec, balance):
+    plan = forced_plan(f"fp-{spec}-{balance}", n, spec, pool.node_of)
+    res = _check_against_reference(pool, model, plan, _prompt(n, n), balance=balance)
+    if balance == "off":
+        assert res.balance_moved_tokens == 0
+    elif len(plan.chunks) > 1:
+        assert res.balance_moved_tokens > 0
+
+
+def test_8k_prompt_four_chunks_two_nodes(pool, model):
+    n = 8192
+    plan = forced_plan("long-8k", n, "1500x1,2500x2,2000x4,restx8", pool.node_of)
+    assert {pool.node_of[i] for i in plan.instances} == {0, 1}
+    _check_against_reference(pool, model, plan, _prompt(n, 8))
+
+
+@st.composite
+def random_plans(draw):
+    n = draw(st.integers(64, 700))
+    num_chunks = draw(st.integers(1, 4))
+    cuts = sorted(draw(st.lists(st.integers(1, n - 1), min_size=num_chunks - 1,
+                                max_size=num_chunks - 1, unique=True)))
+    sizes = sorted(draw(st.lists(st.integers(1, POOL_SIZE), min_size=num_chunks,
+                                 max_size=num_chunks)))
+    order = draw(st.permutations(list(range(POOL_SIZE))))
+    bounds = [0, *cuts, n]
+    chunks = tuple(Chunk(start=bounds[k], end=bounds[k + 1], instances=tuple(order[:sizes[k]]))
+                   for k in range(num_chunks))
+    return PrefillPlan(request_id=f"hyp-{draw(st.integers(0, 10**9))}", prompt_tokens=n,
+                       chunks=chunks)
+
+
+@given(plan=random_plans(), seed=st.integers(0, 1000))
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+def test_random_plans_match_single_instance(pool, model, plan, seed):
+    _check_against_reference(pool, model, plan, _prompt(plan.prompt_tokens, seed))
+
+
+@pytest.mark.parametrize("chunks,msg", [
+    (((0, 50, (0,)), (60, 100, (0, 1))), "should start at"),
+    (((0, 50, (0, 1)), (50, 100, (0,))), "groups only grow"),
+    (((0, 100, (3, 9)),), "outside"),
+])
+def test_broken_plans_rejected_before_running(pool, chunks, msg):
+    plan = PrefillPlan("broken", 100, tuple(Chunk(s, e, g) for s, e, g in chunks))
+    with pytest.raises(PlanError, match=msg):
+        pool.run(plan, _prompt(100, 0))
+    with pytest.raises(PlanError, match="prompt has 99"):
+        pool.run(forced_plan("short", 100, "100x2", pool.node_of), _prompt(99, 0))
+    assert all(not held for held in pool.held_requests().values())
+
+
+def test_failed_worker_frees_request_and_pool_keeps_serving(pool, model):
+    plan = forced_plan("doomed", 600, "200x2,restx4", pool.node_of)
+    victim = plan.chunks[1].instances[3]
+    pool.workers[victim].set_fault.remote("doomed", 1, 2)
+    with pytest.raises(PrefillError, match=rf"chunk 1 failed on prefill instance {victim} .*"
+                                           r"FaultInjected"):
+        pool.run(plan, _prompt(600, 1))
+    assert all(not held for held in pool.held_requests().values())
+    # The same instances serve the next request correctly.
+    _check_against_reference(pool, model, forced_plan("after", 700, "300x2,restx4",
+                                                        pool.node_of), _prompt(700, 2))
+
+
+def test_out_of_kv_blocks_fails_in_prepare_and_frees_earlier_chunks(pool):
+    plan = forced_plan("huge", 12100, "100x1,restx1", pool.node_of)
+    with pytest.raises(PrefillError, match="chunk 1 failed .* during prepare: KVCapacityError"):
+        pool.run(plan, _prompt(12100, 3))
+    assert all(not held for held in pool.held_requests().values())
+
+
+def test_concurrent_requests_on_disjoint_groups(pool, model):
+    plans = [
+        PrefillPlan("left", 500, (Chunk(0, 200, (0, 1)), Chunk(200, 500, (0, 1, 2, 3)))),
+        PrefillPlan("right", 400, (Chunk(0, 150, (4,)), Chunk(150, 400, (4, 5, 6, 7)))),
+    ]
+    prompts = [_prompt(500, 5), _prompt(400, 6)]
+    results: dict[str, object] = {}
+
+    def go(plan, ids):
+        results[plan.request_id] = pool.run(plan, ids, return_logits=True)
+
+    threads = [threading.Thread(target=go, args=a) for a in zip(plans, prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for plan, ids in zip(plans, prompts):
+        ref_logits, _, _ = _reference(model, ids)
+        got = torch.tensor(results[plan.request_id].logits)
+        assert ((got - ref_logits).abs().max() / ref_logits.abs().max()).item() < 1e-4
+        pool.release(plan.request_id)
