@@ -1,0 +1,177 @@
+"""Decode throughput: LLMEngine against transformers ``generate`` on the same checkpoint.
+
+Builds a seeded random Llama checkpoint on disk (HF format), then for each batch size runs
+the same prompts through both, greedy, EOS ignored, and reports decode tokens/s. Decode time
+is isolated by subtracting a run with one new token (prefill plus the first token) from a run
+with ``--new-tokens`` tokens, for both systems alike:
+
+    decode tokens/s = B * (N - 1) / (t(N) - t(1))
+
+Both run in this one process, one after the other for each batch size, so the ratio is taken
+side by side under the same machine load. ``--repeats`` keeps the fastest of several runs.
+
+    python benchmarks/bench_decode.py                 # table
+    python benchmarks/bench_decode.py --json          # one JSON object
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+BASE_MODEL = dict(max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=500000.0,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
+def model_config(args) -> dict:
+    return dict(BASE_MODEL, vocab_size=args.vocab, hidden_size=args.hidden,
+                intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
+
+
+def build_checkpoint(out: Path, config: dict, seed: int) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**config)).float().eval()
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def load_ours(path: Path):
+    from tetris.config import ModelConfig
+    from tetris.model.hf_config import model_config_from_hf
+    from tetris.model.llama import LlamaModel
+    from tetris.model.weights import load_hf_weights
+
+    cfg = model_config_from_hf(path, ModelConfig(source="hf", path=str(path)))
+    model = LlamaModel(cfg)
+    load_hf_weights(model, path)
+    return model.eval()
+
+
+def load_hf(path: Path):
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def time_hf(model, prompts: torch.Tensor, new_tokens: int) -> tuple[float, list[list[int]]]:
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+        elapsed = time.perf_counter() - start
+    return elapsed, out[:, prompts.shape[1]:].tolist()
+
+
+def time_ours(model, prompts: torch.Tensor, new_tokens: int) -> tuple[float, list[list[int]]]:
+    from tetris.engine.engine import LLMEngine
+    from tetris.sampling_params import SamplingParams
+
+    b, length = prompts.shape
+    block_size = 16
+    blocks = b * -(-(length + new_tokens + 1) // block_size)
+    engine = LLMEngine(model, None, num_blocks=blocks, block_size=block_size, max_num_seqs=b,
+                       max_num_batched_tokens=b * length)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    outs = engine.generate(prompts.tolist(), params)
+    elapsed = time.perf_counter() - start
+    return elapsed, [list(o.token_ids) for o in outs]
+
+
+def measure(systems, prompts, new_tokens: int, repeats: int):
+    """Fastest decode time t(N) - t(1) of each system over ``repeats`` rounds, and its tokens.
+
+    The systems alternate within every round, so a burst of load from other processes on a
+    shared machine hits both rather than one.
+    """
+    best = {name: float("inf") for name in systems}
+    tokens: dict[str, list[list[int]]] = {}
+    for _ in range(repeats):
+        for name, (fn, model) in systems.items():
+            t1, _ = fn(model, prompts, 1)
+            tn, tokens[name] = fn(model, prompts, new_tokens)
+            best[name] = min(best[name], tn - t1)
+    return best, tokens
+
+
+def run(args) -> dict:
+    from tqdm import tqdm
+
+    config = model_config(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_checkpoint(Path(args.checkpoint or tmp) / "bench-llama", config, args.seed)
+        systems = {"hf": (time_hf, load_hf(path)), "tetris": (time_ours, load_ours(path))}
+        gen = torch.Generator().manual_seed(args.seed)
+        rows = []
+        for b in tqdm(args.batch_sizes, desc="batch sizes", file=sys.stderr):
+            prompts = torch.randint(3, config["vocab_size"], (b, args.prompt_len), generator=gen)
+            for fn, model in systems.values():
+                fn(model, prompts[:1], 2)  # warm-up (lazy inits, allocator)
+            times, tokens = measure(systems, prompts, args.new_tokens, args.repeats)
+            decoded = b * (args.new_tokens - 1)
+            same = sum(a == h for a, h in zip(tokens["tetris"], tokens["hf"], strict=True))
+            rows.append(dict(
+                batch=b,
+                hf_tokens_per_s=decoded / times["hf"],
+                tetris_tokens_per_s=decoded / times["tetris"],
+                speedup=times["hf"] / times["tetris"],
+                identical_sequences=f"{same}/{b}",
+            ))
+    return dict(
+        benchmark="decode", model=config, prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens, repeats=args.repeats, dtype="float32",
+        torch_threads=torch.get_num_threads(), rows=rows,
+    )
+
+
+def print_table(result: dict) -> None:
+    m = result["model"]
+    print(f"Llama {m['num_hidden_layers']}L h{m['hidden_size']} V{m['vocab_size']} fp32, "
+          f"prompt {result['prompt_len']}, {result['new_tokens']} new tokens, "
+          f"{result['torch_threads']} torch threads, best of {result['repeats']}")
+    print(f"{'batch':>5} {'hf tok/s':>10} {'tetris tok/s':>13} {'speedup':>8} {'identical':>10}")
+    for r in result["rows"]:
+        print(f"{r['batch']:>5} {r['hf_tokens_per_s']:>10.1f} {r['tetris_tokens_per_s']:>13.1f} "
+              f"{r['speedup']:>7.2f}x {r['identical_sequences']:>10}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--intermediate", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--checkpoint", help="folder to keep the checkpoint in (default: a temp dir)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    if min(args.batch_sizes) <= 0 or args.new_tokens < 2 or args.prompt_len <= 0:
+        p.error("batch sizes and --prompt-len must be positive, --new-tokens at least 2")
+    result = run(args)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
