@@ -162,6 +162,9 @@ def attention_with_lse_cpu_flash(q, k, v, *, causal=False, q_positions=None, k_p
     if not cpu_flash_supports(q, k, causal, q_positions, k_positions):
         raise ValueError("the CPU flash path needs CPU tensors of one float dtype")
     tq, hq, d = q.shape
+    if tq == 0 or k.shape[0] == 0:  # the aten kernel does not accept empty sequences
+        return (torch.zeros(tq, hq, d, dtype=q.dtype),
+                torch.full((hq, tq), float("-inf"), dtype=torch.float32))
     group = hq // k.shape[1]
     if group > 1:
         k = k.repeat_interleave(group, dim=1)

@@ -78,6 +78,15 @@ def test_position_mask_zigzag_like(impl):
     assert torch.equal(got[0][:3], torch.zeros(3, 4, 16))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_empty_key_or_query_sets(impl):
+    q, k, v = _qkv(3, 0)
+    out, lse = impl(q, k, v)
+    assert torch.equal(out, torch.zeros(3, 4, 16)) and torch.isneginf(lse).all()
+    out, lse = impl(q[:0], *_qkv(0, 5)[1:])
+    assert out.shape == (0, 4, 16) and lse.shape == (4, 0)
+
+
 def test_custom_scale_is_used():
     q, k, v = _qkv(5, 7)
     got = attention_with_lse(q, k, v, scale=0.5)
