@@ -37,7 +37,7 @@ def _worker(rank: int, store_path: str, out_dir: str, configs: list[ModelConfig]
     try:
         for n, cfg in enumerate(configs):
             logits, model = _logits(cfg, tp_group=dist.group.WORLD)
-            assert model.local_num_heads == cfg.num_heads // 2 or cfg.source == "hf"
+            assert model.local_num_heads * 2 == model.cfg.num_heads  # heads really split
             torch.save(logits, os.path.join(out_dir, f"cfg{n}-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
