@@ -40,6 +40,9 @@ def register(subparsers) -> None:
                    help="wrap the prompt as one user message with the chat template")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token ids, finish reason)")
+    p.add_argument("--plan", metavar="SPEC",
+                   help="prefill on the SP pool with a forced chunk plan, e.g. "
+                        "1500x1,2500x2,restx4 (TOKENSxSP; see docs/prefill.md)")
     p.set_defaults(func=run)
 
 
@@ -53,8 +56,14 @@ def run(args: argparse.Namespace) -> int:
         prompt = tokenizer.encode(text, add_bos=True)
         if len(prompt) > 1 and prompt[0] == prompt[1] == tokenizer.bos_token_id:
             prompt = prompt[1:]  # the chat template wrote its own BOS
-        engine = _engine(model, tokenizer, block_size, len(prompt) + params.max_tokens)
-        out = engine.generate([prompt], params)[0]
+        if args.plan:  # CDSP prefill on the pool (tetris.actors.forced_run), engine decode
+            from tetris.actors.forced_run import generate_with_plan
+
+            out = generate_with_plan(args, prompt, params, tokenizer,
+                                     lambda n: _engine(model, tokenizer, block_size, n))
+        else:
+            engine = _engine(model, tokenizer, block_size, len(prompt) + params.max_tokens)
+            out = engine.generate([prompt], params)[0]
     except (ValueError, OSError) as e:  # ConfigError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
