@@ -38,6 +38,10 @@ def prefill_with_plan(deployment, prompt: list[int], spec: str, params: Sampling
     from tetris.actors.layout import forced_plan
     from tetris.actors.prefill_pool import PrefillPool
 
+    pc = deployment.prefill
+    # Build (and check) the plan before any actor starts: a bad spec fails fast.
+    node_of = tuple(i // pc.node_size for i in range(pc.num_instances))
+    plan = forced_plan("generate-plan", len(prompt), spec, node_of)
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=max(8, deployment.prefill.num_instances), include_dashboard=False,
@@ -46,7 +50,6 @@ def prefill_with_plan(deployment, prompt: list[int], spec: str, params: Sampling
     pool = None
     try:
         pool = PrefillPool(deployment)
-        plan = forced_plan("generate-plan", len(prompt), spec, pool.node_of)
         result = pool.run(plan, prompt, sampling=params)
         pool.release(plan.request_id)
         return plan, result
