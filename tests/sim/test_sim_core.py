@@ -9,8 +9,8 @@ from tetris.sim.cluster import CLUSTERS, Simulation
 from tetris.sim.decode import DecodeInstanceSim, DecodeRequest
 from tetris.sim.events import EventKind, EventQueue
 from tetris.sim.prefill import PrefillPoolSim
-from tetris.sim.workload import (WORKLOADS, SimRequest, load_trace, poisson_workload, save_trace,
-                                 scale_to_rate)
+from tetris.sim.workload import (OUTPUT_LENGTHS, WORKLOADS, SimRequest, load_trace,
+                                 output_lengths, poisson_workload, save_trace, scale_to_rate)
 
 from sim_helpers import LeastQueuePolicy, LinearLatency, MostFreeRouter
 
@@ -44,6 +44,21 @@ def test_poisson_workload_is_seeded_and_rate_only_scales_time():
     assert [r.prompt_tokens for r in a] != [r.prompt_tokens for r in c]
     rate = (len(a) - 1) / (a[-1].arrival_time - a[0].arrival_time)
     assert 0.8 < rate < 1.2
+
+
+@pytest.mark.parametrize("mean", [384, 1024, 2048])
+def test_output_mean_option_sets_the_sampled_output_mean(mean):
+    from tetris.sim.experiments import make_requests
+    d = output_lengths(mean)
+    assert d.min_tokens == 32 and d.max_tokens == max(2048, round(2048 * mean / 384))
+    reqs = make_requests("short", 1.0, 4000, 0, output_mean=mean)
+    outs = np.array([r.output_tokens for r in reqs])
+    assert outs.min() >= 32 and outs.max() <= d.max_tokens
+    assert abs(outs.mean() / mean - 1) < 0.05
+    # Prompts and arrivals do not depend on the output mean; the default is unchanged.
+    base = make_requests("short", 1.0, 4000, 0)
+    assert [r.prompt_tokens for r in reqs] == [r.prompt_tokens for r in base]
+    assert output_lengths() is OUTPUT_LENGTHS
 
 
 @pytest.mark.parametrize("suffix", [".csv", ".jsonl"])

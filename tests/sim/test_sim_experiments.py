@@ -84,3 +84,20 @@ def test_cli_run_json_prints_one_object(capsys, tmp_path):
 def test_unknown_workload_is_a_clear_error():
     with pytest.raises(ValueError, match="does not exist"):
         make_requests("nope", 1.0, 10, 0)
+
+
+def test_cli_output_mean_reaches_the_workload(capsys, monkeypatch):
+    import tetris.sim.experiments as ex
+    seen, real = [], ex.make_requests
+
+    def spy(*a, **kw):
+        reqs = real(*a, **kw)
+        seen.append(np.mean([r.output_tokens for r in reqs]))
+        return reqs
+
+    monkeypatch.setattr(ex, "make_requests", spy)
+    for mean in ("384", "2048"):
+        assert main(["sim", "run", "--json", "--policy", "fixed-sp-8", "--rate", "2",
+                     "--requests", "300", "--no-decode", "--output-mean", mean]) == 0
+        capsys.readouterr()
+    assert 300 < seen[0] < 470 and 1700 < seen[1] < 2400

@@ -32,6 +32,13 @@ def _floats(text: str) -> list[float]:
     return vals
 
 
+def _output_mean(text: str) -> float:
+    v = float(text)
+    if not 32.0 < v < float("inf"):
+        raise argparse.ArgumentTypeError("output mean must exceed 32 tokens")
+    return v
+
+
 def _common(p: argparse.ArgumentParser, requests: int) -> None:
     p.add_argument("--model", choices=["8b", "70b"], default="8b")
     p.add_argument("--workload", default="short", help="short | medium | long | trace file (CSV/JSONL)")
@@ -45,22 +52,31 @@ def _common(p: argparse.ArgumentParser, requests: int) -> None:
     p.add_argument("--no-decode", action="store_true", help="simulate prefill only")
 
 
+def _output_mean_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--output-mean", type=_output_mean, default=384.0, metavar="TOKENS",
+                   help="mean output tokens of named workloads (default 384, range [32, 2048]; "
+                        "above 384 the maximum scales by mean/384)")
+
+
 def register(subparsers) -> None:
     sim = subparsers.add_parser("sim", help="discrete-event simulation of the cluster")
     sub = sim.add_subparsers(dest="sim_command", metavar="SUBCOMMAND", required=True)
     p = sub.add_parser("run", help="one run of one policy at one rate")
     _common(p, 1000)
+    _output_mean_arg(p)
     p.add_argument("--policy", default="tetris")
     p.add_argument("--rate", type=float, default=2.0)
     p.set_defaults(func=_run)
     p = sub.add_parser("sweep", help="TTFT P50/P99 against rate per policy (Fig. 8)")
     _common(p, 1000)
+    _output_mean_arg(p)
     p.add_argument("--policy", default="tetris,fixed-sp-8,fixed-sp-16,loongserve-disagg,loongserve")
     p.add_argument("--rates", type=_floats, default=_floats("1,2,3,4,5,6"))
     p.add_argument("--seeds", type=int, default=1)
     p.set_defaults(func=_sweep)
     p = sub.add_parser("capacity", help="highest rate under the 25x light-load criterion")
     _common(p, 1000)
+    _output_mean_arg(p)
     p.add_argument("--policy", default="tetris,fixed-sp-8,fixed-sp-16,loongserve-disagg,loongserve")
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument("--tol", type=float, default=0.05)
@@ -82,7 +98,8 @@ def _spec(args, **kw):
     from tetris.sim.experiments import RunSpec
     return RunSpec(model=args.model, workload=args.workload, requests=args.requests,
                    seed=args.seed, improvement_rate=args.improvement_rate,
-                   rate_table=args.rate_table, decode=not args.no_decode, **kw)
+                   rate_table=args.rate_table, decode=not args.no_decode,
+                   output_mean=args.output_mean, **kw)
 
 
 def _bar(args, total: int, desc: str):

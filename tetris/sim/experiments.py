@@ -22,8 +22,8 @@ from tetris.scheduler.pool import PoolState
 from tetris.sim import contract
 from tetris.sim.cluster import ClusterSpec, Simulation, cluster_by_name
 from tetris.sim.metrics import SimResult
-from tetris.sim.workload import (SimRequest, WORKLOADS, load_trace, poisson_workload,
-                                 scale_to_rate)
+from tetris.sim.workload import (OUTPUT_LENGTHS, SimRequest, WORKLOADS, load_trace,
+                                 output_lengths, poisson_workload, scale_to_rate)
 
 __all__ = ["RunSpec", "make_requests", "run_one", "sweep", "light_load", "capacity",
            "Capacity", "SLO_FACTOR", "rate_table_path", "BASELINES"]
@@ -49,16 +49,19 @@ class RunSpec(msgspec.Struct, frozen=True):
     min_chunk_tokens: int = 256
     rate_window_s: float = 60.0
     rate_update_interval_s: float = 30.0
+    output_mean: float = OUTPUT_LENGTHS.mean_tokens   # mean output tokens (named workloads only)
 
 
 def rate_table_path(model: str, workload: str) -> Path:
     return RATES_DIR / f"a100-llama3-{model}-{Path(workload).stem}.toml"
 
 
-def make_requests(workload: str, rate: float, n: int, seed: int) -> list[SimRequest]:
-    """Poisson arrivals over a named distribution, or the first ``n`` rows of a trace at ``rate``."""
+def make_requests(workload: str, rate: float, n: int, seed: int,
+                  output_mean: float = OUTPUT_LENGTHS.mean_tokens) -> list[SimRequest]:
+    """Poisson arrivals over a named distribution (outputs of mean ``output_mean``), or the
+    first ``n`` rows of a trace at ``rate`` (its own output lengths)."""
     if workload in WORKLOADS:
-        return poisson_workload(WORKLOADS[workload], rate, n, seed)
+        return poisson_workload(WORKLOADS[workload], rate, n, seed, output_lengths(output_mean))
     reqs = load_trace(workload)[:n]
     return scale_to_rate(reqs, rate) if len(reqs) > 1 else reqs
 
@@ -85,7 +88,8 @@ def _decode_side(cluster: ClusterSpec):
 def run_one(spec: RunSpec, requests: list[SimRequest] | None = None) -> tuple[SimResult, Simulation]:
     cluster = cluster_by_name(spec.model)
     if requests is None:
-        requests = make_requests(spec.workload, spec.rate, spec.requests, spec.seed)
+        requests = make_requests(spec.workload, spec.rate, spec.requests, spec.seed,
+                                 spec.output_mean)
     if spec.policy == "loongserve":
         from tetris.sim.loongserve import run_loongserve
         return run_loongserve(spec, cluster, requests)

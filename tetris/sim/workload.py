@@ -31,6 +31,7 @@ __all__ = [
     "LengthDistribution",
     "WORKLOADS",
     "OUTPUT_LENGTHS",
+    "output_lengths",
     "poisson_workload",
     "load_trace",
     "save_trace",
@@ -103,6 +104,16 @@ WORKLOADS: dict[str, LengthDistribution] = {
     "long": LengthDistribution("long", 16_000, 190_000, 50_100),
 }
 OUTPUT_LENGTHS = LengthDistribution("output", 32, 2048, 384, sigma=1.0)
+
+
+def output_lengths(mean_tokens: float = OUTPUT_LENGTHS.mean_tokens) -> LengthDistribution:
+    """Output lengths with the given mean: ``OUTPUT_LENGTHS`` with its maximum scaled by the same
+    factor as the mean (the minimum, 32, and σ stay), so the shape is kept; 384 gives the default."""
+    if mean_tokens == OUTPUT_LENGTHS.mean_tokens:
+        return OUTPUT_LENGTHS
+    hi = max(OUTPUT_LENGTHS.max_tokens,
+             round(OUTPUT_LENGTHS.max_tokens * mean_tokens / OUTPUT_LENGTHS.mean_tokens))
+    return msgspec.structs.replace(OUTPUT_LENGTHS, mean_tokens=float(mean_tokens), max_tokens=hi)
 
 
 def poisson_workload(dist: LengthDistribution, rate: float, n: int, seed: int,
