@@ -11,8 +11,9 @@ request joins the running decodes at the next step. Policy, in order:
 2. Sequences part way through their prompt continue it (chunked prefill).
 3. Waiting sequences are admitted first-come first-served while the batch has a seat
    (``max_num_seqs``), the step has token budget (``max_num_batched_tokens``) and the cache
-   has blocks for all their tokens. A prompt longer than the remaining budget is computed in
-   chunks over several steps. The queue head is never skipped, so no request starves.
+   has blocks for all their tokens, and only in steps that preempted nothing. A prompt longer
+   than the remaining budget is computed in chunks over several steps. The queue head is never
+   skipped, so no request starves.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ class Batcher:
                 n = min(seq.num_uncomputed, budget)
                 plan.prefills.append(ScheduledSeq(seq, n))
                 budget -= n
-        self._admit(plan, budget)
+        if not plan.preempted:  # re-admitting in the step that preempted would only thrash
+            self._admit(plan, budget)
         return plan
 
     def _schedule_decodes(self, plan: BatchPlan) -> int:

@@ -124,7 +124,7 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         plan = self.batcher.schedule()
         if plan.empty:
-            if self.batcher.waiting and not self.batcher.running:
+            if self.batcher.waiting and not self.batcher.running and not plan.preempted:
                 head = self.batcher.waiting[0]
                 raise RuntimeError(f"{head.request_id} cannot be scheduled on an idle engine")
             return outputs
