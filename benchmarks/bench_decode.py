@@ -2,10 +2,11 @@
 
 Builds a seeded random Llama checkpoint on disk (HF format), then for each batch size runs
 the same prompts through both, greedy, EOS ignored, and reports decode tokens/s. Decode time
-is isolated by subtracting a run with one new token (prefill plus the first token) from a run
-with ``--new-tokens`` tokens, for both systems alike:
+runs from the moment the first tokens are sampled (prefill done) to the moment the last ones
+are: for transformers, a pass-through logits processor stamps every forward pass; for the
+engine, the steps that return the first and the last tokens. With N new tokens per sequence:
 
-    decode tokens/s = B * (N - 1) / (t(N) - t(1))
+    decode tokens/s = B * (N - 1) / (t_last - t_first)
 
 Both run in this one process, one after the other for each batch size, so the ratio is taken
 side by side under the same machine load. ``--repeats`` keeps the fastest of several runs.
@@ -65,33 +66,55 @@ def load_hf(path: Path):
     return model
 
 
+class _Stamps:
+    """A logits processor that only records when it is called: once per forward pass."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
 def time_hf(model, prompts: torch.Tensor, new_tokens: int) -> tuple[float, list[list[int]]]:
+    """Seconds from the first token's logits to the last one's, and the new tokens."""
+    from transformers import LogitsProcessorList
+
+    stamps = _Stamps()
     with torch.inference_mode():
-        start = time.perf_counter()
         out = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-        elapsed = time.perf_counter() - start
-    return elapsed, out[:, prompts.shape[1]:].tolist()
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             logits_processor=LogitsProcessorList([stamps]))
+    return stamps.times[-1] - stamps.times[0], out[:, prompts.shape[1]:].tolist()
 
 
 def time_ours(model, prompts: torch.Tensor, new_tokens: int) -> tuple[float, list[list[int]]]:
+    """Seconds from the step that samples the first tokens to the one sampling the last."""
     from tetris.engine.engine import LLMEngine
     from tetris.sampling_params import SamplingParams
 
     b, length = prompts.shape
     block_size = 16
     blocks = b * -(-(length + new_tokens + 1) // block_size)
+    # The token budget holds every prompt, so all first tokens come from one step.
     engine = LLMEngine(model, None, num_blocks=blocks, block_size=block_size, max_num_seqs=b,
                        max_num_batched_tokens=b * length)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
-    outs = engine.generate(prompts.tolist(), params)
-    elapsed = time.perf_counter() - start
-    return elapsed, [list(o.token_ids) for o in outs]
+    for i, prompt in enumerate(prompts.tolist()):
+        engine.add_request(str(i), prompt, params)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(b)}
+    first = None
+    with torch.inference_mode():
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+            first = time.perf_counter() if first is None else first
+    return time.perf_counter() - first, [tokens[str(i)] for i in range(b)]
 
 
 def measure(systems, prompts, new_tokens: int, repeats: int):
-    """Fastest decode time t(N) - t(1) of each system over ``repeats`` rounds, and its tokens.
+    """Fastest decode time of each system over ``repeats`` rounds, and its tokens.
 
     The systems alternate within every round, so a burst of load from other processes on a
     shared machine hits both rather than one.
@@ -100,9 +123,8 @@ def measure(systems, prompts, new_tokens: int, repeats: int):
     tokens: dict[str, list[list[int]]] = {}
     for _ in range(repeats):
         for name, (fn, model) in systems.items():
-            t1, _ = fn(model, prompts, 1)
-            tn, tokens[name] = fn(model, prompts, new_tokens)
-            best[name] = min(best[name], tn - t1)
+            elapsed, tokens[name] = fn(model, prompts, new_tokens)
+            best[name] = min(best[name], elapsed)
     return best, tokens
 
 
@@ -118,7 +140,7 @@ def run(args) -> dict:
         for b in tqdm(args.batch_sizes, desc="batch sizes", file=sys.stderr):
             prompts = torch.randint(3, config["vocab_size"], (b, args.prompt_len), generator=gen)
             for fn, model in systems.values():
-                fn(model, prompts[:1], 2)  # warm-up (lazy inits, allocator)
+                fn(model, prompts[:1], 3)  # warm-up (lazy inits, allocator)
             times, tokens = measure(systems, prompts, args.new_tokens, args.repeats)
             decoded = b * (args.new_tokens - 1)
             same = sum(a == h for a, h in zip(tokens["tetris"], tokens["hf"], strict=True))
