@@ -117,7 +117,8 @@ def test_stop_string_and_stop_token(tiny_model, reference):
     prompts, expected = reference
     engine = LLMEngine(model, tok, num_blocks=64, block_size=4)
     stop_tok = expected[1][3]
-    out = engine.generate([prompts[1]], msgspec.structs.replace(GREEDY, stop_token_ids=(stop_tok,)))[0]
+    params = msgspec.structs.replace(GREEDY, stop_token_ids=(stop_tok,))
+    out = engine.generate([prompts[1]], params)[0]
     cut = expected[1].index(stop_tok) + 1
     assert list(out.token_ids) == expected[1][:cut] and out.finish_reason == "stop"
     letters = _Letters()

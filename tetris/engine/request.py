@@ -15,11 +15,14 @@ Lifecycle of a ``Sequence``:
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import msgspec
-import torch
 
 from tetris.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["FinishReason", "SequenceStatus", "Sequence", "RequestOutput"]
 
