@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from tetris.engine.engine import LLMEngine
+from tetris.kernels.paged_decode import write_kv
 from tetris.sampling_params import SamplingParams
 
-from engine_helpers import TINY, greedy_reference, tiny_model as _load_tiny
+from engine_helpers import TINY, causal_op, greedy_reference
+from engine_helpers import tiny_model as _load_tiny
 
 
 
@@ -181,3 +183,61 @@ def test_generation_stops_at_the_context_limit(tiny_model):
     out = engine.generate([prompt], SamplingParams(max_tokens=50, temperature=0.0,
                                                    ignore_eos=True))[0]
     assert len(out.token_ids) == 3 and out.finish_reason == "length"
+
+
+def _prefill_kv(model, prompt):
+    """The prompt's per-layer K/V and greedy first token, computed outside any engine."""
+    kv = []
+
+    def capture(layer, q, k, v):
+        kv.append((k.clone(), v.clone()))
+        return causal_op(layer, q, k, v)
+
+    with torch.inference_mode():
+        hidden = model.forward(torch.tensor(prompt), torch.arange(len(prompt)), capture)
+        first = int(model.logits(hidden[-1:]).argmax(-1))
+    return kv, first
+
+
+def test_prefilled_request_joins_and_continues_like_a_local_one(tiny_model, reference):
+    model, tok = tiny_model
+    prompts, expected = reference
+    engine = LLMEngine(model, tok, num_blocks=64, block_size=4)
+    engine.add_request("local", prompts[0], GREEDY)
+    got = {"local": [], "remote": []}
+    for out in engine.step():
+        got[out.request_id] += out.new_token_ids
+    assert engine.can_reserve(len(prompts[3]))
+    slots = engine.reserve("remote", prompts[3], GREEDY)
+    assert len(slots) == len(prompts[3])
+    kv, first = _prefill_kv(model, prompts[3])
+    slot_tensor = torch.tensor(slots)
+    for i, (k, v) in enumerate(kv):
+        write_kv(engine.cache.k[i], engine.cache.v[i], k, v, slot_tensor)
+    engine.commit_prefilled("remote", first)
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+    assert got == {"local": expected[0], "remote": expected[3]}
+    assert engine.num_free_blocks == 64
+
+
+def test_reserved_request_can_be_aborted_and_rejects_bad_commits(tiny_model):
+    model, tok = tiny_model
+    engine = LLMEngine(model, tok, num_blocks=8, block_size=4)
+    assert not engine.can_reserve(40)
+    with pytest.raises(ValueError, match="is not reserved"):
+        engine.commit_prefilled("x", 1)
+    engine.reserve("x", [1, 2, 3, 4, 5], GREEDY)
+    assert engine.num_free_blocks == 6
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.commit_prefilled("x", 10_000)
+    assert engine.abort_request("x")
+    assert engine.num_free_blocks == 8
+    assert [o.finish_reason for o in engine.step()] == ["abort"]
+    # A first token that is a stop token finishes at once, holding nothing.
+    engine.reserve("y", [1, 2, 3], msgspec.structs.replace(GREEDY, stop_token_ids=(7,)))
+    engine.commit_prefilled("y", 7)
+    outs = engine.step()
+    assert [(o.token_ids, o.finish_reason) for o in outs] == [((7,), "stop")]
+    assert engine.num_free_blocks == 8 and not engine.has_unfinished()

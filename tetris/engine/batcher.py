@@ -4,6 +4,7 @@ Every running sequence is scheduled with its uncomputed tokens: one for a decodi
 its (rest of the) prompt for a new one. One step of the model runs them all together, so a new
 request joins the running decodes at the next step. Policy, in order:
 
+0. Sequences prefilled on other instances (disaggregation) take free seats first.
 1. Decodes first, in admission order, one token each. A decode that needs a new KV block when
    none is free preempts the most recently admitted running sequence (possibly itself): its
    blocks are freed and it returns to the front of the queue, to be recomputed (prompt plus
@@ -66,9 +67,18 @@ class Batcher:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Prefilled elsewhere (KV already in their blocks): they take free seats before any
+        # waiting prompt, since their prefill is already paid for.
+        self.ready: deque[Sequence] = deque()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def add_prefilled(self, seq: Sequence) -> None:
+        """Queue a sequence that holds blocks with its prompt's KV and its first token."""
+        if not seq.block_table or seq.num_uncomputed != 1:
+            raise ValueError(f"{seq.request_id}: not prefilled (needs blocks and one new token)")
+        self.ready.append(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the queues (finished or aborted) and free its blocks."""
@@ -76,14 +86,20 @@ class Batcher:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.ready:
+            self.ready.remove(seq)
         self.blocks.free(seq)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.ready)
 
     def schedule(self) -> BatchPlan:
         plan = BatchPlan(decodes=[], prefills=[], preempted=[])
+        while self.ready and len(self.running) < self.max_num_seqs:
+            seq = self.ready.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
         budget = self.max_num_batched_tokens - self._schedule_decodes(plan)
         for seq in self.running:
             if budget <= 0:

@@ -14,10 +14,10 @@ import random
 from collections.abc import Sequence as Seq
 
 from tetris.engine.batcher import Batcher
-from tetris.engine.block_manager import BlockManager
+from tetris.engine.block_manager import BlockManager, OutOfBlocksError
 from tetris.engine.kv_cache import KVCache
 from tetris.engine.model_runner import ModelRunner
-from tetris.engine.request import FinishReason, RequestOutput, Sequence
+from tetris.engine.request import FinishReason, RequestOutput, Sequence, SequenceStatus
 from tetris.engine.sampling import check_stop, make_generator, sample
 from tetris.sampling_params import SamplingParams
 
@@ -45,7 +45,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache)
         self._rng = random.Random(seed)
         self._seqs: dict[str, Sequence] = {}
-        self._aborted: list[RequestOutput] = []
+        # Outputs produced between steps (aborts, prefilled first tokens), sent by the next.
+        self._pending: list[RequestOutput] = []
         self._ids = itertools.count()
         eos = tokenizer.eos_token_ids if tokenizer is not None else model.cfg.eos_token_ids
         self._eos = frozenset(eos)
@@ -66,6 +67,12 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: Seq[int],
                     params: SamplingParams) -> None:
         """Queue a request; raises ``ValueError`` for input it can never serve."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        self._seqs[request_id] = seq
+        self.batcher.add(seq)
+
+    def _new_sequence(self, request_id: str, prompt_token_ids: Seq[int],
+                      params: SamplingParams) -> Sequence:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if request_id in self._seqs:
@@ -82,10 +89,8 @@ class LLMEngine:
                                                        else self._eos)
         # A sequence never outgrows the whole cache, so one that runs alone always fits.
         max_total = min(self.max_model_len, self.blocks.num_blocks * self.blocks.block_size)
-        seq = Sequence(request_id, prompt, params, generator=generator, stop_token_ids=stop_ids,
-                       max_total_tokens=max_total)
-        self._seqs[request_id] = seq
-        self.batcher.add(seq)
+        return Sequence(request_id, prompt, params, generator=generator, stop_token_ids=stop_ids,
+                        max_total_tokens=max_total)
 
     def _validate_prompt(self, prompt: list[int]) -> None:
         if not prompt:
@@ -111,17 +116,67 @@ class LLMEngine:
             return False
         self.batcher.remove(seq)
         seq.finish(FinishReason.ABORT)
-        self._aborted.append(seq.to_output(()))
+        self._pending.append(seq.to_output(()))
         return True
 
+    # -- disaggregated prefill: the prompt's KV comes from a prefill instance ---------------
+
+    def can_reserve(self, num_prompt_tokens: int) -> bool:
+        """Whether blocks for a prefilled prompt of this length are free now."""
+        return self.blocks.can_allocate(num_prompt_tokens + 1)
+
+    def reserve(self, request_id: str, prompt_token_ids: Seq[int],
+                params: SamplingParams) -> list[int]:
+        """Hold KV blocks for a prompt computed elsewhere; returns each position's cache slot.
+
+        Slot ``s`` of layer ``i`` is ``cache.k[i].view(-1, Hkv, D)[s]`` (likewise ``v``):
+        write the prompt's K/V there (``write_kv`` takes the slots as a tensor), then call
+        ``commit_prefilled``. Raises ``OutOfBlocksError`` without room: check ``can_reserve``.
+        """
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        if not self.can_reserve(seq.num_tokens):
+            raise OutOfBlocksError(
+                f"{request_id}: {seq.num_tokens} prompt tokens need "
+                f"{self.blocks.blocks_needed(seq.num_tokens + 1)} blocks, "
+                f"{self.blocks.num_free_blocks} free"
+            )
+        self.blocks.allocate(seq)
+        seq.status = SequenceStatus.RECEIVING
+        self._seqs[request_id] = seq
+        bs = self.blocks.block_size
+        return [seq.block_table[p // bs] * bs + p % bs for p in range(seq.num_tokens)]
+
+    def commit_prefilled(self, request_id: str, first_token: int) -> None:
+        """The reserved prompt's KV is complete and the prefill side sampled ``first_token``.
+
+        The request joins the running batch at the next step, whose outputs begin with that
+        token (so a stream looks the same as for ``add_request``).
+        """
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.status is not SequenceStatus.RECEIVING:
+            raise ValueError(f"request {request_id!r} is not reserved and awaiting its KV")
+        if not 0 <= int(first_token) < self.vocab_size:
+            raise ValueError(f"first token {first_token} is outside the vocabulary")
+        seq.num_computed = seq.num_tokens
+        seq.tokens.append(int(first_token))
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        reason = check_stop(seq, int(first_token), decode)
+        if reason is None:
+            self.batcher.add_prefilled(seq)
+        else:
+            seq.finish(reason)
+            self.batcher.remove(seq)
+            del self._seqs[request_id]
+        self._pending.append(seq.to_output((int(first_token),)))
+
     def has_unfinished(self) -> bool:
-        return bool(self._seqs) or bool(self._aborted)
+        return bool(self._seqs) or bool(self._pending)
 
     # -- one iteration --------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; one output per request that got a token, finished or aborted."""
-        outputs, self._aborted = self._aborted, []
+        outputs, self._pending = self._pending, []
         plan = self.batcher.schedule()
         if plan.empty:
             if self.batcher.waiting and not self.batcher.running and not plan.preempted:
@@ -145,7 +200,11 @@ class LLMEngine:
 
     def generate(self, prompts: Seq[Seq[int] | str],
                  params: SamplingParams | Seq[SamplingParams]) -> list[RequestOutput]:
-        """Run ``prompts`` (token ids, or text with a tokenizer) to completion, in order."""
+        """Run ``prompts`` (token ids, or text with a tokenizer) to completion, in order.
+
+        It drives ``step()`` itself: meant for offline use, not next to streaming callers
+        (their requests progress too, but their outputs are not returned).
+        """
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
@@ -163,7 +222,7 @@ class LLMEngine:
         except ValueError:
             for request_id in ids:  # all or nothing: no half-submitted batch left queued
                 self.abort_request(request_id)
-            self._aborted.clear()
+            self._pending = [o for o in self._pending if o.request_id not in ids]
             raise
         final: dict[str, RequestOutput] = {}
         wanted = set(ids)

@@ -10,6 +10,10 @@ Lifecycle of a ``Sequence``:
    generated tokens are recomputed on readmission (generated tokens are kept).
 4. ``FINISHED`` with a reason: ``stop`` (stop token or stop string), ``length`` (max_tokens or
    the context limit) or ``abort``. Finished sequences hold no blocks.
+
+Disaggregated prefill enters at 2 instead of 1: ``RECEIVING`` while a prefill instance writes
+the prompt's KV into blocks reserved for it, then ``RUNNING`` with the first token (sampled by
+the prefill side) once the engine is told that the KV is complete.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ __all__ = ["FinishReason", "SequenceStatus", "Sequence", "RequestOutput"]
 
 
 class SequenceStatus(enum.Enum):
+    RECEIVING = "receiving"  # holds blocks; its KV is being written by a prefill instance
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
