@@ -93,16 +93,23 @@ class ModelExecutor:
         if overlap:
             balancer.issue(0)   # runs during embedding and layer 0's projections
         hidden = model.embed(torch.tensor(task.token_ids, dtype=torch.long))
+        # A chunk shorter than 2s leaves some members without tokens: they still pass blocks
+        # around the ring and take part in balancing, but compute nothing.
+        idle = q_pos.numel() == 0
         for i in range(model.num_layers):
-            q, k, v = model.layer_qkv(i, hidden, q_pos)
-            store.write(req, i, mine, k, v)
+            if idle:
+                q = hidden.new_empty((0, model.local_num_heads, model.head_dim))
+            else:
+                q, k, v = model.layer_qkv(i, hidden, q_pos)
+                store.write(req, i, mine, k, v)
             balancer.wait(i)
             self._maybe_fail(task, i)
             kb, vb = store.read(req, i, blocks[task.rank])
             attn = ring(q, q_pos, kb, vb, layer=i)
             if overlap:
                 balancer.issue(i + 1)   # hidden behind this layer's o_proj and MLP (Fig. 6-b)
-            hidden = model.layer_mlp(i, model.layer_attn_out(i, hidden, attn))
+            if not idle:
+                hidden = model.layer_mlp(i, model.layer_attn_out(i, hidden, attn))
         sent = normalize_ranges([p for m in balancer.sends for p in m.positions])
         store.release(req, sent)
         token, logits = self._first_token(task, hidden, q_pos)

@@ -140,6 +140,8 @@ class PagedKVStore:
         return idx
 
     def slots(self, request_id: str, positions: Ranges) -> torch.Tensor:
+        if not positions:
+            return torch.empty(0, dtype=torch.int64)
         entry = self._reqs.get(request_id)
         if entry is None:
             raise KeyError(f"request {request_id}: no KV stored here")

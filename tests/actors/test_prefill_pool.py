@@ -197,3 +197,10 @@ def test_concurrent_requests_on_disjoint_groups(pool, model):
         got = torch.tensor(results[plan.request_id].logits)
         assert ((got - ref_logits).abs().max() / ref_logits.abs().max()).item() < 1e-4
         pool.release(plan.request_id)
+
+
+def test_chunks_shorter_than_the_ring(pool, model):
+    # 3 tokens on 4 members and 1 token on 8: members without tokens still relay KV.
+    plan = PrefillPlan("tiny-chunks", 12, (Chunk(0, 3, (0, 1, 2, 3)), Chunk(3, 11, (0, 1, 2, 3)),
+                                           Chunk(11, 12, tuple(range(8)))))
+    _check_against_reference(pool, model, plan, _prompt(12, 9))
