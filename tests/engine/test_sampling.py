@@ -79,17 +79,20 @@ def _decode(ids):
 
 
 def _feed(seq, tokens):
+    """Append tokens until one finishes the sequence, as the engine does."""
     reasons = []
     for t in tokens:
         seq.tokens.append(t)
         reasons.append(check_stop(seq, t, _decode))
+        if reasons[-1] is not None:
+            break
     return reasons
 
 
 def test_stop_string_is_trimmed_from_text():
     seq = _seq(SamplingParams(max_tokens=50, stop=("cd",)))
     reasons = _feed(seq, [0, 1, 2, 3, 4])  # "abcde": "cd" completes at the 4th token
-    assert reasons[:4] == [None, None, None, FinishReason.STOP]
+    assert reasons == [None, None, None, FinishReason.STOP]
     assert seq.text == "ab"
 
 
@@ -123,3 +126,43 @@ def test_streamed_text_never_shows_a_stop_string_prefix():
 def test_logit_rows_must_match_sequences():
     with pytest.raises(ValueError, match="2 logit rows for 1"):
         sample(torch.zeros(2, 3), [_seq(SamplingParams())])
+
+
+def _run_detok(decode, tokens, final_at_end=True):
+    seq = _seq(SamplingParams(max_tokens=len(tokens)))
+    texts = []
+    for t in tokens:
+        seq.tokens.append(t)
+        check_stop(seq, t, decode)
+        texts.append(seq.text)
+    return texts
+
+
+def test_incremental_text_matches_full_decode_for_multibyte_utf8():
+    from tetris.model.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer(320)
+    data = list("héllo wörld ✓ 漢字 done".encode())
+    texts = _run_detok(tok.decode, data)
+    assert texts[-1] == tok.decode(data)
+    for i, text in enumerate(texts):
+        assert "\ufffd" not in text  # never shows half a character
+        assert tok.decode(data[:i + 1]).startswith(text)
+
+
+def test_incremental_text_with_a_tokenizer_that_strips_the_leading_space():
+    words = ["▁The", "▁gap", "s", "▁fill", "▁up", ".", "▁Tetris", "▁wins", "!"] * 3
+
+    def decode(ids):  # SentencePiece-like: "▁" is a space, dropped at the start of the text
+        return "".join(words[i] for i in ids).replace("▁", " ").lstrip(" ")
+
+    ids = list(range(len(words)))
+    assert _run_detok(decode, ids)[-1] == decode(ids)
+
+
+def test_length_finish_flushes_an_incomplete_character():
+    from tetris.model.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer(320)
+    data = list("ab✓".encode())[:-1]  # the check mark cut after two of its three bytes
+    assert _run_detok(tok.decode, data)[-1] == tok.decode(data) == "ab\ufffd"

@@ -92,6 +92,10 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.text = ""
+        # Incremental detokenization: output ids [detok_start, detok_read) are the left context
+        # of the next decode, and ids before detok_read are already in ``text``.
+        self.detok_start = 0
+        self.detok_read = 0
         # Characters of ``text`` already reported, so that a step's delta is text[sent:].
         self.text_sent = 0
         # A streamed delta must never contain what may turn out to be the start of a stop

@@ -71,10 +71,16 @@ def check_stop(seq: Sequence, token: int, decode) -> FinishReason | None:
     """
     params = seq.params
     hit_stop_token = token in seq.stop_token_ids
+    reason = None
+    if hit_stop_token:
+        reason = FinishReason.STOP
+    elif (len(seq.tokens) - seq.num_prompt_tokens >= params.max_tokens
+          or len(seq.tokens) >= seq.max_total_tokens):
+        reason = FinishReason.LENGTH
     if decode is not None:
         ids = seq.output_token_ids
         prev_len = len(seq.text)
-        seq.text = decode(ids[:-1] if hit_stop_token else ids)
+        append_text(seq, decode, ids[:-1] if hit_stop_token else ids, final=reason is not None)
         if params.stop and not hit_stop_token:
             # Only a match that ends in the new text is new: search from where one could start.
             start = max(0, prev_len - max(len(s) for s in params.stop) + 1)
@@ -82,13 +88,31 @@ def check_stop(seq: Sequence, token: int, decode) -> FinishReason | None:
             if cut is not None:
                 seq.text = seq.text[:cut]
                 return FinishReason.STOP
-    if hit_stop_token:
-        return FinishReason.STOP
-    if len(seq.tokens) - seq.num_prompt_tokens >= params.max_tokens:
-        return FinishReason.LENGTH
-    if len(seq.tokens) >= seq.max_total_tokens:
-        return FinishReason.LENGTH
-    return None
+    return reason
+
+
+# Tokens of left context decoded with each new token: enough for tokenizers whose output for
+# a token depends on its neighbours (SentencePiece's leading space, bytes of one character).
+_DETOK_WINDOW = 6
+
+
+def append_text(seq: Sequence, decode, ids: list[int], *, final: bool) -> None:
+    """Extend ``seq.text`` with the text that ``ids[seq.detok_read:]`` adds.
+
+    Decoding a short window and taking what the new tokens add to it keeps a step's cost flat
+    (decoding all output ids every step grows with the output). Text that ends inside an
+    incomplete UTF-8 character waits for the rest of its bytes, unless ``final``.
+    """
+    start, read = seq.detok_start, seq.detok_read
+    if len(ids) <= read:
+        return
+    before = decode(ids[start:read]) if read > start else ""
+    after = decode(ids[start:])
+    if after.endswith("\ufffd") and not final:
+        return
+    seq.text += after[len(before):]
+    seq.detok_read = len(ids)
+    seq.detok_start = max(0, len(ids) - _DETOK_WINDOW)
 
 
 def _first_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
