@@ -166,3 +166,24 @@ def test_length_finish_flushes_an_incomplete_character():
     tok = ByteTokenizer(320)
     data = list("ab✓".encode())[:-1]  # the check mark cut after two of its three bytes
     assert _run_detok(tok.decode, data)[-1] == tok.decode(data) == "ab\ufffd"
+
+
+def _top_p_by_full_sort(logits, top_p):
+    probs = torch.softmax(logits, 0)
+    vals, idx = torch.sort(probs, descending=True)
+    keep = (torch.cumsum(vals, 0) - vals) < top_p
+    out = torch.zeros_like(probs)
+    out[idx[keep]] = vals[keep]
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("spread", [0.3, 8.0])  # a flat nucleus (thousands of tokens), a peaked one
+def test_top_p_over_a_large_vocab_equals_a_full_sort(spread):
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(5000, generator=gen) * spread
+    got = process_logits(logits, SamplingParams(top_p=0.9))
+    want = _top_p_by_full_sort(logits, 0.9)
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got, want)
+    kept = int((got > 0).sum())
+    assert (kept > 256) if spread < 1 else (kept < 256)
