@@ -241,3 +241,15 @@ def test_reserved_request_can_be_aborted_and_rejects_bad_commits(tiny_model):
     outs = engine.step()
     assert [(o.token_ids, o.finish_reason) for o in outs] == [((7,), "stop")]
     assert engine.num_free_blocks == 8 and not engine.has_unfinished()
+
+
+def test_stats_count_queues_and_blocks(tiny_model):
+    model, tok = tiny_model
+    engine = LLMEngine(model, tok, num_blocks=16, block_size=4, max_num_seqs=1)
+    engine.add_request("a", [1, 2, 3], GREEDY)
+    engine.add_request("b", [1, 2], GREEDY)
+    engine.reserve("c", [5, 6, 7, 8, 9], GREEDY)
+    engine.step()
+    st = engine.stats()
+    assert (st.running, st.waiting, st.ready, st.receiving) == (1, 1, 0, 1)
+    assert st.free_blocks == 16 - 1 - 2 and st.total_blocks == 16 and st.block_size == 4

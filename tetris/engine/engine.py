@@ -13,6 +13,8 @@ import itertools
 import random
 from collections.abc import Sequence as Seq
 
+import msgspec
+
 from tetris.engine.batcher import Batcher
 from tetris.engine.block_manager import BlockManager, OutOfBlocksError
 from tetris.engine.kv_cache import KVCache
@@ -21,7 +23,20 @@ from tetris.engine.request import FinishReason, RequestOutput, Sequence, Sequenc
 from tetris.engine.sampling import check_stop, make_generator, sample
 from tetris.sampling_params import SamplingParams
 
-__all__ = ["LLMEngine"]
+__all__ = ["LLMEngine", "EngineStats"]
+
+
+class EngineStats(msgspec.Struct, frozen=True):
+    """A snapshot of one engine's load; ``free_blocks * block_size`` is its free KV slots."""
+
+    running: int
+    waiting: int
+    ready: int
+    receiving: int
+    free_blocks: int
+    total_blocks: int
+    block_size: int
+    preemptions: int  # by the requests now unfinished
 
 
 class LLMEngine:
@@ -235,3 +250,14 @@ class LLMEngine:
     @property
     def num_free_blocks(self) -> int:
         return self.blocks.num_free_blocks
+
+    def stats(self) -> EngineStats:
+        """Load figures for routing (SPEC §5: free slots and batch size) and metrics."""
+        b = self.batcher
+        return EngineStats(
+            running=len(b.running), waiting=len(b.waiting), ready=len(b.ready),
+            receiving=sum(s.status is SequenceStatus.RECEIVING for s in self._seqs.values()),
+            free_blocks=self.blocks.num_free_blocks, total_blocks=self.blocks.num_blocks,
+            block_size=self.blocks.block_size,
+            preemptions=sum(s.num_preemptions for s in self._seqs.values()),
+        )
