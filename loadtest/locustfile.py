@@ -42,6 +42,16 @@ from tetris.sim.workload import OUTPUT_LENGTHS, load_trace, poisson_workload, sc
 
 _REPORT: LoadReport | None = None
 _STARTED = time.monotonic()
+_QUITTING = False
+
+
+def _quit_once(environment) -> None:
+    """Stop the run exactly once, from its own greenlet: a user greenlet that calls quit() is
+    itself among those quit() kills, and several users finishing together would race."""
+    global _QUITTING
+    if not _QUITTING:
+        _QUITTING = True
+        gevent.spawn(environment.runner.quit)
 
 
 @events.init_command_line_parser.add_listener
@@ -66,11 +76,12 @@ def _add_options(parser):
 
 @events.test_start.add_listener
 def _on_start(environment, **_):
-    global _REPORT, _STARTED
+    global _REPORT, _STARTED, _QUITTING
     opts = environment.parsed_options
     _check_host(environment.host or "", opts.tetris_allow_remote)
     _REPORT = LoadReport(slo_ttft_s=opts.tetris_slo_ttft, slo_itl_s=opts.tetris_slo_itl)
     _STARTED = time.monotonic()
+    _QUITTING = False
 
 
 @events.test_stop.add_listener
@@ -190,7 +201,8 @@ class OpenLoopUser(_TetrisUser):
             gevent.sleep(max(0.0, start + t - time.monotonic()))
             greenlets.append(gevent.spawn(self.send, f"r{i}", p, o))
         gevent.joinall(greenlets, timeout=self.opts.tetris_request_timeout)
-        self.environment.runner.quit()
+        _quit_once(self.environment)
+        gevent.sleep(3600)  # wait to be stopped; the run is over
 
 
 class ClosedLoopUser(_TetrisUser):
@@ -207,7 +219,7 @@ class ClosedLoopUser(_TetrisUser):
             cls._queue = build_workload(self.opts)
         if cls._next >= len(cls._queue):
             if _REPORT is not None and len(_REPORT.records) >= len(cls._queue):
-                self.environment.runner.quit()
+                _quit_once(self.environment)
             gevent.sleep(0.05)
             return
         i = cls._next
