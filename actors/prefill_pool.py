@@ -175,8 +175,9 @@ class PrefillPool:
             except Exception as e:  # noqa: BLE001 - every failure becomes a PrefillError
                 errors.append((t, getattr(e, "cause", None) or e))
         if errors:
-            # Peers of a failed worker time out waiting for it: report the other error first.
-            errors.sort(key=lambda te: isinstance(te[1], TimeoutError) or "imed out" in str(te[1]))
+            # Peers of a failed worker time out or lose their gloo connection to it: report the
+            # root cause first.
+            errors.sort(key=lambda te: _is_secondary(te[1]))
             t, err = errors[0]
             others = ", ".join(str(e[0].instance) for e in errors[1:])
             raise _ChunkFailed(method, len(tasks), [(e[0].instance, e[1]) for e in errors],
@@ -280,3 +281,11 @@ class _SharedExclusive:
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return text[0] if text else ""
+
+
+_SECONDARY = ("imed out", "Connection closed by peer", "Connection reset by peer")
+
+
+def _is_secondary(err: BaseException) -> bool:
+    """An error a ring peer sees because another member failed, not a root cause."""
+    return isinstance(err, TimeoutError) or any(m in str(err) for m in _SECONDARY)

@@ -206,7 +206,8 @@ def _disconnect_five_times(backend, url):
                     "model": MODEL, "prompt": "x" * 50, "max_tokens": 400,
                     "ignore_eos": True, "stream": True}) as r:
                 assert r.status_code == 200
-                next(r.iter_lines())  # read one event, then hang up
+                next(r.iter_lines())  # read one event
+                r.close()  # and hang up
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and (backend.engine.has_unfinished()
                                            or backend.engine.num_free_blocks != free_before):
@@ -217,8 +218,9 @@ def _disconnect_five_times(backend, url):
 
 
 def test_overload_beyond_the_bounded_queue_gets_429_with_retry_after(backend):
+    # A full-context cache, so the held request cannot finish at a small cache's length limit.
     small = LocalEngineBackend(backend.engine.__class__(backend.engine.model, backend.engine.tokenizer,
-                                                        num_blocks=64), MODEL, max_pending=1)
+                                                        num_blocks=2048), MODEL, max_pending=1)
     app = create_api(small)
 
     try:
@@ -228,7 +230,9 @@ def test_overload_beyond_the_bounded_queue_gets_429_with_retry_after(backend):
                     "model": MODEL, "prompt": "x", "max_tokens": 30000, "ignore_eos": True,
                     "stream": True}) as held:
                 assert held.status_code == 200
-                next(held.iter_lines())
+                # Keep the iterator: closing httpx's line iterator closes the response (a hang-up).
+                events = held.iter_lines()
+                next(events)
                 second = c.post("/v1/completions", json={"model": MODEL, "prompt": "y"})
             # Hanging up aborts the held request; a client honouring Retry-After gets through.
             deadline = time.monotonic() + 30
