@@ -10,30 +10,15 @@ import argparse
 import json
 import sys
 
+from tetris.cli.args import positive_int, positive_list
+
 __all__ = ["register"]
 
 
-def _sizes(text: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated MiB sizes, got {text!r}") from None
-    if not vals or min(vals) <= 0:
-        raise argparse.ArgumentTypeError("sizes must be positive integers (MiB)")
-    return vals
-
-
-def _positive(text: str) -> int:
-    v = int(text)
-    if v <= 0:
-        raise argparse.ArgumentTypeError("must be positive")
-    return v
-
-
 def _add_transfer(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", type=_sizes, default=[1, 16, 64], help="write sizes in MiB (default 1,16,64)")
-    p.add_argument("--iters", type=_positive, default=10, help="timed writes per size (median reported)")
-    p.add_argument("--requests", type=_positive, default=50, help="requests for the handshake overhead")
+    p.add_argument("--sizes", type=positive_list(int, "sizes in MiB"), default=[1, 16, 64], help="write sizes in MiB (default 1,16,64)")
+    p.add_argument("--iters", type=positive_int, default=10, help="timed writes per size (median reported)")
+    p.add_argument("--requests", type=positive_int, default=50, help="requests for the handshake overhead")
 
 
 def _run_transfer(args: argparse.Namespace) -> dict:

@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 
+from tetris.cli.args import positive_list
+
 __all__ = ["register"]
 
 
@@ -22,14 +24,9 @@ def _theta(text: str) -> float | None:
     return v
 
 
-def _floats(text: str) -> list[float]:
-    try:
-        vals = [float(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not vals or min(vals) <= 0:
-        raise argparse.ArgumentTypeError("rates must be positive")
-    return vals
+_rates = positive_list(float, "rates")
+_thetas = positive_list(float, "improvement rates")
+ALL_POLICIES = "tetris,fixed-sp-8,fixed-sp-16,loongserve-disagg,loongserve"
 
 
 def _output_mean(text: str) -> float:
@@ -70,21 +67,21 @@ def register(subparsers) -> None:
     p = sub.add_parser("sweep", help="TTFT P50/P99 against rate per policy (Fig. 8)")
     _common(p, 1000)
     _output_mean_arg(p)
-    p.add_argument("--policy", default="tetris,fixed-sp-8,fixed-sp-16,loongserve-disagg,loongserve")
-    p.add_argument("--rates", type=_floats, default=_floats("1,2,3,4,5,6"))
+    p.add_argument("--policy", default=ALL_POLICIES)
+    p.add_argument("--rates", type=_rates, default=_rates("1,2,3,4,5,6"))
     p.add_argument("--seeds", type=int, default=1)
     p.set_defaults(func=_sweep)
     p = sub.add_parser("capacity", help="highest rate under the 25x light-load criterion")
     _common(p, 1000)
     _output_mean_arg(p)
-    p.add_argument("--policy", default="tetris,fixed-sp-8,fixed-sp-16,loongserve-disagg,loongserve")
+    p.add_argument("--policy", default=ALL_POLICIES)
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument("--tol", type=float, default=0.05)
     p.set_defaults(func=_capacity)
     p = sub.add_parser("profile-rate", help="build the improvement-rate table of a workload")
     _common(p, 500)
-    p.add_argument("--rates", type=_floats, default=None, help="default: 0.5 req/s steps")
-    p.add_argument("--thetas", type=_floats, default=None)
+    p.add_argument("--rates", type=_rates, default=None, help="default: 0.5 req/s steps")
+    p.add_argument("--thetas", type=_thetas, default=None)
     p.add_argument("--seeds", type=int, default=3)
     p.set_defaults(func=_profile)
     p = sub.add_parser("figures", help="reproduce Figs. 8, 9, 11-13 and the capacity table")
