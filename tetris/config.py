@@ -1,11 +1,12 @@
 """Deployment configuration: TOML files decoded into frozen msgspec Structs.
 
-A deployment file has four tables, each optional except ``[model]``::
+A deployment file has five tables, each optional except ``[model]``::
 
     [model]        what to serve: a seeded tiny Llama or a local Hugging Face directory
     [prefill]      the sequence-parallel pool: instance count, TP size, instances per node
     [decode]       decode instances: count, TP size, batch and KV capacity
     [scheduler]    CDSP policy, SP candidates, latency profile, improvement rate
+    [transfer]     KV streaming: backend, receive buffers, piece sizes, timeouts
 
 Unknown keys and wrong types are rejected with a ``ConfigError`` that names the file, the key
 and what was expected. Configs are passed down explicitly; there is no global config.
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Literal
 
 import msgspec
+
+from tetris.transfer.states import TransferConfig
 
 __all__ = [
     "ConfigError",
@@ -164,6 +167,7 @@ class DeploymentConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefill: PrefillConfig = PrefillConfig()
     decode: DecodeConfig = DecodeConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    transfer: TransferConfig = TransferConfig()
     source_path: str | None = None
 
 

@@ -53,6 +53,8 @@ class TransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     timeout_s: float = 30.0
     abort_grace_s: float = 1.0
     policy: Literal["handshake_order", "per_chunk_fcfs"] = "handshake_order"
+    # "auto": NIXL over UCX when it starts, else in-process (same process only, with a warning)
+    backend: Literal["auto", "nixl", "inproc"] = "auto"
 
     def __post_init__(self) -> None:
         for key in ("num_backends", "pool_size", "backend_buffer_bytes", "send_buffer_bytes",
