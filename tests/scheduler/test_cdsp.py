@@ -234,3 +234,13 @@ def test_policy_from_deployment_config():
     assert plan.improvement_rate == 0.2
     with pytest.raises(PolicyError):
         policy_from_config(SchedulerConfig(policy="fixed-sp-3"))
+
+
+def test_fixed_sp_larger_than_pool_is_a_clear_policy_error(prof):
+    pol = make_policy("fixed-sp-16", prof)
+    with pytest.raises(PolicyError, match="needs at least 16 prefill instances; the pool has 8"):
+        pol.plan("r", 4096, 0.0, PoolState.uniform(8, 8))
+    with pytest.raises(PolicyError, match="cannot be cut into groups of 16"):
+        pol.plan("r", 4096, 0.0, PoolState.uniform(24, 8))
+    # The same policy object still plans on a pool it fits.
+    assert pol.plan("r", 4096, 0.0, PoolState.uniform(16, 8)).chunks[0].sp_size == 16

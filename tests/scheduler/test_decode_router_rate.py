@@ -85,3 +85,38 @@ def test_rate_monitor_sliding_window_and_update_interval():
     assert mon.improvement_rate == 0.1
     with pytest.raises(RateTableError):
         mon.observe_arrival(1.0)
+
+
+def test_rate_monitor_first_update_waits_for_an_interval_of_data():
+    # The old monitor updated at the first arrival over a 0.1 s span (10 req/s -> θ 0.6) and
+    # kept that θ for 30 s although the load was 1 req/s.
+    table = ImprovementRateTable([1.0, 5.0, 10.0], [0.1, 0.4, 0.6])
+    mon = RateMonitor(window_s=60.0, update_interval_s=30.0, table=table, start_time=0.0)
+    updates = []
+    for k in range(100):           # 1 req/s, first arrival at 0.125 s (exact in binary)
+        t = k + 0.125
+        mon.observe_arrival(t)
+        u = mon.maybe_update(t)
+        if u is not None:
+            updates.append((t, u, mon.current_rate(t)))
+    assert mon.improvement_rate == 0.1
+    assert [t for t, _, _ in updates] == [30.125, 60.125, 90.125]
+    assert all(u == 0.1 for _, u, _ in updates)
+    assert updates[0][2] == pytest.approx(31 / 30.125)  # over the elapsed time, not the window
+
+
+def test_rate_monitor_without_start_time_starts_at_its_first_call():
+    # A wall clock: arrivals before the monitor existed are not counted, so the span starts
+    # at the first observed time instead of a window that was never watched.
+    table = ImprovementRateTable([1.0, 4.0], [0.1, 0.5])
+    mon = RateMonitor(window_s=60.0, update_interval_s=10.0, table=table)
+    t0 = 1.7e9
+    for k in range(41):            # 4 req/s for 10 s
+        mon.observe_arrival(t0 + 0.25 * k)
+        expected = 0.5 if k == 40 else None
+        assert mon.maybe_update(t0 + 0.25 * k) == expected
+    assert mon.start_time == t0
+    assert mon.improvement_rate == 0.5
+    assert mon.current_rate(t0 + 10.0) == pytest.approx(41 / 10.0)
+    with pytest.raises(RateTableError):
+        RateMonitor(window_s=10.0, update_interval_s=20.0, table=table)

@@ -148,8 +148,12 @@ class FixedSpPolicy:
     def groups(self, pool: PoolState) -> list[tuple[int, ...]]:
         g = self._groups.get(pool.node_of)
         if g is None:
+            if self.k > pool.size:
+                raise PolicyError(f"{self.name} needs at least {self.k} prefill instances; the "
+                                  f"pool has {pool.size} (use fixed-sp-<k> with k <= {pool.size})")
             if pool.size % self.k:
-                raise PolicyError(f"{self.name}: a pool of {pool.size} is not a multiple of {self.k}")
+                raise PolicyError(f"{self.name}: the pool of {pool.size} instances cannot be cut "
+                                  f"into groups of {self.k}")
             order = sorted(range(pool.size), key=lambda i: (pool.node_of[i], i))
             g = [tuple(order[j:j + self.k]) for j in range(0, pool.size, self.k)]
             self._groups[pool.node_of] = g

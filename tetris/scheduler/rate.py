@@ -100,15 +100,23 @@ class ImprovementRateTable:
 class RateMonitor:
     """Sliding-window arrival rate and the θ it selects, updated every ``update_interval_s``.
 
-    The rate is arrivals in ``(t − window_s, t]`` over the window, or over ``t − start_time``
-    while less than a window has passed (a simulation starting at 0 reads its true rate from
-    the first update; a wall clock is always past its first window).
+    The rate is arrivals in ``(t − window_s, t]`` over ``min(window_s, t − start_time)``. The
+    first update waits until ``update_interval_s`` has passed since ``start_time``: a rate read
+    from a few seconds of arrivals (one arrival over 0.1 s reads as 10 req/s) would pick a
+    wrong θ and keep it for a whole interval. Until then θ is ``initial_improvement_rate``
+    (default: the table's lightest-load entry). ``start_time`` None means the clock of the
+    first call (a live dispatcher on a wall clock); a simulation passes its own start.
     """
 
     def __init__(self, window_s: float, update_interval_s: float, table: ImprovementRateTable,
-                 initial_improvement_rate: float | None = None, start_time: float = 0.0):
+                 initial_improvement_rate: float | None = None,
+                 start_time: float | None = None):
         if window_s <= 0 or update_interval_s <= 0:
             raise RateTableError("window_s and update_interval_s must be positive")
+        if update_interval_s > window_s:
+            # Arrivals between two updates would fall out of the window unseen.
+            raise RateTableError(
+                f"update_interval_s {update_interval_s} exceeds window_s {window_s}")
         self.window_s = window_s
         self.update_interval_s = update_interval_s
         self.table = table
@@ -118,23 +126,37 @@ class RateMonitor:
         self.improvement_rate = (table.improvement_rates[0] if initial_improvement_rate is None
                                  else initial_improvement_rate)
 
+    def _start(self, t: float) -> float:
+        if self.start_time is None:
+            self.start_time = t
+        return self.start_time
+
     def observe_arrival(self, t: float) -> None:
+        self._start(t)
         if self._arrivals and t < self._arrivals[-1]:
             raise RateTableError(f"arrival at {t} is earlier than the last one {self._arrivals[-1]}")
         self._arrivals.append(t)
 
     def current_rate(self, t: float) -> float:
+        """Arrivals per second over the last ``min(window_s, t − start_time)`` seconds."""
+        start = self._start(t)
         cutoff = t - self.window_s
         while self._arrivals and self._arrivals[0] <= cutoff:
             self._arrivals.popleft()
-        span = min(self.window_s, t - self.start_time)
+        span = min(self.window_s, t - start)
         if span <= 0:
             return 0.0
         return sum(1 for a in self._arrivals if a <= t) / span
 
     def maybe_update(self, t: float) -> float | None:
-        """The new θ if an update is due at ``t`` (the first call always updates), else None."""
-        if self._last_update is not None and t - self._last_update < self.update_interval_s:
+        """The new θ if an update is due at ``t``, else None.
+
+        Due: first once ``update_interval_s`` has passed since the start (so the rate is read
+        over at least that long), then every ``update_interval_s`` after the last update.
+        """
+        start = self._start(t)
+        last = start if self._last_update is None else self._last_update
+        if t - last < self.update_interval_s:
             return None
         self._last_update = t
         self.improvement_rate = self.table.lookup(self.current_rate(t))

@@ -34,4 +34,5 @@ def write_rate_table(path: str | Path, rates: list[float], thetas: list[float], 
 
 def make_rate_monitor(window_s: float, update_interval_s: float,
                       table: ImprovementRateTable) -> RateMonitor:
-    return RateMonitor(window_s, update_interval_s, table)
+    # The simulated clock starts at 0: the rate's span counts from there, not the first arrival.
+    return RateMonitor(window_s, update_interval_s, table, start_time=0.0)
