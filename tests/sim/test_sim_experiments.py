@@ -101,3 +101,24 @@ def test_cli_output_mean_reaches_the_workload(capsys, monkeypatch):
                      "--requests", "300", "--no-decode", "--output-mean", mean]) == 0
         capsys.readouterr()
     assert 300 < seen[0] < 470 and 1700 < seen[1] < 2400
+
+
+def test_loongserve_peak_kv_is_the_true_peak_of_concurrent_decoding():
+    from tetris.sim.loongserve import peak_kv
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        items = [(int(c), int(r)) for c, r in zip(rng.integers(1, 50, 6), rng.integers(0, 30, 6))]
+        # every request grows one token per step and frees its KV after its last one
+        usage = [sum(c + min(t, r) for c, r in items if t <= r) for t in range(31)]
+        assert peak_kv(items) == max(usage)
+    assert peak_kv([]) == 0
+    # worst case below the summed final sizes whenever requests finish at different times
+    assert peak_kv([(100, 10), (100, 1)]) == 202 < 110 + 101
+
+
+def test_loongserve_admission_holds_worst_case_kv_and_drains():
+    spec = RunSpec(policy="loongserve", workload="short", rate=4.0, requests=80, output_mean=1024)
+    res, sim = run_one(spec)
+    assert res.tbt is not None and sim.max_reserved >= 2
+    assert all(not d.pending and not d.running for d in sim.decoders)
+    assert all(not np.isnan(r.finish_time) for r in sim.decode_reqs)

@@ -8,8 +8,11 @@ Follows research/loongserve-notes.md §5.1 at the granularity the Tetris paper c
   the SP size minimising the request's own TTFT, θ = 0) over the instances *not* reserved for
   decoding; reserved instances are hidden from the planner (queue time +inf).
 - Decode (scale-down after prefill, §1.3 of the notes): at planning time each request gets a
-  decode home, the reserved instance with the most free KV slots that fits its final KV
-  (prompt + output) and has fewer than 128 requests (the artifact's per-master threshold);
+  decode home, the reserved instance with the least assigned KV whose worst-case future KV
+  still fits with the request added (``peak_kv``: LoongServe's admission of notes §1.7/§1.8.1,
+  LightLLM's rule over each request's current tokens and remaining ``max_new_tokens``; the
+  artifact's client sets ``max_new_tokens`` to the request's output length, and so do we) and
+  has fewer than 128 requests (the artifact's per-master threshold);
   if none fits, a member of its own prefill group becomes a new reserved decode instance, so
   its KV lands there during the ring at no cost (proactive migration). KV going to an existing
   decode instance outside the prefill group is migrated over the NICs with the layer-wise
@@ -36,9 +39,63 @@ from tetris.sim.events import EventKind
 from tetris.sim.transfer import KVTransferModel
 from tetris.sim.workload import SimRequest
 
-__all__ = ["LoongServeSimulation", "run_loongserve", "MAX_REQUESTS_PER_MASTER"]
+__all__ = ["LoongServeSimulation", "run_loongserve", "MAX_REQUESTS_PER_MASTER", "peak_kv"]
 
 MAX_REQUESTS_PER_MASTER = 128
+
+
+def peak_kv(items: list[tuple[int, int]]) -> int:
+    """Worst-case future KV tokens of requests ``(current tokens, remaining new tokens)``.
+
+    All of an instance's requests grow one token per iteration and free their KV when done, so
+    usage peaks when some request finishes: with requests sorted by remaining tokens
+    (descending), at the k-th one's finish ``Σ_{i<=k} cur_i + k·rem_k`` (LightLLM's
+    ``_can_add_new_req``, which LoongServe's dispatcher uses; notes §1.8.1).
+    """
+    need = used = 0
+    for k, (cur, rem) in enumerate(sorted(items, key=lambda x: -x[1]), start=1):
+        used += cur
+        if used + k * rem > need:
+            need = used + k * rem
+    return need
+
+
+class _LoongDecoder(DecodeInstanceSim):
+    """A reserved instance admitting by worst-case future KV rather than summed final KV.
+
+    ``pending`` holds the requests placed here whose decoding has not started (KV in flight or
+    waiting): they count in placement decisions until they join the running batch.
+    """
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.pending: dict[int, DecodeRequest] = {}
+
+    def _admit(self) -> list[DecodeRequest]:
+        admitted = super()._admit()
+        for req in admitted:
+            del self.pending[req.index]
+        return admitted
+
+    def future_peak(self, new: tuple[int, int]) -> int:
+        """``peak_kv`` of everything placed here plus a request in state ``new``."""
+        items = self.outstanding() + [_state(r) for r in self.pending.values()]
+        return peak_kv(items + [new])
+
+    def can_admit(self, req: DecodeRequest) -> bool:
+        if len(self.running) >= self.max_batch:
+            return False
+        return peak_kv(self.outstanding() + [_state(req)]) <= self.capacity
+
+    def outstanding(self) -> list[tuple[int, int]]:
+        """(current KV tokens, tokens still to generate) of each running request."""
+        steps = self.steps
+        return [(req.kv_tokens - (fin - steps), fin - steps) for fin, _, req in self.running]
+
+
+def _state(req: DecodeRequest) -> tuple[int, int]:
+    """A request not yet decoding: prompt + first token held, ``remaining`` to generate."""
+    return req.kv_tokens - req.remaining, req.remaining
 
 
 class _NoRouter:
@@ -65,7 +122,7 @@ class LoongServeSimulation(Simulation):
                          decode_step=None, record=record, workload=workload, seed=seed, rate=rate)
         self.router = _NoRouter()
         cap = cluster.kv_capacity_tokens(tp)
-        self.decoders = [DecodeInstanceSim(i, tp, cap, MAX_REQUESTS_PER_MASTER, decode_step)
+        self.decoders = [_LoongDecoder(i, tp, cap, MAX_REQUESTS_PER_MASTER, decode_step)
                          for i in range(n)]
         self.link_free = [0.0] * n
         self.transfer = KVTransferModel(cluster.kv_bytes_per_token, cluster.num_layers,
@@ -83,11 +140,15 @@ class LoongServeSimulation(Simulation):
                 view.queue_times[i] = math.inf
         return view
 
-    def _choose_home(self, kv: int, group: tuple[int, ...]) -> int:
-        fits = [i for i, r in enumerate(self.reserved) if r
-                and self.assigned_tokens[i] + kv <= self.decoders[i].capacity
-                and self.assigned_count[i] < MAX_REQUESTS_PER_MASTER]
-        if fits:  # most free slots; a prefill-group member first (no migration); lowest index
+    def _fits(self, i: int, new: tuple[int, int]) -> bool:
+        if self.assigned_count[i] >= MAX_REQUESTS_PER_MASTER:
+            return False
+        return self.decoders[i].future_peak(new) <= self.decoders[i].capacity
+
+    def _choose_home(self, req: DecodeRequest, group: tuple[int, ...]) -> int:
+        new = _state(req)
+        fits = [i for i, r in enumerate(self.reserved) if r and self._fits(i, new)]
+        if fits:  # least assigned KV; a prefill-group member first (no migration); lowest index
             return min(fits, key=lambda i: (i not in group, self.assigned_tokens[i], i))
         home = group[0]
         self.reserved[home] = True
@@ -105,9 +166,11 @@ class LoongServeSimulation(Simulation):
         self.ttft[i], self.prefill_end[i] = end - now, end
         self.chunks += len(runs)
         self.sp_tokens += sum(len(c.instances) * c.tokens for c in runs)
-        kv = r.prompt_tokens + r.output_tokens
-        home = self._choose_home(kv, plan.instances)
+        req = DecodeRequest(r.request_id, i, r.prompt_tokens, r.output_tokens, end)
+        kv = req.kv_tokens
+        home = self._choose_home(req, plan.instances)
         self.homes[i] = home
+        self.decoders[home].pending[i] = req
         self.assigned_tokens[home] += kv
         self.assigned_count[home] += 1
         if home in plan.instances:
@@ -117,7 +180,6 @@ class LoongServeSimulation(Simulation):
             self.link_free[home] = ready
         # Decode may start only when the instance has finished the prefill work it still owes.
         ready = max(ready, self.prefill.free_at[home])
-        req = DecodeRequest(r.request_id, i, r.prompt_tokens, r.output_tokens, end)
         req.ready_time = ready
         self.decode_reqs[i] = req
         self.events.push(ready, EventKind.KV_READY, (home, req))
@@ -128,6 +190,7 @@ class LoongServeSimulation(Simulation):
             self._finished(now, d, req)
 
     def _finished(self, now: float, d: int, req: DecodeRequest) -> None:
+        self.decoders[d].pending.pop(req.index, None)  # finished without decoding
         self.assigned_tokens[d] -= req.kv_tokens
         self.assigned_count[d] -= 1
         if self.assigned_count[d] == 0:
