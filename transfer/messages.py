@@ -100,6 +100,7 @@ class Grant(msgspec.Struct, frozen=True, tag=True):
     backend_id: int
     region: RegionDesc
     max_piece_bytes: int
+    receiver_id: int = -1   # the granting receiver: a chunk may stream to several (TP ranks)
 
 
 class PieceNotice(msgspec.Struct, frozen=True, tag=True):
@@ -133,6 +134,7 @@ class TransferError(msgspec.Struct, frozen=True, tag=True):
     sender_id: int
     chunk_index: int
     reason: str
+    receiver_id: int = -1   # the rejecting receiver; -1: every receiver of the chunk
 
 
 ControlMessage = Handshake | LayersReady | Grant | Abort | TransferError

@@ -148,7 +148,8 @@ class ReceiveManager:
             self._send(shard.key[0], Grant(request_id=req.request_id, sender_id=shard.key[0],
                                            chunk_index=shard.key[1], backend_id=backend.backend_id,
                                            region=backend.region,
-                                           max_piece_bytes=self.config.backend_buffer_bytes))
+                                           max_piece_bytes=self.config.backend_buffer_bytes,
+                                           receiver_id=self.receiver_id))
         events, self._events = self._events, []
         return events
 
@@ -312,7 +313,8 @@ class ReceiveManager:
 
     def _reject(self, request_id: str, sender_id: int, chunk_index: int, reason: str) -> None:
         self._send(sender_id, TransferError(request_id=request_id, sender_id=sender_id,
-                                            chunk_index=chunk_index, reason=reason))
+                                            chunk_index=chunk_index, reason=reason,
+                                            receiver_id=self.receiver_id))
         self._emit(MessageRejected(request_id=request_id, sender_id=sender_id, reason=reason))
 
     def _send(self, sender_id: int, msg: ControlMessage) -> None:

@@ -4,9 +4,13 @@ Driven by its owner (the prefill worker actor), never blocking:
 
     mgr.add_shard(...)                       # step 1: at chunk dispatch, before compute
     mgr.layer_ready(rid, chunk, layer, kv)   # step 4: as each layer's KV is computed
+                                             # (receiver_id=r when the chunk goes to several)
     mgr.deliver(msg, now)                    # Grant / Abort / TransferError from the receiver
     events = mgr.poll(now)                   # posts and checks writes, timeouts
     for env in mgr.drain_outbox(): route env.msg to receiver env.dst_id
+
+A shard is keyed by (request, chunk, receiver): one chunk computed here may stream to several
+receivers, e.g. the TP ranks of a decode instance, each taking its own slice of the KV heads.
 
 One write is on the link at a time; the link (``traffic.LinkScheduler``) is shared with the
 owner's activation sends (``submit_activation``), which go first at every piece boundary.
@@ -26,7 +30,9 @@ from tetris.transfer.states import (ActivationGo, ShardSent, TransferConfig, Tra
                                     TransferState)
 from tetris.transfer.traffic import LinkChunk, LinkScheduler, TrafficClass
 
-__all__ = ["SendManager"]
+__all__ = ["SendManager", "ShardKey"]
+
+ShardKey = tuple[str, int, int]   # (request_id, chunk_index, receiver_id)
 
 
 class _OutgoingShard:
@@ -43,8 +49,14 @@ class _OutgoingShard:
         self.last_progress = now
 
     @property
+    def key(self) -> ShardKey:
+        hs = self.handshake
+        return (hs.request_id, hs.chunk_index, hs.receiver_id)
+
+    @property
     def tag(self) -> str:
-        return f"{self.handshake.request_id}/{self.handshake.chunk_index}"
+        hs = self.handshake
+        return f"{hs.request_id}/{hs.chunk_index}/{hs.receiver_id}"
 
 
 class SendManager:
@@ -56,7 +68,7 @@ class SendManager:
         self.link = LinkScheduler(min(config.bulk_chunk_bytes, config.send_buffer_bytes))
         self._staging = torch.zeros(config.send_buffer_bytes, dtype=torch.uint8, device=device)
         agent.register(self._staging)
-        self.shards: dict[tuple[str, int], _OutgoingShard] = {}
+        self.shards: dict[ShardKey, _OutgoingShard] = {}
         self._in_flight: tuple[LinkChunk, _OutgoingShard, PieceNotice, object] | None = None
         self._outbox: list[Envelope] = []
         self._events: list[TransferEvent] = []
@@ -66,7 +78,7 @@ class SendManager:
                   chunk: tuple[int, int], ranges: Sequence[tuple[int, int]], num_layers: int,
                   kv_heads: int, head_dim: int, dtype: torch.dtype, now: float) -> None:
         """This instance computes ``ranges`` (absolute positions) of the chunk; handshake now."""
-        key = (request_id, chunk_index)
+        key = (request_id, chunk_index, receiver_id)
         if key in self.shards:
             raise ValueError(f"shard {key} was already added")
         token_ranges = tuple(TokenRange(int(a), int(b)) for a, b in ranges)
@@ -81,14 +93,14 @@ class SendManager:
         self.shards[key] = _OutgoingShard(hs, n, now)
         self._send(receiver_id, hs)
 
-    def layer_ready(self, request_id: str, chunk_index: int, layer: int, kv: torch.Tensor) -> None:
+    def layer_ready(self, request_id: str, chunk_index: int, layer: int, kv: torch.Tensor,
+                    receiver_id: int | None = None) -> None:
         """Layer ``layer``'s KV of the shard, ``[n, 2, Hkv, D]`` in the order of its ranges.
 
-        The tensor is read until the layer is sent; do not write to it afterwards.
+        ``receiver_id`` None means the chunk's only receiver. The tensor is read until the layer
+        is sent; do not write to it afterwards.
         """
-        shard = self.shards.get((request_id, chunk_index))
-        if shard is None:
-            raise KeyError(f"no shard {(request_id, chunk_index)} on sender {self.sender_id}")
+        shard = self.shards[self._resolve(request_id, chunk_index, receiver_id)]
         hs = shard.handshake
         want = (shard.num_tokens, 2, hs.kv_heads, hs.head_dim)
         if tuple(kv.shape) != want or str(kv.dtype).removeprefix("torch.") != hs.dtype:
@@ -106,17 +118,23 @@ class SendManager:
 
     def deliver(self, msg: ControlMessage, now: float) -> None:
         if isinstance(msg, Grant):
-            shard = self.shards.get((msg.request_id, msg.chunk_index))
+            shard = self._find(msg.request_id, msg.chunk_index, msg.receiver_id)
             if shard is None or shard.state.finished or msg.sender_id != self.sender_id:
                 return   # a grant for a shard this side already dropped: the receiver times it out
             shard.grant = msg
             shard.state = TransferState.WAITING
             shard.last_progress = now
-        elif isinstance(msg, (Abort, TransferError)):
-            reason = msg.reason if isinstance(msg, Abort) else f"rejected by receiver: {msg.reason}"
-            chunk = None if isinstance(msg, Abort) else msg.chunk_index
-            for key in sorted(k for k in self.shards if k[0] == msg.request_id and chunk in (None, k[1])):
-                self._fail(self.shards[key], reason, tell_receiver=False)
+        elif isinstance(msg, Abort):
+            # The request is gone for the aborting receiver; its other receivers (the other TP
+            # ranks of that decode instance) cannot use a partial request either, so they are told.
+            for key in sorted(k for k in self.shards if k[0] == msg.request_id):
+                told = msg.origin == "receiver" and key[2] == msg.origin_id
+                self._fail(self.shards[key], msg.reason, tell_receiver=not told)
+        elif isinstance(msg, TransferError):
+            # receiver_id -1: a receiver that does not name itself; every receiver of the chunk
+            for key in sorted(k for k in self.shards if k[:2] == (msg.request_id, msg.chunk_index)
+                              and msg.receiver_id in (-1, k[2])):
+                self._fail(self.shards[key], f"rejected by receiver: {msg.reason}", tell_receiver=False)
         else:
             raise TypeError(f"a send manager does not take {type(msg).__name__}")
 
@@ -157,9 +175,16 @@ class SendManager:
         out, self._outbox = self._outbox, []
         return out
 
-    def state(self, request_id: str, chunk_index: int) -> TransferState | None:
-        shard = self.shards.get((request_id, chunk_index))
-        return None if shard is None else shard.state
+    def state(self, request_id: str, chunk_index: int, receiver_id: int | None = None) -> TransferState | None:
+        """The shard's state (None: unknown); ``receiver_id`` None means the chunk's only one."""
+        shards = self._matching(request_id, chunk_index, receiver_id)
+        if len(shards) > 1:
+            raise ValueError(f"chunk {chunk_index} of {request_id!r} goes to several receivers: name one")
+        return shards[0].state if shards else None
+
+    def held(self, request_id: str) -> list[ShardKey]:
+        """Keys of the request's shards still held here (finished ones until ``forget``)."""
+        return sorted(k for k in self.shards if k[0] == request_id)
 
     def forget(self, request_id: str) -> None:
         """Drop finished shards of a request (the owner calls this once it has read the events)."""
@@ -169,6 +194,27 @@ class SendManager:
 
     def close(self) -> None:
         self.agent.deregister(self._staging)
+
+    # ---- lookup ----------------------------------------------------------------------------
+    def _matching(self, request_id: str, chunk_index: int, receiver_id: int | None) -> list[_OutgoingShard]:
+        if receiver_id is not None:
+            shard = self.shards.get((request_id, chunk_index, receiver_id))
+            return [] if shard is None else [shard]
+        return [self.shards[k] for k in sorted(self.shards) if k[:2] == (request_id, chunk_index)]
+
+    def _resolve(self, request_id: str, chunk_index: int, receiver_id: int | None) -> ShardKey:
+        shards = self._matching(request_id, chunk_index, receiver_id)
+        if not shards:
+            raise KeyError(f"no shard {(request_id, chunk_index, receiver_id)} on sender {self.sender_id}")
+        if len(shards) > 1:
+            raise ValueError(f"chunk {chunk_index} of {request_id!r} goes to receivers "
+                             f"{[s.handshake.receiver_id for s in shards]}: name one")
+        return shards[0].key
+
+    def _find(self, request_id: str, chunk_index: int, receiver_id: int) -> _OutgoingShard | None:
+        """The shard a receiver's message is about; -1 (unnamed) only if it is unambiguous."""
+        shards = self._matching(request_id, chunk_index, None if receiver_id < 0 else receiver_id)
+        return shards[0] if len(shards) == 1 else None
 
     # ---- pieces ----------------------------------------------------------------------------
     def _piece_tokens(self, shard: _OutgoingShard) -> int:

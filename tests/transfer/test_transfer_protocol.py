@@ -141,7 +141,7 @@ def test_duplicate_piece_and_duplicate_handshake_are_rejected():
     c = Cluster(1, SMALL)
     _one_shard(c)
     grant = _grant_for(c, "r")
-    hs = c.senders[0].shards[("r", 0)].handshake
+    hs = c.senders[0].shards[("r", 0, 0)].handshake
     c.receiver.deliver(hs, c.now)   # the same chunk twice
     overlap = Handshake(**{**{f: getattr(hs, f) for f in hs.__struct_fields__}, "sender_id": 1,
                            "ranges": (TokenRange(8, 12),)})
