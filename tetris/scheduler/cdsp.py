@@ -45,7 +45,7 @@ class SearchResult:
 class CdspSearch:
     """One decision's search state: coefficients, candidate SP sizes and a group builder."""
 
-    __slots__ = ("coeffs", "sizes", "groups", "now", "theta", "min_chunk", "align")
+    __slots__ = ("coeffs", "sizes", "groups", "now", "theta", "min_chunk", "align", "sorted_q")
 
     def __init__(self, coeffs: dict[int, tuple[float, float, float, float]],
                  sizes: Sequence[int], queue: Sequence[float],
@@ -58,6 +58,7 @@ class CdspSearch:
         self.theta = theta
         self.min_chunk = max(1, min_chunk_tokens)
         self.align = max(1, chunk_align)
+        self.sorted_q = sorted(queue)  # lower bounds on when k more instances can start
 
     # ---- Algorithm 2 ----------------------------------------------------------------------
 
@@ -66,16 +67,26 @@ class CdspSearch:
         """Best single chunk from size index ``lo``: (end, size index, start)."""
         sizes, coeffs, theta, now = self.sizes, self.coeffs, self.theta, self.now
         children, child = g_prev.children, self.groups.child
+        sorted_q, base = self.sorted_q, g_prev.size
+        floor = t_prev if t_prev > g_prev.max_queue else g_prev.max_queue
         best_ttft = math.inf
         best_k = -1
         best_start = 0.0
         for k in range(lo, len(sizes)):
             s = sizes[k]
-            g = children.get(s) or child(g_prev, s)
-            mq = g.max_queue
-            start = t_prev if t_prev > mq else mq
             a, b, g, d = coeffs[s]
-            ttft = start + a + remaining * (b + g * history + d * remaining)
+            work = remaining * (b + g * history + d * remaining)
+            if best_k >= 0:
+                # The s - |G_prev| instances added wait at least as long as the pool's
+                # (s - |G_prev|)-th shortest queue; if even that start cannot pass the θ test,
+                # the group need not be built (float addition is monotone: the bound is safe).
+                lb = sorted_q[s - base - 1]
+                if best_ttft - ((lb if lb > floor else floor) + a + work) <= theta * (best_ttft - now):
+                    continue
+            grp = children.get(s) or child(g_prev, s)
+            mq = grp.max_queue
+            start = t_prev if t_prev > mq else mq
+            ttft = start + a + work
             # A larger SP size must gain more than θ of the best TTFT so far (SPEC §3);
             # TTFTs count from the arrival, hence `- now`.
             if best_k < 0 or best_ttft - ttft > theta * (best_ttft - now):
@@ -114,7 +125,7 @@ class CdspSearch:
         min_chunk, align = self.min_chunk, self.align
         for i in range(lo, k_max):
             s_cur = sizes[i]
-            g_cur = g_prev.children[s_cur]  # built by single_chunk above
+            g_cur = g_prev.children.get(s_cur) or child(g_prev, s_cur)
             mq_cur = g_cur.max_queue
             start_cur = t_prev if t_prev > mq_cur else mq_cur
             a, b, g, d = coeffs[s_cur]
