@@ -122,3 +122,16 @@ def test_loongserve_admission_holds_worst_case_kv_and_drains():
     assert res.tbt is not None and sim.max_reserved >= 2
     assert all(not d.pending and not d.running for d in sim.decoders)
     assert all(not np.isnan(r.finish_time) for r in sim.decode_reqs)
+
+
+def test_profiled_table_does_not_depend_on_the_output_mean():
+    # The profiler simulates prefill only, and arrivals and prompts are drawn before outputs:
+    # the θ table made at one output mean serves every output mean.
+    a = profile_rates("8b", "short", [3.0], [0.05, 0.45], seeds=1, requests=60, output_mean=384)
+    b = profile_rates("8b", "short", [3.0], [0.05, 0.45], seeds=1, requests=60, output_mean=2048)
+    assert a == b
+    r384 = make_requests("short", 3.0, 60, 1000, 384)
+    r2048 = make_requests("short", 3.0, 60, 1000, 2048)
+    assert [(r.arrival_time, r.prompt_tokens) for r in r384] == \
+        [(r.arrival_time, r.prompt_tokens) for r in r2048]
+    assert np.mean([r.output_tokens for r in r2048]) > 3 * np.mean([r.output_tokens for r in r384])

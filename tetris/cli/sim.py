@@ -79,12 +79,14 @@ def register(subparsers) -> None:
     p.add_argument("--tol", type=float, default=0.05)
     p.set_defaults(func=_capacity)
     p = sub.add_parser("profile-rate", help="build the improvement-rate table of a workload")
+    _output_mean_arg(p)
     _common(p, 500)
     p.add_argument("--rates", type=_rates, default=None, help="default: 0.5 req/s steps")
     p.add_argument("--thetas", type=_thetas, default=None)
     p.add_argument("--seeds", type=int, default=3)
     p.set_defaults(func=_profile)
     p = sub.add_parser("figures", help="reproduce Figs. 8, 9, 11-13 and the capacity table")
+    _output_mean_arg(p)
     _common(p, 1000)
     p.add_argument("--workloads", default="short,medium,long")
     p.add_argument("--seeds", type=int, default=1)
@@ -182,7 +184,7 @@ def _profile(args) -> int:
     thetas = args.thetas or list(DEFAULT_THETAS)
     with _bar(args, len(rates) * len(thetas), "profile-rate") as bar:
         rates, best, grid = profile_rates(args.model, args.workload, rates, thetas, args.seeds,
-                                          args.requests, bar)
+                                          args.requests, bar, args.output_mean)
     path = save_table(args.rate_table or rate_table_path(args.model, args.workload), rates, best,
                       model=args.model, workload=args.workload)
     lines = [f"wrote {path}"] + [f"{r:5.2f} req/s -> θ {t:.2f}" for r, t in zip(rates, best)]

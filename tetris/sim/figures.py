@@ -21,6 +21,7 @@ from tqdm import tqdm
 from tetris.sim.cluster import cluster_by_name
 from tetris.sim.experiments import RunSpec, capacity, light_load, run_one, sweep
 from tetris.sim.plots import plot_cdf, plot_ratio_vs_rate, plot_schedule, plot_ttft_vs_rate
+from tetris.sim.workload import OUTPUT_LENGTHS
 
 __all__ = ["reproduce", "FIXED_THETAS"]
 
@@ -36,7 +37,8 @@ FIXED_THETAS = (0.1, 0.3, 0.5, 0.7)
 def _spec(args, workload: str, policy: str, **kw) -> RunSpec:
     decode = kw.pop("decode", False) or policy == "loongserve"
     return RunSpec(model=args.model, workload=workload, policy=policy, requests=args.requests,
-                   seed=args.seed, rate_table=args.rate_table, decode=decode, **kw)
+                   seed=args.seed, rate_table=args.rate_table, decode=decode,
+                   output_mean=getattr(args, "output_mean", OUTPUT_LENGTHS.mean_tokens), **kw)
 
 
 def _at_critical(args, workload: str, rate: float, seeds) -> tuple[list[dict], dict]:
@@ -157,6 +159,7 @@ def reproduce(args) -> tuple[dict, list[str]]:
     (out / f"results_{args.model}.json").write_text(json.dumps(results, indent=1, default=float))
     (out / f"capacity_{args.model}.md").write_text("\n".join(table) + "\n")
     obj = {"model": args.model, "requests": args.requests, "seeds": args.seeds,
+           "output_mean": getattr(args, "output_mean", OUTPUT_LENGTHS.mean_tokens),
            "schedule_png": sched,
            "results": [{k: v for k, v in r.items() if k not in ("fig8", "fig11", "fig13")} for r in results]}
     return obj, table

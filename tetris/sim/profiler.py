@@ -16,6 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from tetris.sim.experiments import RunSpec, make_requests, run_one
+from tetris.sim.workload import OUTPUT_LENGTHS
 
 __all__ = ["DEFAULT_THETAS", "PROFILE_SEED_BASE", "profile_rates", "default_rate_grid"]
 
@@ -33,13 +34,20 @@ def default_rate_grid(model: str, workload: str) -> list[float]:
 
 def profile_rates(model: str, workload: str, rates: Sequence[float],
                   thetas: Sequence[float] = DEFAULT_THETAS, seeds: int = 3,
-                  requests: int = 500, progress=None) -> tuple[list[float], list[float], list[dict]]:
-    """Returns (rates, best θ per rate, every grid point's mean TTFT)."""
+                  requests: int = 500, progress=None,
+                  output_mean: float = OUTPUT_LENGTHS.mean_tokens
+                  ) -> tuple[list[float], list[float], list[dict]]:
+    """Returns (rates, best θ per rate, every grid point's mean TTFT).
+
+    ``output_mean`` only sets the sampled output lengths: prefill-only runs do not read them,
+    and arrivals and prompts do not depend on them, so the table is the same at every output
+    mean (a test checks this); the argument keeps the recorded workload honest.
+    """
     if not rates or not thetas or seeds <= 0:
         raise ValueError("profiling needs at least one rate, one θ and one seed")
     best, grid = [], []
     for rate in rates:
-        reqs = [make_requests(workload, rate, requests, PROFILE_SEED_BASE + s) for s in range(seeds)]
+        reqs = [make_requests(workload, rate, requests, PROFILE_SEED_BASE + s, output_mean) for s in range(seeds)]
         means = []
         for theta in thetas:
             spec = RunSpec(model=model, workload=workload, policy="tetris", rate=rate,
