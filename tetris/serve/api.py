@@ -8,6 +8,7 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with SSE s
 
 from __future__ import annotations
 
+import inspect
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -30,7 +31,7 @@ from tetris.serve.protocol import (
     to_sampling_params,
 )
 
-__all__ = ["create_api"]
+__all__ = ["create_api", "validate_generation"]
 
 
 def _error_response(err: ProtocolError) -> JSONResponse:
@@ -54,8 +55,12 @@ class _Prepared:
 
 
 def create_api(backend: GenerationBackend, *, metrics: ServingMetrics | None = None,
-               default_max_tokens: int = 16) -> FastAPI:
-    """Build the FastAPI app; the Ray Serve ingress wraps it, tests call it directly."""
+               default_max_tokens: int = 16, extra_metrics=None) -> FastAPI:
+    """Build the FastAPI app; the Ray Serve ingress wraps it, tests call it directly.
+
+    ``extra_metrics``: an async callable returning more Prometheus text for ``/metrics``
+    (the dispatcher's scheduling metrics, which live in another process).
+    """
     app = FastAPI(title="Tetris", version="0.1.0")
     metrics = metrics or ServingMetrics(backend.model_name)
 
@@ -80,12 +85,17 @@ def create_api(backend: GenerationBackend, *, metrics: ServingMetrics | None = N
     @app.get("/metrics")
     async def prometheus():
         stats = backend.stats()
+        if inspect.isawaitable(stats):
+            stats = await stats
         metrics.set_load(running=stats.get("running", 0), waiting=stats.get("waiting", 0))
-        for instance, usage in stats.get("kv_usage", {}).items():
+        for instance, usage in stats.get("kv_usage", {}).items():  # single-process backends
             metrics.set_kv_usage(instance, usage)
         if "improvement_rate" in stats:
             metrics.set_improvement_rate(stats["improvement_rate"])
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        body = metrics.render()
+        if extra_metrics is not None:
+            body += await extra_metrics()
+        return Response(body, media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
@@ -125,6 +135,20 @@ def _prepare(backend: GenerationBackend, req, prompt: list[int], kind: str,
         raise ProtocolError(f"model {req.model!r} does not exist; this server serves "
                             f"{backend.model_name!r}", status=404, param="model",
                             code="model_not_found")
+    default = min(default_max_tokens, max(1, backend.max_model_len - len(prompt)))
+    sampling = to_sampling_params(req, default_max_tokens=default)
+    validate_generation(backend, prompt, sampling)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
+    gen = GenerateRequest(request_id=f"{prefix}-{uuid.uuid4().hex}",
+                          prompt_token_ids=tuple(prompt), sampling=sampling, stream=req.stream,
+                          include_usage=include_usage, arrival_time=time.monotonic())
+    return _Prepared(gen, int(time.time()), kind)
+
+
+def validate_generation(backend: GenerationBackend, prompt: list[int], sampling) -> None:
+    """Refuse a prompt or ``max_tokens`` the model can never serve (``ProtocolError``, a 400;
+    the handle API re-raises it as ``ValueError``)."""
     if not prompt:
         raise ProtocolError("prompt is empty: at least one token is needed", param="prompt")
     limit = backend.max_model_len
@@ -132,18 +156,10 @@ def _prepare(backend: GenerationBackend, req, prompt: list[int], kind: str,
         raise ProtocolError(f"this model's maximum context length is {limit} tokens, but the "
                             f"prompt has {len(prompt)} tokens", param="prompt",
                             code="context_length_exceeded")
-    default = min(default_max_tokens, limit - len(prompt))
-    sampling = to_sampling_params(req, default_max_tokens=default)
     if len(prompt) + sampling.max_tokens > limit:
         raise ProtocolError(f"max_tokens is too large: this model's maximum context length is "
                             f"{limit} tokens and the prompt has {len(prompt)}, so at most "
                             f"{limit - len(prompt)} tokens can be generated", param="max_tokens")
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
-    gen = GenerateRequest(request_id=f"{prefix}-{uuid.uuid4().hex}",
-                          prompt_token_ids=tuple(prompt), sampling=sampling, stream=req.stream,
-                          include_usage=include_usage, arrival_time=time.monotonic())
-    return _Prepared(gen, int(time.time()), kind)
 
 
 async def _start(backend: GenerationBackend, prepared: _Prepared):
@@ -189,7 +205,7 @@ class _Tracker:
         now = time.monotonic()
         if out.new_token_ids:
             if self.last is None:
-                self.metrics.observe_first_token(now - self.gen.arrival_time, 0.0,
+                self.metrics.observe_first_token(now - self.gen.arrival_time, None,
                                                  len(self.gen.prompt_token_ids))
             else:
                 self.metrics.observe_token_gap(now - self.last)

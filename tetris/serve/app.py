@@ -1,0 +1,412 @@
+"""The Ray Serve application: ``build_app(config)``.
+
+Deployment graph (one replica each; the pools are stateful)::
+
+    HTTP /v1/... ──► Ingress (FastAPI: OpenAI API, /metrics, /admin/...)
+    handle.generate / generate_stream ──┘   │ tokenizes, validates, streams
+                                            ▼
+                                   Dispatcher (asyncio on uvloop)
+                                   CDSP policy + live queue, decode router, rate monitor
+                        commit/run plan │                    │ reserve/commit/stream
+                                        ▼                    ▼
+                         PrefillPoolServer            DecodePoolServer
+                         N PrefillWorker actors       M DecodeInstances, each a TP group
+                         (one gloo world)             of DecodeRank actors
+                                        └── KV, layer by layer ──┘
+                             (NIXL writes; control messages actor to actor)
+
+The pools own the actors; the dispatcher owns the control state; the ingress owns nothing
+but the HTTP (and handle) surface. At first use the dispatcher wires the pools together:
+prefill workers learn each decode rank's NIXL agent and actor handle, decode ranks learn the
+workers' actor handles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from ray import serve
+
+from tetris.config import DeploymentConfig, load_deployment
+from tetris.serve.backend import Overloaded
+from tetris.serve.protocol import GenerateRequest
+from tetris.serve.types import Generation, GenerationDelta, GenerationRequest
+
+__all__ = ["build_app", "app_builder", "APP_NAME", "Ingress", "DispatcherServer",
+           "PrefillPoolServer", "DecodePoolServer"]
+
+APP_NAME = "tetris"
+_NO_CPU = {"num_cpus": 0}   # control processes: mostly waiting, never refused a slot
+
+
+@serve.deployment(ray_actor_options=_NO_CPU, max_ongoing_requests=1024)
+class PrefillPoolServer:
+    """Hosts the SP pool's worker actors; runs plans in the order they were committed."""
+
+    def __init__(self, deployment: DeploymentConfig, max_concurrent_runs: int = 256) -> None:
+        from tetris.actors.prefill_pool import PrefillPool
+
+        self.pool = PrefillPool(deployment)
+        self.infos = self.pool.enable_transfer(deployment.transfer)
+        # pool.run blocks its thread for a whole prefill and waits its turn on shared
+        # instances: one thread per request in flight, or later plans could starve earlier ones.
+        self._threads = ThreadPoolExecutor(max_workers=max_concurrent_runs,
+                                           thread_name_prefix="tetris-prefill")
+
+    async def _call(self, fn, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._threads, lambda: fn(*args, **kwargs))
+
+    async def peers(self) -> dict:
+        """sender id -> (actor handle, agent info)."""
+        return {i: (w, self.infos[i]) for i, w in enumerate(self.pool.workers)}
+
+    async def connect_receivers(self, peers: dict) -> None:
+        await self._call(self.pool.connect_receivers, peers)
+
+    async def node_map(self) -> list[int]:
+        return list(self.pool.node_map())
+
+    async def commit(self, plan) -> None:
+        self.pool.commit(plan)
+
+    async def run(self, plan, token_ids, sampling, kv_receivers):
+        return await self._call(self.pool.run, plan, list(token_ids), sampling=sampling,
+                                kv_receivers=tuple(kv_receivers))
+
+    async def release(self, request_id: str) -> None:
+        await self._call(self.pool.release, request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await self._call(self.pool.abort, request_id)
+
+    async def held(self) -> dict:
+        return await self._call(self.pool.held_requests)
+
+
+@serve.deployment(ray_actor_options=_NO_CPU, max_ongoing_requests=1024)
+class DecodePoolServer:
+    """Hosts the decode instances (TP groups of actors with continuous batching)."""
+
+    def __init__(self, deployment: DeploymentConfig) -> None:
+        from tetris.actors.decode_instance import DecodeInstance
+
+        self.instances = [DecodeInstance(deployment, d, transfer=deployment.transfer)
+                          for d in range(deployment.decode.num_instances)]
+        self._started = asyncio.Lock()
+        self._up = False
+
+    async def start(self) -> None:
+        async with self._started:
+            if not self._up:
+                for inst in self.instances:
+                    await inst.start()
+                self._up = True
+
+    async def receiver_ids(self) -> list[tuple[int, ...]]:
+        return [tuple(inst.receiver_ids) for inst in self.instances]
+
+    async def peers(self) -> dict:
+        """receiver id -> (rank actor handle, agent info)."""
+        out = {}
+        for inst in self.instances:
+            infos = await inst.agent_infos()
+            for rid, rank, info in zip(inst.receiver_ids, inst.ranks, infos):
+                out[rid] = (rank, info)
+        return out
+
+    async def connect_senders(self, senders: dict) -> None:
+        for inst in self.instances:
+            await inst.connect_senders(senders)
+
+    async def reserve(self, instance: int, request_id: str, prompt, sampling) -> None:
+        await self.instances[instance].reserve(request_id, list(prompt), sampling)
+
+    async def commit(self, instance: int, request_id: str, first_token: int) -> None:
+        self.instances[instance].commit(request_id, first_token)
+
+    async def stream(self, instance: int, request_id: str) -> AsyncIterator:
+        async for out in self.instances[instance].stream(request_id):
+            yield out
+
+    async def abort(self, instance: int, request_id: str) -> None:
+        await self.instances[instance].abort(request_id)
+
+    async def stats(self) -> list:
+        return [inst.stats() for inst in self.instances]
+
+    async def held(self) -> list:
+        return [await inst.held() for inst in self.instances]
+
+
+class _PrefillHandleClient:
+    def __init__(self, handle) -> None:
+        self.h = handle
+
+    async def commit(self, plan) -> None:
+        await self.h.commit.remote(plan)
+
+    async def run(self, plan, token_ids, sampling, kv_receivers):
+        return await self.h.run.remote(plan, token_ids, sampling, kv_receivers)
+
+    async def release(self, request_id: str) -> None:
+        await self.h.release.remote(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await self.h.abort.remote(request_id)
+
+
+class _DecodeHandleClient:
+    def __init__(self, handle, receivers: list[tuple[int, ...]]) -> None:
+        self.h = handle
+        self.receivers = receivers
+
+    def receiver_ids(self, instance: int) -> tuple[int, ...]:
+        return self.receivers[instance]
+
+    async def reserve(self, instance, request_id, prompt, sampling) -> None:
+        try:
+            await self.h.reserve.remote(instance, request_id, prompt, sampling)
+        except Exception as e:
+            if _is_full(e):
+                raise Overloaded(f"decode instance {instance} has no KV room: {e}",
+                                 retry_after_s=getattr(e, "retry_after_s", 1.0)) from None
+            raise
+
+    async def commit(self, instance, request_id, first_token) -> None:
+        await self.h.commit.remote(instance, request_id, first_token)
+
+    async def stream(self, instance, request_id) -> AsyncIterator:
+        gen = self.h.options(stream=True).stream.remote(instance, request_id)
+        try:
+            async for out in gen:
+                yield out
+        finally:
+            gen.cancel()
+
+    async def abort(self, instance, request_id) -> None:
+        await self.h.abort.remote(instance, request_id)
+
+    async def stats(self) -> list:
+        return await self.h.stats.remote()
+
+
+def _is_full(err: BaseException) -> bool:
+    from tetris.actors.decode_instance import DecodeFull
+
+    return isinstance(err, DecodeFull) or "DecodeFull" in type(err).__name__
+
+
+@serve.deployment(ray_actor_options=_NO_CPU, max_ongoing_requests=4096)
+class DispatcherServer:
+    """The dispatcher (``tetris.serve.dispatcher``) on a uvloop event loop."""
+
+    def __init__(self, deployment: DeploymentConfig, prefill, decode, max_pending: int = 256):
+        self.deployment = deployment
+        self._prefill_h, self._decode_h = prefill, decode
+        self.max_pending = max_pending
+        self.dispatcher = None
+        self._lock = asyncio.Lock()
+        self._load_task = None
+
+    async def ready(self):
+        """Wire the pools together and build the dispatcher (once)."""
+        async with self._lock:
+            if self.dispatcher is not None:
+                return self.dispatcher
+            from tetris.serve.dispatcher import Dispatcher
+            from tetris.serve.metrics import ServingMetrics
+
+            await self._decode_h.start.remote()
+            senders = await self._prefill_h.peers.remote()
+            receivers = await self._decode_h.peers.remote()
+            await self._prefill_h.connect_receivers.remote(receivers)
+            await self._decode_h.connect_senders.remote({i: h for i, (h, _) in senders.items()})
+            node_of = await self._prefill_h.node_map.remote()
+            dc = self.deployment.decode
+            self.metrics = ServingMetrics(self.deployment.model.name, requests=False)
+            self.dispatcher = Dispatcher(
+                self.deployment, _PrefillHandleClient(self._prefill_h),
+                _DecodeHandleClient(self._decode_h, await self._decode_h.receiver_ids.remote()),
+                node_of=node_of, decode_capacities=[dc.kv_blocks * dc.block_size] * dc.num_instances,
+                metrics=self.metrics, max_pending=self.max_pending)
+            self._load_task = asyncio.get_running_loop().create_task(self._poll_load())
+            return self.dispatcher
+
+    async def _poll_load(self) -> None:
+        while True:
+            try:
+                stats = await self.dispatcher.refresh_decode_load()
+                for i, s in enumerate(stats):
+                    if s is not None:
+                        self.metrics.set_kv_usage(i, 1.0 - s.free_blocks / s.total_blocks)
+            except Exception:  # noqa: BLE001 - load polling is best effort
+                pass
+            await asyncio.sleep(0.5)
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator:
+        d = await self.ready()
+        async for out in d.generate(req):
+            yield out
+
+    async def stats(self) -> dict:
+        return (await self.ready()).stats()
+
+    async def held(self) -> dict:
+        d = await self.ready()
+        return {"dispatcher": d.held(), "prefill": await self._prefill_h.held.remote(),
+                "decode": await self._decode_h.held.remote()}
+
+    async def metrics_text(self) -> bytes:
+        await self.ready()
+        return self.metrics.render()
+
+    async def timelines(self, last: int = 100) -> list[dict]:
+        import msgspec
+
+        d = await self.ready()
+        return [msgspec.to_builtins(t) | {"breakdown": t.breakdown()} for t in list(d.timelines)[-last:]]
+
+    async def plans(self) -> list[dict]:
+        return list((await self.ready()).plans)
+
+    async def rate_table(self, update: dict | None = None) -> dict:
+        d = await self.ready()
+        if update is None:
+            return d.rate_table()
+        return d.set_rate_table(update.get("rates", []), update.get("improvement_rates", []),
+                                update.get("description", ""))
+
+    async def latency_profile(self, update: dict | None = None) -> dict:
+        d = await self.ready()
+        return d.latency_profile() if update is None else d.set_latency_profile(update)
+
+
+class _DispatcherBackend:
+    """``GenerationBackend`` over the dispatcher's handle (what the OpenAI API calls)."""
+
+    def __init__(self, deployment: DeploymentConfig, handle) -> None:
+        from tetris.model.loader import resolve_model_config
+
+        self.handle = handle
+        self.model_name = deployment.model.name
+        resolved = resolve_model_config(deployment.model)
+        self.max_model_len = resolved.max_position_embeddings
+        self._tokenizer = _tokenizer_for(resolved)
+        self._stats: dict = {}
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator:
+        gen = self.handle.options(stream=True).generate.remote(req)
+        try:
+            async for out in gen:
+                yield out
+        except Exception as e:
+            raise _unwrap(e) from None
+        finally:
+            gen.cancel()
+
+    async def stats(self) -> dict:
+        return await self.handle.stats.remote()
+
+
+def _tokenizer_for(resolved):
+    """The model's tokenizer without its weights (the ingress only tokenizes)."""
+    from tetris.model.tokenizer import ByteTokenizer, HFTokenizer
+
+    if resolved.source == "hf":
+        return HFTokenizer(resolved.path, bos_token_id=resolved.bos_token_id,
+                           eos_token_ids=resolved.eos_token_ids)
+    return ByteTokenizer(resolved.vocab_size)
+
+
+def _unwrap(err: BaseException) -> BaseException:
+    """Serve wraps a deployment's exception; the API maps ValueError/Overloaded to 4xx."""
+    for cls in (Overloaded, ValueError):
+        if isinstance(err, cls):
+            if type(err) is cls:
+                return err
+            if cls is Overloaded:
+                return Overloaded(str(err).splitlines()[-1], getattr(err, "retry_after_s", 1.0))
+            return ValueError(str(err).splitlines()[-1])
+    return err
+
+
+@serve.deployment(ray_actor_options=_NO_CPU, max_ongoing_requests=4096)
+@serve.ingress()
+class Ingress:
+    """HTTP (OpenAI API + admin routes) and the Python handle API."""
+
+    def __init__(self, deployment: DeploymentConfig, dispatcher) -> None:
+        from tetris.serve.metrics import ServingMetrics
+
+        self.deployment = deployment
+        self.dispatcher = dispatcher
+        self.backend = _DispatcherBackend(deployment, dispatcher)
+        self.metrics = ServingMetrics(deployment.model.name, scheduler=False)
+
+    def __serve_build_asgi_app__(self):
+        from tetris.serve.admin import add_admin_routes
+        from tetris.serve.api import create_api
+
+        app = create_api(self.backend, metrics=self.metrics,
+                         extra_metrics=lambda: self.dispatcher.metrics_text.remote())
+        add_admin_routes(app, self.dispatcher)
+        return app
+
+    # -- Python handle API ------------------------------------------------------------------
+    def _to_generate(self, request: GenerationRequest) -> GenerateRequest:
+        import time
+
+        from tetris.serve.api import validate_generation
+        from tetris.serve.protocol import ProtocolError
+
+        if request.prompt is not None:
+            ids = self.backend.tokenizer.encode(request.prompt, add_bos=True) if request.prompt else []
+        else:
+            ids = list(request.prompt_token_ids)
+        try:
+            validate_generation(self.backend, ids, request.sampling)
+        except ProtocolError as e:
+            raise ValueError(e.message) from None
+        return GenerateRequest(request_id=request.request_id or f"handle-{uuid.uuid4().hex}",
+                               prompt_token_ids=tuple(ids), sampling=request.sampling,
+                               stream=True, arrival_time=time.monotonic())
+
+    async def generate(self, request: GenerationRequest) -> Generation:
+        req = self._to_generate(request)
+        last = None
+        async for out in self.backend.generate(req):
+            last = out
+        return Generation(request_id=req.request_id, text=last.text, token_ids=last.token_ids,
+                          prompt_tokens=len(req.prompt_token_ids), finish_reason=last.finish_reason)
+
+    async def generate_stream(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        req = self._to_generate(request)
+        async for out in self.backend.generate(req):
+            yield GenerationDelta(request_id=req.request_id, new_text=out.new_text,
+                                  new_token_ids=out.new_token_ids, finished=out.finished,
+                                  finish_reason=out.finish_reason)
+
+
+def build_app(config: DeploymentConfig | str | Path | None = None, *, max_pending: int = 256):
+    """The Serve application for a deployment (a TOML path, a loaded config, or the default)."""
+    deployment = config if isinstance(config, DeploymentConfig) else load_deployment(config)
+    prefill = PrefillPoolServer.bind(deployment)
+    decode = DecodePoolServer.bind(deployment)
+    dispatcher = DispatcherServer.bind(deployment, prefill, decode, max_pending)
+    return Ingress.bind(deployment, dispatcher)
+
+
+def app_builder(args: dict):
+    """Entry point for ``serve run`` config files: ``args: {config: PATH, max_pending: N}``."""
+    return build_app(args.get("config"), max_pending=int(args.get("max_pending", 256)))

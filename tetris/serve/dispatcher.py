@@ -1,0 +1,351 @@
+"""The dispatcher: plans each request's prefill, routes its decode and drives both to the end.
+
+It holds the control state of the cluster and nothing heavy:
+
+- ``LiveQueue``: per prefill instance, until when it is busy. A committed plan books its chunks'
+  expected ends; a finished prefill removes its bookings, so an instance that finished early
+  is free at once and one that runs late stays busy until it reports (queue times "corrected
+  by actual chunk completion times"). The policy plans against ``LiveQueue.pool_state(now)``.
+- the active ``Policy`` (Tetris CDSP by default) with θ from the ``RateMonitor``;
+- the ``DecodeRouter`` (Llumnix virtual usage): a request's KV tokens count against its
+  decode instance from routing until its KV has arrived;
+- a bounded admission count: beyond ``max_pending`` requests in flight, ``Overloaded``.
+
+Lifecycle of one request (``generate``), on the dispatcher's monotonic clock:
+
+1. route: choose a decode instance, book the request's KV tokens there (virtual usage), and
+   reserve its KV blocks on the instance (``decode.reserve``); no room -> ``Overloaded``;
+2. plan under the planning lock (so plans commit in the order they were made), book the
+   chunks in the live queue and register them with the pool (``prefill.commit``);
+3. run the plan (``prefill.run``): chunks stream their KV layer by layer to the decode
+   instance's TP ranks; the result carries the first token;
+4. hand the first token to the decode instance (``decode.commit``); it admits the request
+   once every rank has all the KV, then streams tokens, which this generator yields;
+5. at the first decode output the KV has arrived: the prefill side frees its copy and the
+   router its virtual usage. On completion, abort, client disconnect or error, ``_cleanup``
+   frees whatever is still held, on both sides, exactly once.
+
+The two sides are reached through ``PrefillClient`` and ``DecodeClient``: Serve deployment
+handles in the app (``tetris.serve.app``), plain objects in tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol
+
+import msgspec
+
+from tetris.config import DeploymentConfig
+from tetris.engine.request import RequestOutput
+from tetris.plan import PrefillPlan
+from tetris.scheduler.latency import PrefillLatencyModel, PrefillProfile, load_profile
+from tetris.scheduler.policies import make_policy
+from tetris.scheduler.pool import PoolState
+from tetris.scheduler.rate import ImprovementRateTable, RateMonitor
+from tetris.scheduler.router import DecodeRouter
+from tetris.serve.backend import Overloaded
+from tetris.serve.metrics import ServingMetrics
+from tetris.serve.protocol import GenerateRequest
+
+__all__ = ["Dispatcher", "LiveQueue", "PrefillClient", "DecodeClient", "RequestTimeline",
+           "DEFAULT_PROFILE"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PROFILE = "a100-llama3-8b-tp1"
+_COMPLETED = ("stop", "length")   # finish reasons after which nothing is left to abort
+
+
+class PrefillClient(Protocol):
+    async def commit(self, plan: PrefillPlan) -> None: ...
+    async def run(self, plan: PrefillPlan, token_ids: list[int], sampling, kv_receivers) -> Any: ...
+    async def release(self, request_id: str) -> None: ...
+    async def abort(self, request_id: str) -> None: ...
+
+
+class DecodeClient(Protocol):
+    def receiver_ids(self, instance: int) -> tuple[int, ...]: ...
+    async def reserve(self, instance: int, request_id: str, prompt: list[int], sampling) -> None: ...
+    async def commit(self, instance: int, request_id: str, first_token: int) -> None: ...
+    def stream(self, instance: int, request_id: str) -> AsyncIterator[RequestOutput]: ...
+    async def abort(self, instance: int, request_id: str) -> None: ...
+    async def stats(self) -> list[Any]: ...
+
+
+class LiveQueue:
+    """Per-instance busy-until times from committed plans, corrected by completions."""
+
+    def __init__(self, node_of: Sequence[int]) -> None:
+        self.node_of = tuple(node_of)
+        self._booked: list[dict[str, float]] = [{} for _ in self.node_of]
+
+    def commit(self, plan: PrefillPlan) -> None:
+        for chunk in plan.chunks:
+            for i in chunk.instances:
+                prev = self._booked[i].get(plan.request_id, 0.0)
+                self._booked[i][plan.request_id] = max(prev, chunk.expected_end)
+
+    def finish(self, request_id: str) -> None:
+        for booked in self._booked:
+            booked.pop(request_id, None)
+
+    def queue_times(self, now: float) -> list[float]:
+        # A booking past its expected end is a chunk running late: busy now, end unknown.
+        return [max([now, *b.values()]) for b in self._booked]
+
+    def pool_state(self, now: float) -> PoolState:
+        return PoolState(self.queue_times(now), self.node_of)
+
+    def bookings(self) -> int:
+        return sum(len(b) for b in self._booked)
+
+
+class RequestTimeline(msgspec.Struct):
+    """Where one request's time went (dispatcher clock, seconds); the TTFT breakdown."""
+
+    request_id: str
+    prompt_tokens: int
+    arrival: float
+    decode_instance: int = -1
+    planned: float = 0.0          # plan committed
+    prefill_start: float = 0.0    # first chunk started (prefill end minus its elapsed time)
+    prefill_end: float = 0.0      # first token known
+    first_output: float = 0.0     # the decode instance streamed the first token
+    finished: float = 0.0
+    chunks: int = 0
+    sp_sizes: tuple[int, ...] = ()
+    ttft_estimate: float = 0.0
+    tokens: int = 0
+    outcome: str = ""
+
+    def breakdown(self) -> dict[str, float]:
+        """queue, prefill and hand-off (KV transfer tail + admission + first decode round)."""
+        return {"queue_s": self.prefill_start - self.arrival,
+                "prefill_s": self.prefill_end - self.prefill_start,
+                "handoff_s": self.first_output - self.prefill_end,
+                "ttft_s": self.first_output - self.arrival}
+
+
+class Dispatcher:
+    def __init__(self, deployment: DeploymentConfig, prefill: PrefillClient, decode: DecodeClient,
+                 *, node_of: Sequence[int], decode_capacities: Sequence[int],
+                 metrics: ServingMetrics | None = None, max_pending: int = 256,
+                 rate_table: ImprovementRateTable | None = None,
+                 clock: Callable[[], float] = time.monotonic, keep_timelines: int = 1024) -> None:
+        self.deployment = deployment
+        self.prefill = prefill
+        self.decode = decode
+        self.metrics = metrics
+        self.max_pending = max_pending
+        self.clock = clock
+        sc = deployment.scheduler
+        self.profile = load_profile(sc.profile or DEFAULT_PROFILE)
+        self.policy = self._make_policy(self.profile)
+        self.queue = LiveQueue(node_of)
+        self.router = DecodeRouter(decode_capacities)
+        self.monitor = self._make_monitor(rate_table)
+        self.improvement_rate = (self.monitor.improvement_rate if self.monitor is not None
+                                 else sc.improvement_rate)
+        self._plan_lock = asyncio.Lock()
+        self._inflight: dict[str, RequestTimeline] = {}
+        self._virtual: dict[str, tuple[int, int]] = {}   # request -> (decode instance, kv tokens)
+        self.timelines: collections.deque[RequestTimeline] = collections.deque(maxlen=keep_timelines)
+        self.plans: collections.deque[dict] = collections.deque(maxlen=64)
+
+    # -- configuration ----------------------------------------------------------------------
+    def _make_policy(self, profile: PrefillLatencyModel):
+        sc = self.deployment.scheduler
+        return make_policy(sc.policy, profile, sp_candidates=sc.sp_candidates or None,
+                           min_chunk_tokens=sc.min_chunk_tokens,
+                           improvement_rate=sc.improvement_rate)
+
+    def _make_monitor(self, table: ImprovementRateTable | None) -> RateMonitor | None:
+        sc = self.deployment.scheduler
+        if table is None and sc.rate_table:
+            table = ImprovementRateTable.load(_rate_table_path(sc.rate_table))
+        if table is None:
+            return None   # θ stays at scheduler.improvement_rate
+        return RateMonitor(sc.rate_window_s, sc.rate_update_interval_s, table)
+
+    def rate_table(self) -> dict:
+        if self.monitor is None:
+            return {"rates": [], "improvement_rates": [], "description": "no table: fixed θ",
+                    "improvement_rate": self.improvement_rate}
+        t = self.monitor.table
+        return {"rates": list(t.rates), "improvement_rates": list(t.improvement_rates),
+                "description": t.description, "improvement_rate": self.improvement_rate}
+
+    def set_rate_table(self, rates: list[float], improvement_rates: list[float],
+                       description: str = "") -> dict:
+        """Replace the θ table (admin route); raises ``RateTableError`` for a bad table."""
+        table = ImprovementRateTable(rates, improvement_rates, description=description)
+        if self.monitor is None:
+            self.monitor = self._make_monitor(table)
+        else:
+            self.monitor.replace_table(table)
+        return self.rate_table()
+
+    def latency_profile(self) -> dict:
+        return msgspec.to_builtins(self.profile.to_profile())
+
+    def set_latency_profile(self, body: dict) -> dict:
+        """Replace the prefill latency profile (admin route); the policy is rebuilt on it."""
+        model = PrefillLatencyModel.from_profile(msgspec.convert(body, PrefillProfile))
+        self.policy = self._make_policy(model)
+        self.profile = model
+        return self.latency_profile()
+
+    # -- requests ---------------------------------------------------------------------------
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; closing the iterator early aborts it everywhere."""
+        rid, prompt = req.request_id, list(req.prompt_token_ids)
+        if rid in self._inflight:
+            raise ValueError(f"request {rid!r} is already running")
+        if len(self._inflight) >= self.max_pending:
+            raise Overloaded(f"{len(self._inflight)} requests in flight (limit {self.max_pending})")
+        now = self.clock()
+        # The ingress's arrival stamp is another process's clock: time from here on.
+        tl = RequestTimeline(rid, len(prompt), arrival=now)
+        self._inflight[rid] = tl
+        stage = "routing"
+        try:
+            instance = await self._route(req, tl)
+            stage = "planning"
+            plan = await self._plan(req, tl)
+            stage = "prefill"
+            result = await self.prefill.run(plan, prompt, req.sampling,
+                                            self.decode.receiver_ids(instance))
+            tl.prefill_end = self.clock()
+            tl.prefill_start = tl.prefill_end - float(result.elapsed_s)
+            if self.metrics is not None:
+                self.metrics.observe_queue(max(0.0, tl.prefill_start - tl.arrival))
+            self.queue.finish(rid)
+            stage = "decode"
+            await self.decode.commit(instance, rid, int(result.first_token))
+            async for out in self.decode.stream(instance, rid):
+                if not tl.first_output:
+                    tl.first_output = self.clock()
+                    await self._kv_arrived(rid)
+                tl.tokens = len(out.token_ids)
+                yield out
+                if out.finished:
+                    tl.outcome = out.finish_reason or "stop"
+                    return
+            raise RuntimeError(f"request {rid}: the decode stream ended without a final output")
+        except (Overloaded, ValueError):
+            tl.outcome = "refused"
+            raise
+        except GeneratorExit:
+            tl.outcome = "aborted"
+            raise
+        except asyncio.CancelledError:
+            tl.outcome = "aborted"
+            raise
+        except Exception as e:
+            tl.outcome = "error"
+            log.warning("request %s failed during %s: %s", rid, stage, e)
+            raise
+        finally:
+            await asyncio.shield(self._cleanup(rid, tl))
+
+    async def _route(self, req: GenerateRequest, tl: RequestTimeline) -> int:
+        kv_tokens = len(req.prompt_token_ids) + req.sampling.max_tokens
+        instance = self.router.choose(kv_tokens)
+        self.router.reserve(instance, kv_tokens)
+        self._virtual[req.request_id] = (instance, kv_tokens)
+        tl.decode_instance = instance
+        await self.decode.reserve(instance, req.request_id, list(req.prompt_token_ids),
+                                  req.sampling)
+        return instance
+
+    async def _plan(self, req: GenerateRequest, tl: RequestTimeline) -> PrefillPlan:
+        async with self._plan_lock:
+            now = self.clock()
+            self._update_theta(now)
+            plan = self.policy.plan(req.request_id, len(req.prompt_token_ids), now,
+                                    self.queue.pool_state(now),
+                                    improvement_rate=self.improvement_rate)
+            self.queue.commit(plan)
+            await self.prefill.commit(plan)
+        tl.planned = self.clock()
+        tl.chunks = len(plan.chunks)
+        tl.sp_sizes = tuple(c.sp_size for c in plan.chunks)
+        tl.ttft_estimate = plan.ttft_estimate
+        self.plans.append(msgspec.to_builtins(plan))
+        if self.metrics is not None:
+            self.metrics.observe_plan(list(tl.sp_sizes))
+        return plan
+
+    def _update_theta(self, now: float) -> None:
+        if self.monitor is None:
+            return
+        self.monitor.observe_arrival(now)
+        theta = self.monitor.maybe_update(now)
+        if theta is not None:
+            self.improvement_rate = theta
+            if self.metrics is not None:
+                self.metrics.set_improvement_rate(theta)
+
+    async def _kv_arrived(self, rid: str) -> None:
+        """The decode instance has all the KV: drop the prefill copy and the virtual usage."""
+        entry = self._virtual.pop(rid, None)
+        if entry is not None:
+            self.router.release(*entry)
+        await self.prefill.release(rid)
+
+    async def _cleanup(self, rid: str, tl: RequestTimeline) -> None:
+        """Free everything the request still holds; every step is idempotent."""
+        tl.finished = self.clock()
+        self._inflight.pop(rid, None)
+        self.queue.finish(rid)
+        entry = self._virtual.pop(rid, None)
+        if entry is not None:
+            self.router.release(*entry)
+        if tl.outcome not in _COMPLETED:
+            try:
+                await self.prefill.abort(rid)
+            except Exception as e:  # noqa: BLE001 - cleanup must reach every side
+                log.warning("cleanup of %s on the prefill pool: %s", rid, e)
+            if tl.decode_instance >= 0:
+                try:
+                    await self.decode.abort(tl.decode_instance, rid)
+                except Exception as e:  # noqa: BLE001
+                    log.warning("cleanup of %s on decode instance %d: %s", rid,
+                                tl.decode_instance, e)
+        self.timelines.append(tl)
+
+    # -- load -------------------------------------------------------------------------------
+    async def refresh_decode_load(self) -> list[Any]:
+        """Pull the decode instances' load into the router (free slots, batch size)."""
+        stats = await self.decode.stats()
+        for i, s in enumerate(stats):
+            if s is not None:
+                self.router.update(i, s.free_blocks * s.block_size, s.running)
+        return stats
+
+    def stats(self) -> dict:
+        now = self.clock()
+        return {"running": len(self._inflight), "waiting": 0,
+                "improvement_rate": self.improvement_rate,
+                "queue_times": [t - now for t in self.queue.queue_times(now)]}
+
+    def held(self) -> dict:
+        """What is still reserved on the control side (zero everywhere when idle)."""
+        return {"inflight": len(self._inflight), "queue_bookings": self.queue.bookings(),
+                "virtual_usage": sum(self.router.virtual), "virtual_requests": len(self._virtual)}
+
+
+def _rate_table_path(name: str) -> str:
+    from pathlib import Path
+    from importlib import resources
+
+    p = Path(name)
+    if p.exists():
+        return str(p)
+    embedded = Path(str(resources.files("tetris.configs").joinpath("rates", name)))
+    return str(embedded if embedded.exists() else p)
