@@ -134,7 +134,14 @@ class GroupBuilder:
         partial = g.partial
         if len(partial) == 1:
             n = partial[0]
-            takes[n] = min(need, len(by_node[n]) - counts[n])
+            members = by_node[n]
+            c0 = counts[n]
+            if c0 + need <= len(members):
+                # Fast path (the commonest growth): the node in use has room for all of it.
+                last = self.queue[members[c0 + need - 1]]
+                return Group(s, last if last > g.max_queue else g.max_queue, g, {n: need},
+                             by_node)
+            takes[n] = len(members) - c0
         elif partial:
             # Rule 2 over several nodes: the globally shortest-queued free instances.
             q = self.queue
