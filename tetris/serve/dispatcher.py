@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -227,15 +228,16 @@ class Dispatcher:
             self.queue.finish(rid)
             stage = "decode"
             await self.decode.commit(instance, rid, int(result.first_token))
-            async for out in self.decode.stream(instance, rid):
-                if not tl.first_output:
-                    tl.first_output = self.clock()
-                    await self._kv_arrived(rid)
-                tl.tokens = len(out.token_ids)
-                yield out
-                if out.finished:
-                    tl.outcome = out.finish_reason or "stop"
-                    return
+            async with contextlib.aclosing(self.decode.stream(instance, rid)) as stream:
+                async for out in stream:
+                    if not tl.first_output:
+                        tl.first_output = self.clock()
+                        await self._kv_arrived(rid)
+                    tl.tokens = len(out.token_ids)
+                    yield out
+                    if out.finished:
+                        tl.outcome = out.finish_reason or "stop"
+                        return
             raise RuntimeError(f"request {rid}: the decode stream ended without a final output")
         except (Overloaded, ValueError):
             tl.outcome = "refused"
