@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("tetris.cli.sim", "discrete-event simulation: run, sweep, capacity, profile-rate, figures"),
     "plan": ("tetris.cli.plan", "show the prefill plan (chunks, groups, times) of one request"),
     "profile": ("tetris.cli.profile", "fit or show prefill latency profiles (paper Eq. 1)"),
+    "serve": ("tetris.cli.serve", "start Ray and serve the OpenAI-compatible API (Ray Serve)"),
     "bench": ("tetris.cli.bench", "benchmarks measured side by side (transfer, ...)"),
 }
 

@@ -250,6 +250,11 @@ class DispatcherServer:
                 pass
             await asyncio.sleep(0.5)
 
+    async def warmup(self) -> dict:
+        """Wire the pools now (``tetris serve`` calls this before it prints the URL)."""
+        await self.ready()
+        return {"event_loop": type(asyncio.get_running_loop()).__module__}
+
     async def generate(self, req: GenerateRequest) -> AsyncIterator:
         d = await self.ready()
         async for out in d.generate(req):
