@@ -1,0 +1,317 @@
+"""The driver of one decode instance: its TP rank actors, the round loop and per-request streams.
+
+Lifecycle of a request fed by KV streaming:
+
+1. ``await reserve(id, prompt, sampling)``: a ``Reserve`` goes to every rank in the next round;
+   each engine replica holds the prompt's blocks and each rank's receive manager expects the
+   request. Raises ``DecodeFull`` without room. The prefill may start once this returns.
+2. Senders stream each rank its KV head slice; each rank reports ``ready`` on its own time.
+3. ``commit(id, first_token)``: the prefill's first token. Once the token is known AND every
+   rank reported ready (either order), a ``Commit`` joins the next round's commands.
+4. ``stream(id)`` yields the engine's outputs (rank 0's), first token first, until finished.
+5. A transfer failure on any rank aborts the request on every rank and the stream raises
+   ``DecodeError``; ``abort(id)`` does the same at the caller's request (idempotent).
+
+``add`` is the local path: the decode instance prefills the prompt itself.
+
+The round loop is one asyncio task: it sends the pending commands to every rank, waits for all
+replies, routes outputs and transfer events, and sleeps on an event when there is nothing to
+do; while KV is arriving it wakes every ``poll_interval_s`` to collect ranks' ready events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import ray
+
+from tetris.actors.decode_messages import (Abort, Add, Command, Commit, DecodeError, DecodeFull,
+                                           Reserve, StepReply)
+from tetris.actors.decode_rank import DecodeRankActor
+from tetris.config import DeploymentConfig
+from tetris.engine.engine import EngineStats
+from tetris.engine.request import RequestOutput
+from tetris.sampling_params import SamplingParams
+from tetris.transfer.messages import AgentInfo
+from tetris.transfer.states import TransferConfig
+
+__all__ = ["DecodeInstance", "DecodeFull", "DecodeError"]
+
+log = logging.getLogger(__name__)
+
+
+class _Request:
+    """Driver-side state of one live request."""
+
+    def __init__(self, receiving: bool) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.receiving = receiving          # reserved, not yet committed
+        self.ready_ranks: set[int] = set()
+        self.first_token: int | None = None
+        self.aborting = False
+        self.admitted: asyncio.Future = asyncio.get_running_loop().create_future()
+
+
+class DecodeInstance:
+    def __init__(self, deployment: DeploymentConfig, instance: int, *,
+                 transfer: TransferConfig | None, placement=None, seed: int = 0,
+                 timeout_s: float = 60.0, poll_interval_s: float = 0.003) -> None:
+        self.deployment = deployment
+        self.instance = instance
+        self.tp_size = deployment.decode.tp_size
+        self.transfer = transfer
+        self.placement = placement
+        self.seed = seed
+        self.timeout_s = timeout_s
+        self.poll_interval_s = poll_interval_s
+        self.ranks: list = []
+        self._requests: dict[str, _Request] = {}
+        self._commands: list[Command] = []
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._stats: EngineStats | None = None
+        self._broken: BaseException | None = None
+        self._agent_infos: list[AgentInfo] = []
+        self.rounds = 0   # rounds sent to the ranks (tests check that idle means no rounds)
+
+    # -- setup ----------------------------------------------------------------------------
+    @property
+    def receiver_ids(self) -> tuple[int, ...]:
+        return tuple(self.instance * self.tp_size + r for r in range(self.tp_size))
+
+    async def start(self) -> None:
+        """Spawn the ranks, form the TP group, load the model, enable transfer when given."""
+        options: dict = {"num_cpus": 0}   # ranks mostly wait on each other, like prefill workers
+        if self.placement is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            # One bundle per instance: its TP ranks are packed on one node.
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=self.placement, placement_group_bundle_index=0)
+        self.ranks = [DecodeRankActor.options(**options).remote(
+            self.instance, r, self.tp_size, self.deployment, seed=self.seed)
+            for r in range(self.tp_size)]
+        host, port = await self.ranks[0].rendezvous.remote()
+        await asyncio.wait_for(asyncio.gather(*[
+            r.init_group.remote(host, port, self.timeout_s) for r in self.ranks]),
+            timeout=max(120.0, self.timeout_s))
+        if self.transfer is not None:
+            self._agent_infos = list(await asyncio.gather(
+                *[r.enable_transfer.remote(self.transfer) for r in self.ranks]))
+        self._wake = asyncio.Event()
+        self._loop_task = asyncio.create_task(self._run(), name=f"decode-{self.instance}-rounds")
+
+    async def agent_infos(self) -> list[AgentInfo]:
+        """Each rank's transfer agent, in rank order (senders ``add_peer`` them)."""
+        if self.transfer is None:
+            raise RuntimeError("this decode instance was started without KV transfer")
+        return list(self._agent_infos)
+
+    async def connect_senders(self, peers: dict[int, object]) -> None:
+        """Sender actors keyed by sender id; each rank's pump answers them."""
+        await asyncio.gather(*[r.connect_senders.remote(dict(peers)) for r in self.ranks])
+
+    # -- requests -------------------------------------------------------------------------
+    async def reserve(self, request_id: str, prompt_token_ids, sampling: SamplingParams) -> None:
+        """Hold blocks on every rank for a prompt prefilled elsewhere; ``DecodeFull`` if no room."""
+        req = self._open(request_id, receiving=True)
+        self._submit(Reserve(request_id, tuple(int(t) for t in prompt_token_ids), sampling))
+        await req.admitted
+
+    async def add(self, request_id: str, prompt_token_ids, sampling: SamplingParams) -> None:
+        """Queue a prompt that this instance prefills itself; ``ValueError`` for bad input."""
+        req = self._open(request_id, receiving=False)
+        self._submit(Add(request_id, tuple(int(t) for t in prompt_token_ids), sampling))
+        await req.admitted
+
+    def transfer_ready(self, request_id: str) -> bool:
+        """Whether every rank reported the request's KV complete (False once it left)."""
+        req = self._requests.get(request_id)
+        return req is not None and len(req.ready_ranks) == self.tp_size
+
+    def commit(self, request_id: str, first_token: int) -> None:
+        """The prefill's first token; decoding starts once every rank also has the KV."""
+        req = self._requests.get(request_id)
+        if req is None or req.aborting:
+            return   # aborted or failed meanwhile: its stream already says so
+        if not req.receiving or req.first_token is not None:
+            raise ValueError(f"request {request_id!r} is not reserved or was already committed")
+        req.first_token = int(first_token)
+        self._maybe_commit(request_id, req)
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs until a finished one; ``DecodeError`` if the request failed. Leaving the
+        loop early aborts the request."""
+        req = self._requests.get(request_id)
+        if req is None:
+            raise KeyError(f"no live request {request_id!r} on decode instance {self.instance}")
+        finished = False
+        try:
+            while True:
+                item = await req.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str, reason: str = "aborted by the caller") -> None:
+        """Abort on every rank and free everything; a no-op for unknown or finished requests."""
+        req = self._requests.get(request_id)
+        if req is None or req.aborting:
+            return
+        req.aborting = True
+        self._submit(Abort(request_id, reason))
+
+    def stats(self) -> EngineStats | None:
+        """The last engine stats (rank 0), for the decode router; None before the first round."""
+        return self._stats
+
+    async def held(self) -> list:
+        """Every rank's ``RankHeld`` (leak checks)."""
+        return list(await asyncio.gather(*[r.held.remote() for r in self.ranks]))
+
+    async def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+            self._loop_task = None
+        self._fail_all(DecodeError(f"decode instance {self.instance} shut down"))
+        if self.ranks:
+            with contextlib.suppress(Exception):
+                await asyncio.gather(*[r.shutdown.remote() for r in self.ranks])
+            for r in self.ranks:
+                ray.kill(r)
+            self.ranks = []
+
+    # -- internals ------------------------------------------------------------------------
+    def _open(self, request_id: str, *, receiving: bool) -> _Request:
+        if self._broken is not None:
+            raise DecodeError(f"decode instance {self.instance} is broken: {self._broken}")
+        if self._loop_task is None:
+            raise RuntimeError("call start() first")
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already on decode instance {self.instance}")
+        req = _Request(receiving)
+        self._requests[request_id] = req
+        return req
+
+    def _submit(self, cmd: Command) -> None:
+        self._commands.append(cmd)
+        self._wake.set()
+
+    def _maybe_commit(self, request_id: str, req: _Request) -> None:
+        if req.receiving and req.first_token is not None and len(req.ready_ranks) == self.tp_size:
+            req.receiving = False
+            self._submit(Commit(request_id, req.first_token))
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        """Deliver ``error`` to the request's stream and abort it on every rank."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        if not req.admitted.done():
+            req.admitted.set_exception(error)
+        req.queue.put_nowait(error)
+        self._commands.append(Abort(request_id, str(error)))
+        self._wake.set()
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id in sorted(self._requests):
+            req = self._requests.pop(request_id)
+            if not req.admitted.done():
+                req.admitted.set_exception(error)
+            req.queue.put_nowait(error)
+
+    def _busy(self) -> tuple[bool, bool]:
+        """(the engines have work to step, some rank still receives KV)."""
+        s = self._stats
+        schedulable = s is not None and (s.running + s.waiting + s.ready) > 0
+        receiving = any(r.receiving and len(r.ready_ranks) < self.tp_size
+                        for r in self._requests.values())
+        return schedulable, receiving
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                schedulable, receiving = self._busy()
+                if not self._commands and not schedulable:
+                    # Idle: sleep until a command comes; while KV arrives, wake now and then
+                    # to pick up the ranks' ready events.
+                    self._wake.clear()
+                    timeout = self.poll_interval_s if receiving else None
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), timeout)
+                    if not self._commands and not receiving:
+                        continue
+                cmds, self._commands = self._commands, []
+                replies = await asyncio.gather(*[r.step.remote(cmds) for r in self.ranks])
+                self.rounds += 1
+                self._route(cmds, replies)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a rank died or diverged: fail everything
+            log.exception("decode instance %d: round failed", self.instance)
+            self._broken = exc
+            self._fail_all(DecodeError(f"decode instance {self.instance} failed: {exc}"))
+
+    def _route(self, cmds: list[Command], replies: list[StepReply]) -> None:
+        self._stats = replies[0].stats
+        self._settle(cmds, replies)
+        for out in replies[0].outputs:
+            req = self._requests.get(out.request_id)
+            if req is None:
+                continue   # failed earlier: its stream already ended with the error
+            req.queue.put_nowait(out)
+            if out.finished:
+                del self._requests[out.request_id]
+        for reply in replies:
+            for f in reply.failed:
+                req = self._requests.get(f.request_id)
+                if req is not None and req.receiving and not req.aborting:
+                    self._fail(f.request_id, DecodeError(
+                        f"KV transfer of {f.request_id} failed on TP rank {reply.rank}: {f.reason}"))
+            for request_id in reply.ready:
+                req = self._requests.get(request_id)
+                if req is not None and req.receiving:
+                    req.ready_ranks.add(reply.rank)
+                    self._maybe_commit(request_id, req)
+
+    def _settle(self, cmds: list[Command], replies: list[StepReply]) -> None:
+        """Answer ``reserve``/``add`` callers: admitted, or rejected (same on every rank)."""
+        rejected = {}
+        for reply in replies:
+            for rej in reply.rejected:
+                rejected.setdefault(rej.request_id, rej)
+        for cmd in cmds:
+            if isinstance(cmd, Commit) and cmd.request_id in rejected:
+                self._fail(cmd.request_id, DecodeError(
+                    f"commit of {cmd.request_id} refused: {rejected[cmd.request_id].reason}"))
+            if not isinstance(cmd, (Reserve, Add)):
+                continue
+            req = self._requests.get(cmd.request_id)
+            if req is None:
+                continue
+            rej = rejected.get(cmd.request_id)
+            if rej is None:
+                if not req.admitted.done():
+                    req.admitted.set_result(None)
+                continue
+            del self._requests[cmd.request_id]
+            if rej.full:
+                err: Exception = DecodeFull(f"decode instance {self.instance}: {rej.reason}")
+            else:
+                err = ValueError(rej.reason)
+            req.admitted.set_exception(err)
+            if any(not any(r.request_id == cmd.request_id for r in reply.rejected) for reply in replies):
+                # Ranks disagreed (they should not): undo it where it was applied.
+                self._commands.append(Abort(cmd.request_id, "rejected on another TP rank"))

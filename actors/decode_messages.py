@@ -1,0 +1,109 @@
+"""Messages between a decode instance's driver and its TP rank actors (msgspec Structs).
+
+Every round the driver sends the same ``Command`` list to every rank; each rank applies it to
+its own ``LLMEngine`` replica, runs one engine step and answers with a ``StepReply``. Because
+all replicas see the same commands in the same order, their batching decisions, block tables
+and sampled tokens stay identical (lockstep), and the model's collectives keep them in step.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from tetris.engine.engine import EngineStats
+from tetris.engine.request import RequestOutput
+from tetris.sampling_params import SamplingParams
+
+__all__ = ["Reserve", "Commit", "Add", "Abort", "Command", "Rejected", "Failed", "StepReply",
+           "RankHeld", "DecodeFull", "DecodeError"]
+
+
+class Reserve(msgspec.Struct, frozen=True, tag="reserve"):
+    """Hold KV blocks for a prompt prefilled elsewhere and open its transfer on this rank."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+
+class Commit(msgspec.Struct, frozen=True, tag="commit"):
+    """Every rank has the prompt's KV and the prefill sampled ``first_token``: start decoding."""
+
+    request_id: str
+    first_token: int
+
+
+class Add(msgspec.Struct, frozen=True, tag="add"):
+    """Prefill on the decode instance itself (tests, and a fallback without a prefill pool)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+
+class Abort(msgspec.Struct, frozen=True, tag="abort"):
+    """Stop the request and free its blocks and receive-side state (idempotent)."""
+
+    request_id: str
+    reason: str = "aborted"
+
+
+Command = Reserve | Commit | Add | Abort
+
+
+class Rejected(msgspec.Struct, frozen=True):
+    """A command that could not be applied. ``full``: no KV room now (retry later), as opposed
+    to input the engine can never serve."""
+
+    request_id: str
+    reason: str
+    full: bool = False
+
+
+class Failed(msgspec.Struct, frozen=True):
+    """The request's KV transfer failed on this rank (timeout, sender abort, ...)."""
+
+    request_id: str
+    reason: str
+
+
+class StepReply(msgspec.Struct, frozen=True):
+    """One rank's answer to one round.
+
+    ``outputs`` come from rank 0 only (the others would repeat them). ``ready`` and ``failed``
+    are this rank's transfer events since its previous reply.
+    """
+
+    rank: int
+    outputs: list[RequestOutput]
+    ready: list[str]
+    failed: list[Failed]
+    rejected: list[Rejected]
+    stats: EngineStats
+
+
+class RankHeld(msgspec.Struct, frozen=True):
+    """What one rank still holds: empty lists and all blocks free once every request is gone."""
+
+    engine_requests: int   # unfinished sequences of the engine, receiving ones included
+    receiving: list[str]   # requests the receive manager still waits on
+    backends_held: list[int]
+    free_blocks: int
+    total_blocks: int
+
+    @property
+    def empty(self) -> bool:
+        return (self.engine_requests == 0 and not self.receiving and not self.backends_held
+                and self.free_blocks == self.total_blocks)
+
+
+class DecodeFull(Exception):
+    """The decode instance has no KV room for this prompt now; retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float = 0.5) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class DecodeError(Exception):
+    """A request failed on the decode instance (e.g. its KV transfer); it holds nothing now."""

@@ -1,0 +1,255 @@
+"""One TP rank of a decode instance: a Ray actor with an ``LLMEngine`` replica and a receive manager.
+
+Lifecycle of a rank (driven by ``DecodeInstance``):
+
+1. ``init_group``: join the instance's own gloo world (tp_size ranks; none for TP 1) and load
+   the TP-sharded model; rank r's cache holds KV heads ``[r*h, (r+1)*h)``, h = Hkv / tp_size.
+2. ``enable_transfer``: a NIXL agent ``decode-<receiver_id>`` and a receive manager over the
+   engine's cache, driven by a ``TransferPump`` thread; ``connect_senders`` names the prefill
+   workers it answers. Senders' control messages arrive through ``deliver_transfer`` (Ray
+   concurrency group ``"transfer"``, so they are handled while a decode step computes).
+3. ``step(commands)`` every round: apply the driver's commands, run one engine step, report
+   outputs (rank 0), the requests whose KV completed or failed here, and the engine's stats.
+
+Every rank applies the same commands in the same order, so all engine replicas make the same
+decisions (lockstep); only transfer events differ between ranks, and the driver combines them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import ray
+import torch
+import torch.distributed as dist
+
+from tetris.actors.decode_messages import (Abort, Add, Command, Commit, Failed, RankHeld, Rejected,
+                                           Reserve, StepReply)
+from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
+from tetris.config import DeploymentConfig
+from tetris.engine.engine import EngineStats, LLMEngine
+from tetris.transfer.messages import AgentInfo, ControlMessage
+from tetris.transfer.states import RequestReady, TransferConfig, TransferEvent, TransferFailed
+
+__all__ = ["DecodeRank", "DecodeRankActor", "EngineBlocks"]
+
+log = logging.getLogger(__name__)
+
+
+class EngineBlocks:
+    """The receive manager's allocator, backed by blocks the engine has already reserved.
+
+    The engine owns a request's blocks from ``reserve`` until it finishes or is aborted, so the
+    receive manager only borrows them: ``allocate`` hands out the table set by ``lend`` (only
+    during that reservation; any other handshake finds no blocks and is rejected) and ``free``
+    gives nothing back.
+    """
+
+    def __init__(self) -> None:
+        self._lent: list[int] | None = None
+
+    def lend(self, block_table: list[int] | None) -> None:
+        self._lent = None if block_table is None else list(block_table)
+
+    def allocate(self, num_blocks: int) -> list[int] | None:
+        if self._lent is None or num_blocks > len(self._lent):
+            return None
+        return self._lent[:num_blocks]
+
+    def free(self, blocks) -> None:
+        return None
+
+
+class DecodeRank:
+    def __init__(self, instance: int, tp_rank: int, tp_size: int, deployment: DeploymentConfig,
+                 *, seed: int = 0, threads: int = 1) -> None:
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank {tp_rank} outside a TP group of {tp_size}")
+        # Several ranks share few cores: one intra-op thread each avoids oversubscription.
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+        self.instance = instance
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.deployment = deployment
+        self.seed = seed
+        self.receiver_id = instance * tp_size + tp_rank
+        self.engine: LLMEngine | None = None
+        self.pump: TransferPump | None = None
+        self.agent = None
+        self._blocks = EngineBlocks()
+        self._events_lock = threading.Lock()
+        self._ready: list[str] = []
+        self._failed: list[Failed] = []
+
+    # -- setup ----------------------------------------------------------------------------
+    def rendezvous(self) -> tuple[str, int]:
+        """(host, port) for the group's store, on this rank's node (called on rank 0)."""
+        host = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            return host, s.getsockname()[1]
+
+    def init_group(self, host: str, port: int, timeout_s: float) -> int:
+        """Form the instance's gloo world (all ranks at once) and load the sharded model."""
+        from tetris.model.loader import load_model
+
+        group = None
+        if self.tp_size > 1:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=self.tp_rank,
+                                    world_size=self.tp_size, timeout=timedelta(seconds=timeout_s))
+            group = dist.group.WORLD
+        model, tokenizer = load_model(self.deployment.model, tp_group=group)
+        dc = self.deployment.decode
+        self.engine = LLMEngine(model, tokenizer, num_blocks=dc.kv_blocks, block_size=dc.block_size,
+                                max_num_seqs=dc.max_batch_size, seed=self.seed)
+        if group is not None:
+            dist.barrier()
+        return model.local_num_kv_heads
+
+    def enable_transfer(self, config: TransferConfig) -> AgentInfo:
+        from tetris.transfer.backends import make_agent
+        from tetris.transfer.receive_manager import ReceiveManager
+
+        engine = self._engine()
+        self.agent = make_agent(f"decode-{self.receiver_id}", backend=config.backend)
+        caches = [(engine.cache.k[i], engine.cache.v[i]) for i in range(engine.cache.num_layers)]
+        manager = ReceiveManager(self.receiver_id, caches, self._blocks, self.agent, config)
+        self.pump = TransferPump(manager, name=f"decode-{self.receiver_id}",
+                                 on_events=self._on_transfer_events).start()
+        return self.agent.info()
+
+    def connect_senders(self, peers: dict) -> None:
+        self._pump().connect(peers)
+
+    @ray.method(concurrency_group=TRANSFER_GROUP)
+    def deliver_transfer(self, msgs: list[ControlMessage]) -> None:
+        if self.pump is None:
+            log.warning("decode-%d: %d transfer message(s) before enable_transfer; dropped",
+                        self.receiver_id, len(msgs))
+            return
+        self.pump.deliver(msgs)
+
+    def _on_transfer_events(self, events: list[TransferEvent]) -> None:
+        # Runs on the pump thread; the next step's reply carries these to the driver.
+        with self._events_lock:
+            for e in events:
+                if isinstance(e, RequestReady):
+                    self._ready.append(e.request_id)
+                elif isinstance(e, TransferFailed):
+                    self._failed.append(Failed(e.request_id, e.reason))
+
+    # -- one round ------------------------------------------------------------------------
+    def step(self, commands: list[Command]) -> StepReply:
+        engine = self._engine()
+        rejected: list[Rejected] = []
+        for cmd in commands:
+            reason = self._apply(cmd)
+            if reason is not None:
+                rejected.append(reason)
+        # With only RECEIVING requests the plan is empty: no model call, no collective, just
+        # the outputs queued by this round's commands (aborts, committed first tokens).
+        outputs = engine.step() if engine.has_unfinished() else []
+        with self._events_lock:
+            ready, self._ready = self._ready, []
+            failed, self._failed = self._failed, []
+        return StepReply(rank=self.tp_rank, outputs=outputs if self.tp_rank == 0 else [],
+                         ready=ready, failed=failed, rejected=rejected, stats=engine.stats())
+
+    def _apply(self, cmd: Command) -> Rejected | None:
+        engine = self._engine()
+        rid = cmd.request_id
+        try:
+            if isinstance(cmd, Reserve):
+                return self._reserve(cmd)
+            if isinstance(cmd, Commit):
+                engine.commit_prefilled(rid, cmd.first_token)
+            elif isinstance(cmd, Add):
+                engine.add_request(rid, cmd.prompt_token_ids, cmd.sampling)
+            elif isinstance(cmd, Abort):
+                self._abort(rid, cmd.reason)
+            else:
+                raise TypeError(f"unknown decode command {type(cmd).__name__}")
+        except ValueError as exc:
+            return Rejected(rid, str(exc))
+        return None
+
+    def _reserve(self, cmd: Reserve) -> Rejected | None:
+        engine = self._engine()
+        if self.pump is None:
+            return Rejected(cmd.request_id, "this decode instance has no KV transfer enabled")
+        if not engine.can_reserve(len(cmd.prompt_token_ids)):
+            stats = engine.stats()
+            return Rejected(cmd.request_id, f"{len(cmd.prompt_token_ids)} prompt tokens do not fit "
+                            f"{stats.free_blocks} free blocks of {stats.block_size}", full=True)
+        # Under the pump's lock: no handshake may see the engine's blocks before the manager does.
+        with self.pump.locked() as manager:
+            slots = engine.reserve(cmd.request_id, cmd.prompt_token_ids, cmd.sampling)
+            bs = engine.blocks.block_size
+            self._blocks.lend([slots[p] // bs for p in range(0, len(slots), bs)])
+            try:
+                ok = manager.reserve(cmd.request_id, len(cmd.prompt_token_ids), time.monotonic())
+            finally:
+                self._blocks.lend(None)
+            if not ok:
+                engine.abort_request(cmd.request_id)
+                return Rejected(cmd.request_id, "the receive manager refused the reservation "
+                                "(request id already used for a transfer)")
+        return None
+
+    def _abort(self, request_id: str, reason: str) -> None:
+        # Receive side first, under the pump's lock: once it returns no piece can land in the
+        # blocks the engine is about to free and hand to another request.
+        if self.pump is not None:
+            with self.pump.locked() as manager:
+                manager.abort(request_id, reason, time.monotonic())
+        self._engine().abort_request(request_id)
+
+    # -- introspection --------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        return self._engine().stats()
+
+    def held(self) -> RankHeld:
+        s = self._engine().stats()
+        receiving: list[str] = []
+        backends: list[int] = []
+        if self.pump is not None:
+            with self.pump.locked() as manager:
+                receiving = sorted(manager.requests)
+                backends = [b.backend_id for b in manager.backends
+                            if b.holder is not None or b.credit is not None]
+        return RankHeld(engine_requests=s.running + s.waiting + s.ready + s.receiving,
+                        receiving=receiving, backends_held=backends, free_blocks=s.free_blocks,
+                        total_blocks=s.total_blocks)
+
+    def shutdown(self) -> None:
+        if self.pump is not None:
+            self.pump.stop()
+            with self.pump.locked() as manager:
+                manager.close()
+            self.pump = None
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _engine(self) -> LLMEngine:
+        if self.engine is None:
+            raise RuntimeError("call init_group before using the decode rank")
+        return self.engine
+
+    def _pump(self) -> TransferPump:
+        if self.pump is None:
+            raise RuntimeError("call enable_transfer before connecting senders")
+        return self.pump
+
+
+DecodeRankActor = ray.remote(concurrency_groups={TRANSFER_GROUP: 1})(DecodeRank)

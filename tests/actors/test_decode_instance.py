@@ -1,0 +1,308 @@
+"""A TP-2 decode instance of Ray actors: lockstep engines, continuous batching, KV fed by
+real send managers over NIXL, aborts and transfer failures that leave nothing held."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import pytest
+import ray
+import torch
+
+from tetris.actors.decode_instance import DecodeError, DecodeFull, DecodeInstance
+from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
+from tetris.config import DecodeConfig, DeploymentConfig, ModelConfig
+from tetris.engine.engine import LLMEngine
+from tetris.kernels.attention import attention_with_lse
+from tetris.model.loader import load_model
+from tetris.sampling_params import SamplingParams
+from tetris.transfer.backends import make_agent, nixl_unavailable_reason
+from tetris.transfer.messages import Grant
+from tetris.transfer.send_manager import SendManager
+from tetris.transfer.states import ShardSent, TransferConfig, TransferFailed
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+
+MODEL = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2,
+                    num_heads=4, num_kv_heads=2, seed=5)
+DEPLOYMENT = DeploymentConfig(model=MODEL, decode=DecodeConfig(
+    tp_size=2, max_batch_size=4, block_size=4, kv_blocks=48))
+# Small pieces (8 tokens of 128 B) so that a layer of a shard takes several grants; a short
+# timeout so that the stalled-sender test ends quickly.
+TRANSFER = TransferConfig(num_backends=2, pool_size=2, backend_buffer_bytes=1024,
+                          send_buffer_bytes=1024, bulk_chunk_bytes=1024, timeout_s=3.0,
+                          abort_grace_s=0.2, backend="nixl")
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+class TestSender:
+    """A prefill instance's transfer side only: a SendManager driven by a TransferPump."""
+
+    __test__ = False
+
+    def __init__(self, sender_id: int, config: TransferConfig) -> None:
+        torch.set_num_threads(1)
+        self.agent = make_agent(f"prefill-{sender_id}", backend=config.backend)
+        self.mgr = SendManager(sender_id, self.agent, config)
+        self.drop_grants = False
+        self.pump = TransferPump(self.mgr, name=f"test-sender-{sender_id}",
+                                 on_events=self._on_events).start()
+
+    def _on_events(self, events) -> None:
+        with self.pump.locked() as mgr:
+            for e in events:
+                if isinstance(e, (ShardSent, TransferFailed)):
+                    mgr.forget(e.request_id)
+
+    def connect(self, infos, peers) -> None:
+        for info in infos:
+            self.agent.add_peer(info)
+        self.pump.connect(peers)
+
+    def set_drop_grants(self, drop: bool) -> None:
+        self.drop_grants = drop   # a sender that handshakes and then never writes
+
+    @ray.method(concurrency_group=TRANSFER_GROUP)
+    def deliver_transfer(self, msgs) -> None:
+        if self.drop_grants:
+            msgs = [m for m in msgs if not isinstance(m, Grant)]
+        self.pump.deliver(msgs)
+
+    def send(self, request_id: str, receiver_id: int, prompt_tokens: int, chunk_index: int,
+             chunk: tuple[int, int], kv: list[torch.Tensor], layers: int) -> None:
+        """Handshake one shard (the whole chunk) and hand over its first ``layers`` layers."""
+        a, b = chunk
+        with self.pump.locked() as mgr:
+            mgr.add_shard(request_id=request_id, chunk_index=chunk_index, receiver_id=receiver_id,
+                          prompt_tokens=prompt_tokens, chunk=chunk, ranges=[chunk],
+                          num_layers=len(kv), kv_heads=kv[0].shape[2], head_dim=kv[0].shape[3],
+                          dtype=kv[0].dtype, now=time.monotonic())
+            for layer in range(layers):
+                mgr.layer_ready(request_id, chunk_index, layer, kv[layer][a:b].clone())
+
+    def held(self) -> list:
+        with self.pump.locked() as mgr:
+            return sorted(mgr.shards)
+
+
+# Ray workers cannot import test modules: ship the test sender's class by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+TestSenderActor = ray.remote(num_cpus=0, concurrency_groups={TRANSFER_GROUP: 1})(TestSender)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, MODEL.vocab_size, (n,), generator=g).tolist()
+
+
+class Reference:
+    """The single-process TP-1 model: greedy outputs and prompt KV."""
+
+    def __init__(self) -> None:
+        self.model, tok = load_model(MODEL)
+        self.engine = LLMEngine(self.model, tok, num_blocks=64, block_size=4, max_num_seqs=4)
+
+    def generate(self, prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
+        return list(self.engine.generate([prompt], params)[0].token_ids)
+
+    def prompt_kv(self, prompt: list[int]) -> list[torch.Tensor]:
+        """Per layer [T, 2, Hkv, D]: the K (after RoPE) and V that the prompt leaves in a cache."""
+        kv: list[torch.Tensor] = []
+
+        def attention(i, q, k, v):
+            kv.append(torch.stack([k, v], dim=1))
+            return attention_with_lse(q, k, v, causal=True)[0]
+
+        with torch.no_grad():
+            self.model(torch.tensor(prompt), torch.arange(len(prompt)), attention)
+        return kv
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return Reference()
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session, loop):
+    reason = nixl_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    inst = DecodeInstance(DEPLOYMENT, 0, transfer=TRANSFER)
+    loop.run_until_complete(inst.start())
+    assert inst.receiver_ids == (0, 1)
+    infos = loop.run_until_complete(inst.agent_infos())
+    # Sender r streams to TP rank r only (its KV head slice), so each sender has one receiver.
+    senders = [TestSenderActor.remote(r, TRANSFER) for r in range(2)]
+    ray.get([s.connect.remote(infos, {r: inst.ranks[r]}) for r, s in enumerate(senders)])
+    loop.run_until_complete(inst.connect_senders(dict(enumerate(senders))))
+    yield inst, senders
+    loop.run_until_complete(inst.shutdown())
+    for s in senders:
+        ray.kill(s)
+
+
+async def _send_kv(senders, request_id: str, kv: list[torch.Tensor], chunks, layers: int | None = None):
+    """Rank r gets heads [r, r+1) (Hkv 2 over TP 2) of every chunk from sender r."""
+    n = kv[0].shape[0]
+    refs = []
+    for r, s in enumerate(senders):
+        shard = [layer_kv[:, :, r:r + 1].contiguous() for layer_kv in kv]
+        for c, chunk in enumerate(chunks):
+            refs.append(s.send.remote(request_id, r, n, c, chunk, shard,
+                                      len(kv) if layers is None else layers))
+    await asyncio.gather(*refs)
+
+
+async def _collect(inst, request_id: str) -> list:
+    return [out async for out in inst.stream(request_id)]
+
+
+async def _wait_empty(inst, senders, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = await inst.held()
+        shards = await asyncio.gather(*[s.held.remote() for s in senders])
+        if all(h.empty for h in held) and not any(shards):
+            return held
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still held: ranks {held}, senders {shards}")
+        await asyncio.sleep(0.02)
+
+
+def test_local_path_tp2_matches_single_engine_with_continuous_batching(cluster, loop, reference):
+    inst, senders = cluster
+    prompts = {"a": _prompt(5, 1), "b": _prompt(11, 2), "c": _prompt(17, 3)}
+    want = {k: reference.generate(p) for k, p in prompts.items()}
+
+    async def body():
+        await inst.add("a", prompts["a"], GREEDY)
+        await inst.add("b", prompts["b"], GREEDY)
+        stream_a = inst.stream("a")
+        early = [await anext(stream_a), await anext(stream_a)]
+        assert not early[-1].finished
+        # "c" joins while "a" and "b" are mid-generation
+        await inst.add("c", prompts["c"], GREEDY)
+        rest_a = [out async for out in stream_a]
+        outs_b, outs_c = await asyncio.gather(_collect(inst, "b"), _collect(inst, "c"))
+        return {"a": early + rest_a, "b": outs_b, "c": outs_c}
+
+    got = loop.run_until_complete(body())
+    for k, outs in got.items():
+        assert list(outs[-1].token_ids) == want[k], k
+        assert [t for o in outs for t in o.new_token_ids] == want[k]
+        assert outs[-1].finish_reason == "length" and not any(o.finished for o in outs[:-1])
+    loop.run_until_complete(_wait_empty(inst, senders))
+
+
+def test_kv_fed_by_transfer_continues_like_single_engine(cluster, loop, reference):
+    inst, senders = cluster
+    prompts = {"t1": _prompt(13, 4), "t2": _prompt(9, 5)}
+    want = {k: reference.generate(p) for k, p in prompts.items()}
+    kv = {k: reference.prompt_kv(p) for k, p in prompts.items()}
+
+    async def body():
+        for k, p in prompts.items():
+            await inst.reserve(k, p, GREEDY)
+        # t1: first token known before its KV arrives; t2: after every rank has its KV
+        inst.commit("t1", want["t1"][0])
+        await _send_kv(senders, "t1", kv["t1"], [(0, 6), (6, 13)])
+        await _send_kv(senders, "t2", kv["t2"], [(0, 9)])
+        deadline = time.monotonic() + 20
+        while not inst.transfer_ready("t2"):
+            assert time.monotonic() < deadline, "t2's KV never completed on both ranks"
+            await asyncio.sleep(0.01)
+        inst.commit("t2", want["t2"][0])
+        return await asyncio.gather(_collect(inst, "t1"), _collect(inst, "t2"))
+
+    outs_t1, outs_t2 = loop.run_until_complete(body())
+    assert list(outs_t1[-1].token_ids) == want["t1"]
+    assert list(outs_t2[-1].token_ids) == want["t2"]
+    assert outs_t1[0].new_token_ids == (want["t1"][0],)   # the stream starts with the first token
+    loop.run_until_complete(_wait_empty(inst, senders))
+
+
+def test_abort_while_receiving_and_after_admission_frees_everything(cluster, loop, reference):
+    inst, senders = cluster
+    prompt = _prompt(12, 6)
+    kv = reference.prompt_kv(prompt)
+    long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+
+    async def body():
+        await inst.reserve("r1", prompt, GREEDY)
+        await _send_kv(senders, "r1", kv, [(0, 12)], layers=1)   # half the layers, then stall
+        inst.abort("r1")
+        inst.abort("r1")   # idempotent
+        outs_r1 = await _collect(inst, "r1")
+        await _wait_empty(inst, senders)
+
+        await inst.add("r2", prompt, long)
+        stream = inst.stream("r2")
+        first = [await anext(stream), await anext(stream)]
+        inst.abort("r2")
+        outs_r2 = first + [o async for o in stream]
+        await _wait_empty(inst, senders)
+
+        await inst.add("r3", prompt, long)
+        async for _ in inst.stream("r3"):
+            break   # a caller that walks away aborts its request
+        await _wait_empty(inst, senders)
+        return outs_r1, outs_r2
+
+    outs_r1, outs_r2 = loop.run_until_complete(body())
+    assert outs_r1[-1].finish_reason == "abort" and outs_r1[-1].token_ids == ()
+    assert outs_r2[-1].finish_reason == "abort" and 2 <= len(outs_r2[-1].token_ids) < 100
+
+
+def test_stalled_sender_fails_the_stream_and_frees_everything(cluster, loop, reference):
+    inst, senders = cluster
+    prompt = _prompt(10, 7)
+    kv = reference.prompt_kv(prompt)
+    first = reference.generate(prompt)[0]
+    ray.get(senders[0].set_drop_grants.remote(True))
+    try:
+        async def body():
+            await inst.reserve("s1", prompt, GREEDY)
+            await _send_kv(senders, "s1", kv, [(0, 10)])
+            inst.commit("s1", first)
+            t0 = time.monotonic()
+            with pytest.raises(DecodeError, match="rank 0.*timed out"):
+                await _collect(inst, "s1")
+            return time.monotonic() - t0
+
+        waited = loop.run_until_complete(body())
+        assert waited >= TRANSFER.timeout_s * 0.9
+        loop.run_until_complete(_wait_empty(inst, senders))
+    finally:
+        ray.get(senders[0].set_drop_grants.remote(False))
+
+
+def test_full_instance_raises_decode_full_and_idles_without_rounds(cluster, loop):
+    inst, senders = cluster
+
+    async def body():
+        # 100 tokens need 26 of the 48 blocks: the second reservation cannot fit
+        await inst.reserve("f1", _prompt(100, 8), GREEDY)
+        with pytest.raises(DecodeFull) as info:
+            await inst.reserve("f2", _prompt(100, 9), GREEDY)
+        assert info.value.retry_after_s > 0
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await inst.add("bad", [MODEL.vocab_size], GREEDY)
+        inst.abort("f1")
+        await _collect(inst, "f1")
+        await _wait_empty(inst, senders)
+        rounds = inst.rounds
+        await asyncio.sleep(0.3)
+        return inst.rounds - rounds
+
+    assert loop.run_until_complete(body()) == 0   # nothing pending: no rounds, no spinning
+    assert inst.stats().free_blocks == DEPLOYMENT.decode.kv_blocks
