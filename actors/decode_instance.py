@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator
 import ray
 
 from tetris.actors.decode_messages import (Abort, Add, Command, Commit, DecodeError, DecodeFull,
-                                           Reserve, StepReply)
+                                           Reserve, StepReply, TokenDelta)
 from tetris.actors.decode_rank import DecodeRankActor
 from tetris.config import DeploymentConfig
 from tetris.engine.engine import EngineStats
@@ -46,7 +46,10 @@ log = logging.getLogger(__name__)
 class _Request:
     """Driver-side state of one live request."""
 
-    def __init__(self, receiving: bool) -> None:
+    def __init__(self, prompt_token_ids: tuple[int, ...], receiving: bool) -> None:
+        self.prompt_token_ids = prompt_token_ids
+        self.token_ids: list[int] = []     # cumulative outputs, rebuilt from the ranks' deltas
+        self.text = ""
         self.queue: asyncio.Queue = asyncio.Queue()
         self.receiving = receiving          # reserved, not yet committed
         self.ready_ranks: set[int] = set()
@@ -117,14 +120,16 @@ class DecodeInstance:
     # -- requests -------------------------------------------------------------------------
     async def reserve(self, request_id: str, prompt_token_ids, sampling: SamplingParams) -> None:
         """Hold blocks on every rank for a prompt prefilled elsewhere; ``DecodeFull`` if no room."""
-        req = self._open(request_id, receiving=True)
-        self._submit(Reserve(request_id, tuple(int(t) for t in prompt_token_ids), sampling))
+        prompt = tuple(int(t) for t in prompt_token_ids)
+        req = self._open(request_id, prompt, receiving=True)
+        self._submit(Reserve(request_id, prompt, sampling))
         await req.admitted
 
     async def add(self, request_id: str, prompt_token_ids, sampling: SamplingParams) -> None:
         """Queue a prompt that this instance prefills itself; ``ValueError`` for bad input."""
-        req = self._open(request_id, receiving=False)
-        self._submit(Add(request_id, tuple(int(t) for t in prompt_token_ids), sampling))
+        prompt = tuple(int(t) for t in prompt_token_ids)
+        req = self._open(request_id, prompt, receiving=False)
+        self._submit(Add(request_id, prompt, sampling))
         await req.admitted
 
     def transfer_ready(self, request_id: str) -> bool:
@@ -194,14 +199,14 @@ class DecodeInstance:
             self.ranks = []
 
     # -- internals ------------------------------------------------------------------------
-    def _open(self, request_id: str, *, receiving: bool) -> _Request:
+    def _open(self, request_id: str, prompt: tuple[int, ...], *, receiving: bool) -> _Request:
         if self._broken is not None:
             raise DecodeError(f"decode instance {self.instance} is broken: {self._broken}")
         if self._loop_task is None:
             raise RuntimeError("call start() first")
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already on decode instance {self.instance}")
-        req = _Request(receiving)
+        req = _Request(prompt, receiving)
         self._requests[request_id] = req
         return req
 
@@ -267,13 +272,13 @@ class DecodeInstance:
     def _route(self, cmds: list[Command], replies: list[StepReply]) -> None:
         self._stats = replies[0].stats
         self._settle(cmds, replies)
-        for out in replies[0].outputs:
-            req = self._requests.get(out.request_id)
+        for delta in replies[0].outputs:
+            req = self._requests.get(delta.request_id)
             if req is None:
                 continue   # failed earlier: its stream already ended with the error
-            req.queue.put_nowait(out)
-            if out.finished:
-                del self._requests[out.request_id]
+            req.queue.put_nowait(self._output(req, delta))
+            if delta.finished:
+                del self._requests[delta.request_id]
         for reply in replies:
             for f in reply.failed:
                 req = self._requests.get(f.request_id)
@@ -285,6 +290,18 @@ class DecodeInstance:
                 if req is not None and req.receiving:
                     req.ready_ranks.add(reply.rank)
                     self._maybe_commit(request_id, req)
+
+    @staticmethod
+    def _output(req: _Request, delta: TokenDelta) -> RequestOutput:
+        req.token_ids.extend(delta.new_token_ids)
+        req.text += delta.new_text
+        if len(req.token_ids) != delta.num_output_tokens:
+            raise RuntimeError(f"{delta.request_id}: {len(req.token_ids)} tokens streamed but the "
+                               f"engine has {delta.num_output_tokens} (a step's output was lost)")
+        return RequestOutput(request_id=delta.request_id, prompt_token_ids=req.prompt_token_ids,
+                             token_ids=tuple(req.token_ids), new_token_ids=delta.new_token_ids,
+                             text=req.text, new_text=delta.new_text, finished=delta.finished,
+                             finish_reason=delta.finish_reason)
 
     def _settle(self, cmds: list[Command], replies: list[StepReply]) -> None:
         """Answer ``reserve``/``add`` callers: admitted, or rejected (same on every rank)."""

@@ -11,10 +11,9 @@ from __future__ import annotations
 import msgspec
 
 from tetris.engine.engine import EngineStats
-from tetris.engine.request import RequestOutput
 from tetris.sampling_params import SamplingParams
 
-__all__ = ["Reserve", "Commit", "Add", "Abort", "Command", "Rejected", "Failed", "StepReply",
+__all__ = ["Reserve", "Commit", "Add", "Abort", "Command", "Rejected", "Failed", "TokenDelta", "StepReply",
            "RankHeld", "DecodeFull", "DecodeError"]
 
 
@@ -67,6 +66,23 @@ class Failed(msgspec.Struct, frozen=True):
     reason: str
 
 
+class TokenDelta(msgspec.Struct, frozen=True, array_like=True):
+    """A step's output for one request without the cumulative fields of ``RequestOutput``.
+
+    A ``RequestOutput`` repeats the whole prompt and every token so far; shipping that each
+    step would cost O(context) per token for long prompts. The driver keeps the cumulative
+    state and rebuilds the ``RequestOutput`` (``num_output_tokens`` lets it check that no
+    delta was lost).
+    """
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_output_tokens: int
+
+
 class StepReply(msgspec.Struct, frozen=True):
     """One rank's answer to one round.
 
@@ -75,7 +91,7 @@ class StepReply(msgspec.Struct, frozen=True):
     """
 
     rank: int
-    outputs: list[RequestOutput]
+    outputs: list[TokenDelta]
     ready: list[str]
     failed: list[Failed]
     rejected: list[Rejected]

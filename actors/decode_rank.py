@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from tetris.actors.decode_messages import (Abort, Add, Command, Commit, Failed, RankHeld, Rejected,
-                                           Reserve, StepReply)
+                                           Reserve, StepReply, TokenDelta)
 from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
 from tetris.config import DeploymentConfig
 from tetris.engine.engine import EngineStats, LLMEngine
@@ -160,7 +160,9 @@ class DecodeRank:
         with self._events_lock:
             ready, self._ready = self._ready, []
             failed, self._failed = self._failed, []
-        return StepReply(rank=self.tp_rank, outputs=outputs if self.tp_rank == 0 else [],
+        deltas = [TokenDelta(o.request_id, o.new_token_ids, o.new_text, o.finished, o.finish_reason,
+                             len(o.token_ids)) for o in outputs] if self.tp_rank == 0 else []
+        return StepReply(rank=self.tp_rank, outputs=deltas,
                          ready=ready, failed=failed, rejected=rejected, stats=engine.stats())
 
     def _apply(self, cmd: Command) -> Rejected | None:

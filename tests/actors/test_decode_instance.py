@@ -182,7 +182,8 @@ async def _wait_empty(inst, senders, timeout_s: float = 10.0):
 def test_local_path_tp2_matches_single_engine_with_continuous_batching(cluster, loop, reference):
     inst, senders = cluster
     prompts = {"a": _prompt(5, 1), "b": _prompt(11, 2), "c": _prompt(17, 3)}
-    want = {k: reference.generate(p) for k, p in prompts.items()}
+    ref = {k: reference.engine.generate([p], GREEDY)[0] for k, p in prompts.items()}
+    want = {k: list(out.token_ids) for k, out in ref.items()}
 
     async def body():
         await inst.add("a", prompts["a"], GREEDY)
@@ -201,6 +202,8 @@ def test_local_path_tp2_matches_single_engine_with_continuous_batching(cluster, 
         assert list(outs[-1].token_ids) == want[k], k
         assert [t for o in outs for t in o.new_token_ids] == want[k]
         assert outs[-1].finish_reason == "length" and not any(o.finished for o in outs[:-1])
+        assert outs[-1].text == ref[k].text == "".join(o.new_text for o in outs)
+        assert outs[-1].prompt_token_ids == tuple(prompts[k])
     loop.run_until_complete(_wait_empty(inst, senders))
 
 
