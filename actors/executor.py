@@ -65,6 +65,7 @@ class ModelExecutor:
         self.model = model
         self.store = store
         self.fault: tuple[str, int, int] | None = None   # (request_id, chunk, layer), tests only
+        self.pump = None   # a started TransferPump over a SendManager once transfer is enabled
 
     def prepare(self, task: ChunkTask) -> None:
         me = task.instance
@@ -74,8 +75,19 @@ class ModelExecutor:
             self.store.slots(task.request_id, kept)   # KeyError if the history is not here
         if len(task.token_ids) != ranges_len(task.chunk_positions[task.rank]):
             raise ValueError(f"chunk {task.chunk_index}: token count does not match positions")
+        if task.kv_receivers:
+            self._check_streaming(task)
         self.store.reserve(task.request_id, normalize_ranges(
             list(task.chunk_positions[task.rank]) + list(incoming)))
+
+    def _check_streaming(self, task: ChunkTask) -> None:
+        # Checked here, before any member waits on another, so a bad task fails the chunk cleanly.
+        if self.pump is None:
+            raise RuntimeError(f"chunk {task.chunk_index} streams KV but transfer is not enabled "
+                               f"on prefill instance {task.instance}")
+        hkv, n = self.model.local_num_kv_heads, len(task.kv_receivers)
+        if hkv % n or len(set(task.kv_receivers)) != n:
+            raise ValueError(f"{hkv} KV heads cannot be split over receivers {task.kv_receivers}")
 
     def execute(self, task: ChunkTask) -> ChunkResult:
         t0 = time.perf_counter()
@@ -96,12 +108,17 @@ class ModelExecutor:
         # A chunk shorter than 2s leaves some members without tokens: they still pass blocks
         # around the ring and take part in balancing, but compute nothing.
         idle = q_pos.numel() == 0
+        # Only KV computed here is streamed: history that balancing moves in was streamed by the
+        # member that computed it, so a prompt's shards cover each position exactly once.
+        heads = [] if idle else self._open_shards(task)
         for i in range(model.num_layers):
             if idle:
                 q = hidden.new_empty((0, model.local_num_heads, model.head_dim))
             else:
                 q, k, v = model.layer_qkv(i, hidden, q_pos)
                 store.write(req, i, mine, k, v)
+                if heads:
+                    self._stream_layer(task, i, k, v, heads)
             balancer.wait(i)
             self._maybe_fail(task, i)
             kb, vb = store.read(req, i, blocks[task.rank])
@@ -119,6 +136,28 @@ class ModelExecutor:
             balance_wait_s=balancer.wait_s, balance_sent_tokens=balancer.sent_tokens,
             balance_recv_tokens=balancer.recv_tokens, first_token=token, logits=logits,
         )
+
+    def _open_shards(self, task: ChunkTask) -> list[tuple[int, slice]]:
+        """One shard per receiver over this member's zigzag share; (receiver, head slice) pairs."""
+        if not task.kv_receivers:
+            return []
+        model = self.model
+        h = model.local_num_kv_heads // len(task.kv_receivers)
+        now = time.monotonic()
+        with self.pump.locked() as mgr:
+            for r in task.kv_receivers:
+                mgr.add_shard(request_id=task.request_id, chunk_index=task.chunk_index, receiver_id=r,
+                              prompt_tokens=task.prompt_tokens, chunk=(task.chunk_start, task.chunk_end),
+                              ranges=task.chunk_positions[task.rank], num_layers=model.num_layers,
+                              kv_heads=h, head_dim=model.head_dim, dtype=model.dtype, now=now)
+        return [(r, slice(j * h, (j + 1) * h)) for j, r in enumerate(task.kv_receivers)]
+
+    def _stream_layer(self, task: ChunkTask, layer: int, k, v, heads) -> None:
+        """k, v [n, Hkv, D] of this member's share -> per receiver a fresh [n, 2, h, D] tensor."""
+        parts = [(r, torch.stack((k[:, hs], v[:, hs]), dim=1)) for r, hs in heads]
+        with self.pump.locked() as mgr:
+            for r, kv in parts:
+                mgr.layer_ready(task.request_id, task.chunk_index, layer, kv, receiver_id=r)
 
     def _first_token(self, task: ChunkTask, hidden, q_pos):
         last = task.prompt_tokens - 1

@@ -11,6 +11,9 @@ Lifecycle of one request on the pool:
 3. The member holding the prompt's last token samples the first output token.
 4. The request's KV stays in the workers' stores until it is handed off (``release``) or the
    request fails (``abort``), which frees it on every member.
+5. With ``kv_receivers`` set, each member streams the KV it computes, layer by layer, to the
+   decode ranks while the chunk runs (``SendManager`` shards, one per receiver); ``release``
+   forgets the finished shards, ``abort`` cancels the unfinished ones.
 """
 
 from __future__ import annotations
@@ -69,6 +72,9 @@ class ChunkTask(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sampling: SamplingParams | None = None
     return_logits: bool = False
     timeout_s: float = 60.0
+    # Receiver ids (decode_instance * decode_tp + tp_rank) in TP-rank order: this member streams
+    # the KV it computes, receiver j taking KV heads [j*h, (j+1)*h), h = Hkv // len. Empty: none.
+    kv_receivers: tuple[int, ...] = ()
 
     @property
     def instance(self) -> int:

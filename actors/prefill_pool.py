@@ -11,6 +11,11 @@ Lifecycle of one request (``run``):
 5. On any failure, every member that may hold part of the request frees it, and the caller
    gets a ``PrefillError`` naming the chunk and the worker; the pool keeps serving.
 The KV stays on the workers until ``release`` (after hand-off) or ``abort``.
+
+``run`` is thread-safe. Chunks start on each instance in commit order (``commit``, tickets of
+``chunk_order``), so concurrent plans on overlapping groups cannot deadlock. With
+``enable_transfer``/``connect_receivers`` and ``run(..., kv_receivers=...)`` every member
+streams the KV it computes to the decode ranks, layer by layer, while the chunk runs.
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import ray
 
+from tetris.actors.chunk_order import ChunkTickets
 from tetris.actors.layout import plan_layout
 from tetris.actors.prefill_messages import (
     BalanceMode,
@@ -37,6 +45,8 @@ from tetris.actors.zigzag import ranges_to_list
 from tetris.config import DeploymentConfig
 from tetris.plan import PlanError, PrefillPlan
 from tetris.sampling_params import SamplingParams
+from tetris.transfer.messages import AgentInfo
+from tetris.transfer.states import TransferConfig
 
 __all__ = ["PrefillPool", "free_port"]
 
@@ -73,7 +83,9 @@ class PrefillPool:
         self._seq = itertools.count()
         self._lock = threading.Lock()
         self._gate = _SharedExclusive()
-        self._active: set[str] = set()
+        self._tickets = ChunkTickets(n)
+        self._transfer = None          # TransferConfig once enable_transfer ran
+        self._receivers: dict = {}     # receiver id -> (actor handle, AgentInfo)
         self._form_world()
 
     def _spawn(self, i: int):
@@ -92,40 +104,74 @@ class PrefillPool:
     def size(self) -> int:
         return len(self.workers)
 
+    def commit(self, plan: PrefillPlan) -> None:
+        """Fix the plan's place in every member instance's chunk order (call in planning order)."""
+        plan.validate(self.size)
+        self._tickets.commit(plan)
+
     def run(self, plan: PrefillPlan, token_ids: list[int], *,
             sampling: SamplingParams | None = None, return_logits: bool = False,
-            balance: BalanceMode | None = None) -> PrefillResult:
-        """Execute a plan; returns the first token. Raises PlanError / PrefillError."""
-        self._check(plan, token_ids)
-        balance = balance or self.balance
-        layouts, final = plan_layout(plan, balance)
-        with self._lock:
-            if plan.request_id in self._active:
-                raise PlanError(f"request {plan.request_id} is already running")
-            self._active.add(plan.request_id)
+            balance: BalanceMode | None = None, kv_receivers: tuple[int, ...] = (),
+            on_chunk_start: Callable[[int], None] | None = None,
+            on_chunk_end: Callable[[int, bool], None] | None = None) -> PrefillResult:
+        """Execute a plan; returns the first token. Raises PlanError / PrefillError.
+
+        Commits the plan unless ``commit`` did. Each chunk waits for its turn on its members;
+        ``on_chunk_start(k)`` runs right before chunk ``k``'s prepare, ``on_chunk_end(k, ok)``
+        after its execute (or its failure), both in this thread.
+        """
+        plan.validate(self.size)
+        self._tickets.start(plan)
+        try:
+            if len(token_ids) != plan.prompt_tokens:
+                raise PlanError(f"plan {plan.request_id} is for {plan.prompt_tokens} tokens, "
+                                f"the prompt has {len(token_ids)}")
+            opts = _RunOptions(balance or self.balance, sampling, return_logits,
+                               tuple(kv_receivers), on_chunk_start, on_chunk_end)
+            return self._run_chunks(plan, token_ids, opts)
+        finally:
+            self._tickets.finish(plan.request_id)
+
+    def _run_chunks(self, plan: PrefillPlan, token_ids: list[int], opts: "_RunOptions") -> PrefillResult:
+        layouts, final = plan_layout(plan, opts.balance)
         t0 = time.perf_counter()
         touched: list[int] = []
         results: list[list[ChunkResult]] = []
         try:
             for k, lay in enumerate(layouts):
+                self._tickets.wait_turn(plan.request_id, k, self.chunk_timeout_s)
                 touched = sorted(set(touched) | set(lay.group))
-                with self._lock:
-                    seq = next(self._seq)
-                tasks = [self._task(plan, k, r, lay, token_ids, seq, balance, sampling,
-                                    return_logits) for r in range(len(lay.group))]
-                with self._gate.shared():
-                    self._phase(plan, k, tasks, "prepare")
-                    results.append(self._phase(plan, k, tasks, "execute"))
+                results.append(self._run_chunk(plan, k, lay, token_ids, opts))
         except _ChunkFailed as failed:
+            # The failed chunk's tickets stay until the world is whole again (run's finally).
             self._recover(plan.request_id, touched, failed)
             raise failed.error from None
         except BaseException:
             self._abort_quietly(plan.request_id, touched)
             raise
-        finally:
-            with self._lock:
-                self._active.discard(plan.request_id)
         return self._result(plan, results, final, time.perf_counter() - t0)
+
+    def _run_chunk(self, plan, k, lay, token_ids, opts: "_RunOptions") -> list[ChunkResult]:
+        with self._lock:
+            seq = next(self._seq)
+        tasks = [self._task(plan, k, r, lay, token_ids, seq, opts) for r in range(len(lay.group))]
+        if opts.on_chunk_start is not None:
+            opts.on_chunk_start(k)
+        try:
+            with self._gate.shared():
+                self._phase(plan, k, tasks, "prepare")
+                out = self._phase(plan, k, tasks, "execute")
+        except BaseException:
+            if opts.on_chunk_end is not None:
+                try:
+                    opts.on_chunk_end(k, False)
+                except Exception as e:  # noqa: BLE001 - the chunk's own error matters more
+                    log.warning("on_chunk_end(%d, False) of %s failed: %s", k, plan.request_id, e)
+            raise
+        self._tickets.chunk_done(plan.request_id, k)
+        if opts.on_chunk_end is not None:
+            opts.on_chunk_end(k, True)
+        return out
 
     def _recover(self, request_id: str, touched: list[int], failed: "_ChunkFailed") -> None:
         """Free the request everywhere; after a failure inside a ring, re-form the world.
@@ -142,15 +188,11 @@ class PrefillPool:
                 for i in dead:
                     self.workers[i] = self._spawn(i)
                 self._form_world()
+                self._restore_transfer(dead)
 
-    def _check(self, plan: PrefillPlan, token_ids: list[int]) -> None:
-        plan.validate(self.size)
-        if len(token_ids) != plan.prompt_tokens:
-            raise PlanError(f"plan {plan.request_id} is for {plan.prompt_tokens} tokens, "
-                            f"the prompt has {len(token_ids)}")
-
-    def _task(self, plan, k, r, lay, token_ids, seq, balance, sampling, return_logits):
+    def _task(self, plan, k, r, lay, token_ids, seq, opts: "_RunOptions") -> ChunkTask:
         c = plan.chunks[k]
+        balance = opts.balance
         mine = lay.chunk_positions[r]
         return ChunkTask(
             request_id=plan.request_id, chunk_index=k, num_chunks=len(plan.chunks), seq=seq,
@@ -158,7 +200,8 @@ class PrefillPool:
             prompt_tokens=plan.prompt_tokens, chunk_positions=lay.chunk_positions,
             history=lay.history, moves=lay.moves if balance != "off" else (),
             token_ids=tuple(token_ids[p] for p in ranges_to_list(mine)), balance=balance,
-            sampling=sampling, return_logits=return_logits, timeout_s=self.timeout_s,
+            sampling=opts.sampling, return_logits=opts.return_logits, timeout_s=self.timeout_s,
+            kv_receivers=opts.kv_receivers,
         )
 
     def _phase(self, plan: PrefillPlan, k: int, tasks: list[ChunkTask], method: str):
@@ -205,16 +248,21 @@ class PrefillPool:
 
     def _abort_quietly(self, request_id: str, instances: list[int]) -> None:
         try:
-            self.abort(request_id, instances)
+            self._abort_workers(request_id, instances)
         except Exception as e:  # noqa: BLE001 - the original error matters more
             log.warning("abort of %s on %s failed: %s", request_id, instances, e)
 
+    def _abort_workers(self, request_id: str, instances) -> None:
+        ray.get([self.workers[i].abort.remote(request_id) for i in instances],
+                timeout=self.chunk_timeout_s)
+
     # -- KV ownership -------------------------------------------------------------------------
     def abort(self, request_id: str, instances: list[int] | None = None) -> None:
-        """Free the request's KV on ``instances`` (default: every worker)."""
-        targets = range(self.size) if instances is None else instances
-        ray.get([self.workers[i].abort.remote(request_id) for i in targets],
-                timeout=self.chunk_timeout_s)
+        """Cancel the request: its chunks no longer hold later plans back, its ``run`` (pending
+        or under way) raises ``PrefillError``, and its KV and unfinished KV shards are freed on
+        ``instances`` (default: every worker). A chunk already executing finishes first."""
+        self._tickets.cancel(request_id)
+        self._abort_workers(request_id, range(self.size) if instances is None else instances)
 
     def release(self, request_id: str) -> None:
         """The request's KV has been handed off: free it everywhere."""
@@ -227,7 +275,43 @@ class PrefillPool:
         return {i: p for i, p in enumerate(parts) if p[0].numel()}
 
     def held_requests(self) -> dict[int, list[str]]:
+        """instance -> requests with KV or transfer shards still held there."""
         return dict(enumerate(ray.get([w.held_requests.remote() for w in self.workers])))
+
+    def node_map(self) -> list[int]:
+        """Each worker's node index (virtual nodes of ``node_size`` today)."""
+        return list(self.node_of)
+
+    # -- KV streaming -------------------------------------------------------------------------
+    def enable_transfer(self, config: TransferConfig) -> dict[int, AgentInfo]:
+        """Start every worker's send side; instance -> its agent's info."""
+        infos = ray.get([w.enable_transfer.remote(config) for w in self.workers],
+                        timeout=max(120.0, self.timeout_s))
+        self._transfer = config
+        return dict(enumerate(infos))
+
+    def connect_receivers(self, peers: dict[int, tuple]) -> None:
+        """receiver id -> (actor handle with ``deliver_transfer``, its AgentInfo), on every worker."""
+        if self._transfer is None:
+            raise RuntimeError("connect_receivers needs enable_transfer first")
+        ray.get([w.connect_receivers.remote(dict(peers)) for w in self.workers],
+                timeout=max(120.0, self.timeout_s))
+        self._receivers.update(peers)
+
+    def transfer_state(self, request_id: str) -> dict[int, dict]:
+        """instance -> that worker's ``transfer_state`` for the request (workers with shards)."""
+        states = ray.get([w.transfer_state.remote(request_id) for w in self.workers])
+        return {i: st for i, st in enumerate(states) if st["shards"] or st["sent"] or st["failed"]}
+
+    def _restore_transfer(self, instances: list[int]) -> None:
+        """Replaced workers get the send side and receivers again (receivers must be given the
+        new actor handles by their owner: ``pool.workers[i]``)."""
+        if self._transfer is None or not instances:
+            return
+        ray.get([self.workers[i].enable_transfer.remote(self._transfer) for i in instances])
+        if self._receivers:
+            ray.get([self.workers[i].connect_receivers.remote(dict(self._receivers))
+                     for i in instances])
 
     def shutdown(self) -> None:
         try:
@@ -236,6 +320,15 @@ class PrefillPool:
             for w in self.workers:
                 ray.kill(w)
             self.workers = []
+
+
+class _RunOptions(NamedTuple):
+    balance: BalanceMode
+    sampling: SamplingParams | None
+    return_logits: bool
+    kv_receivers: tuple[int, ...]
+    on_chunk_start: Callable[[int], None] | None
+    on_chunk_end: Callable[[int, bool], None] | None
 
 
 class _ChunkFailed(Exception):

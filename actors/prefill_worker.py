@@ -2,13 +2,21 @@
 
 The pool's workers form one torch.distributed world, made once (``init_world``); a chunk's
 ring and its cache balancing use point-to-point operations on that world between the chunk's
-members only. A worker runs one chunk at a time (Ray's default actor concurrency of one); the
-scheduler keeps the groups of concurrently running chunks disjoint, and every chunk's messages
-carry their own tags, so rings of different requests never mix.
+members only. A worker runs one chunk at a time (the actor's default concurrency group has one
+thread); the pool starts the chunks of every instance in commit order, and every chunk's
+messages carry their own tags, so rings of different requests never mix.
+
+KV streaming (``enable_transfer``): the worker owns a ``SendManager`` on a NIXL agent
+``prefill-<instance>``, driven by a ``TransferPump`` thread. Control messages from the decode
+ranks arrive through ``deliver_transfer``, a method of the ``"transfer"`` concurrency group, so
+grants are handled while a chunk computes. The pump's events are recorded per request
+(``transfer_state``); ``release`` forgets finished shards (those still on the wire are
+forgotten when they finish), ``abort`` cancels unfinished ones and tells their receivers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import timedelta
 
@@ -19,9 +27,81 @@ import torch.distributed as dist
 from tetris.actors.executor import EmulatedExecutor, ModelExecutor
 from tetris.actors.kv_store import PagedKVStore
 from tetris.actors.prefill_messages import ChunkResult, ChunkTask
+from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
 from tetris.config import ModelConfig, PrefillConfig
+from tetris.transfer.messages import AgentInfo, ControlMessage
+from tetris.transfer.states import ShardSent, TransferConfig, TransferEvent, TransferFailed
 
-__all__ = ["PrefillWorker"]
+__all__ = ["PrefillWorker", "PrefillWorkerActor"]
+
+
+class _Streaming:
+    """The worker's sending side: agent, send manager, pump, and what happened per request.
+
+    Every field is guarded by the pump's lock, so the pump thread's event handling and the
+    actor's ``release``/``abort`` cannot interleave.
+    """
+
+    def __init__(self, instance: int, config: TransferConfig) -> None:
+        from tetris.transfer.backends import make_agent
+        from tetris.transfer.send_manager import SendManager
+
+        self.config = config
+        self.agent = make_agent(f"prefill-{instance}", backend=config.backend)
+        self.mgr = SendManager(instance, self.agent, config)
+        self.pump = TransferPump(self.mgr, name=f"prefill-{instance}", on_events=self._on_events)
+        self.sent: dict[str, int] = {}
+        self.failed: dict[str, list[str]] = {}
+        self.released: set[str] = set()   # shards still on the wire are forgotten once finished
+        self.pump.start()
+
+    def _on_events(self, events: list[TransferEvent]) -> None:
+        with self.pump.locked() as mgr:
+            for e in events:
+                # Events of a request already aborted and forgotten here are stale.
+                if not isinstance(e, (ShardSent, TransferFailed)) or not mgr.held(e.request_id):
+                    continue
+                if isinstance(e, ShardSent):
+                    self.sent[e.request_id] = self.sent.get(e.request_id, 0) + 1
+                else:
+                    self.failed.setdefault(e.request_id, []).append(f"chunk {e.chunk_index}: {e.reason}")
+                if e.request_id in self.released:
+                    self._forget(e.request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self.mgr.forget(request_id)
+        if self.mgr.held(request_id):
+            self.released.add(request_id)
+        else:
+            self.released.discard(request_id)
+            self.sent.pop(request_id, None)
+            self.failed.pop(request_id, None)
+
+    def release(self, request_id: str) -> None:
+        with self.pump.locked():
+            self._forget(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self.pump.locked() as mgr:
+            mgr.abort(request_id, f"prefill of {request_id} aborted")
+            self._forget(request_id)
+
+    def state(self, request_id: str) -> dict:
+        with self.pump.locked() as mgr:
+            keys = mgr.held(request_id)
+            return {"shards": len(keys),
+                    "unfinished": sum(not mgr.shards[k].state.finished for k in keys),
+                    "sent": self.sent.get(request_id, 0),
+                    "failed": list(self.failed.get(request_id, []))}
+
+    def held(self) -> list[str]:
+        with self.pump.locked() as mgr:
+            return sorted({k[0] for k in mgr.shards})
+
+    def close(self) -> None:
+        self.pump.stop()
+        self.mgr.close()
+        self.agent.close()
 
 
 class PrefillWorker:
@@ -36,6 +116,8 @@ class PrefillWorker:
         self.instance = instance
         self.node = node
         self.store: PagedKVStore | None = None
+        self.streaming: _Streaming | None = None
+        self._busy = False   # a chunk call is running (guards the one-chunk-at-a-time rule)
         if prefill_cfg.executor == "emulated":
             from tetris.scheduler.latency import load_profile
 
@@ -69,21 +151,77 @@ class PrefillWorker:
 
     def prepare(self, task: ChunkTask) -> None:
         self._check(task)
-        self.executor.prepare(task)
+        with self._exclusive(task):
+            self.executor.prepare(task)
 
     def execute(self, task: ChunkTask) -> ChunkResult:
         self._check(task)
-        return self.executor.execute(task)
+        with self._exclusive(task):
+            return self.executor.execute(task)
+
+    @contextlib.contextmanager
+    def _exclusive(self, task: ChunkTask):
+        # Two chunks interleaving on one worker would mix their KV and deadlock their rings; the
+        # default concurrency group must stay at one thread (the transfer group is separate).
+        if self._busy:
+            raise RuntimeError(f"prefill instance {self.instance} got chunk {task.chunk_index} of "
+                               f"{task.request_id} while another chunk is running")
+        self._busy = True
+        try:
+            yield
+        finally:
+            self._busy = False
+
+    # -- KV streaming -------------------------------------------------------------------------
+    def enable_transfer(self, config: TransferConfig) -> AgentInfo:
+        """Start the send side (agent ``prefill-<instance>``); idempotent for the same config."""
+        if self.streaming is None:
+            self.streaming = _Streaming(self.instance, config)
+            if isinstance(self.executor, ModelExecutor):
+                self.executor.pump = self.streaming.pump
+        elif self.streaming.config != config:
+            raise ValueError(f"transfer on prefill instance {self.instance} is already enabled "
+                             "with another config")
+        return self.streaming.agent.info()
+
+    def connect_receivers(self, peers: dict) -> None:
+        """receiver id -> (actor handle, AgentInfo): agent peers for writes, actors for messages."""
+        st = self._streaming()
+        with st.pump.locked():
+            for rid in sorted(peers):
+                st.agent.add_peer(peers[rid][1])
+        st.pump.connect({rid: handle for rid, (handle, _info) in peers.items()})
+
+    @ray.method(concurrency_group=TRANSFER_GROUP)
+    def deliver_transfer(self, msgs: list[ControlMessage]) -> None:
+        self._streaming().pump.deliver(msgs)
+
+    @ray.method(concurrency_group=TRANSFER_GROUP)
+    def transfer_state(self, request_id: str) -> dict:
+        """{"shards": held, "unfinished": n, "sent": n, "failed": [reasons]} of the request."""
+        if self.streaming is None:
+            return {"shards": 0, "unfinished": 0, "sent": 0, "failed": []}
+        return self.streaming.state(request_id)
+
+    def _streaming(self) -> _Streaming:
+        if self.streaming is None:
+            raise RuntimeError(f"transfer is not enabled on prefill instance {self.instance}")
+        return self.streaming
 
     def _check(self, task: ChunkTask) -> None:
         if task.instance != self.instance:
             raise ValueError(f"task for instance {task.instance} sent to {self.instance}")
 
     def abort(self, request_id: str) -> None:
+        """Cancel the request's unfinished shards (their receivers are told) and free its KV."""
+        if self.streaming is not None:
+            self.streaming.abort(request_id)
         self.executor.abort(request_id)
 
     def release(self, request_id: str) -> None:
-        """The request's KV was handed off (or is no longer needed): free it."""
+        """The request's KV was handed off (or is no longer needed): free it, forget its shards."""
+        if self.streaming is not None:
+            self.streaming.release(request_id)
         self.executor.abort(request_id)
 
     def export_kv(self, request_id: str):
@@ -93,7 +231,11 @@ class PrefillWorker:
         return self.store.export(request_id)
 
     def held_requests(self) -> list[str]:
-        return self.store.requests() if self.store is not None else []
+        """Requests with KV or transfer shards still held here."""
+        held = set(self.store.requests() if self.store is not None else [])
+        if self.streaming is not None:
+            held.update(self.streaming.held())
+        return sorted(held)
 
     def free_blocks(self) -> int:
         return self.store.free_blocks if self.store is not None else 0
@@ -106,8 +248,13 @@ class PrefillWorker:
         return self.node
 
     def shutdown(self) -> None:
+        if self.streaming is not None:
+            self.streaming.close()
+            self.streaming = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-PrefillWorkerActor = ray.remote(PrefillWorker)
+# "transfer": deliver_transfer must run while a chunk computes; the default group keeps one
+# thread, so chunks still run one at a time.
+PrefillWorkerActor = ray.remote(concurrency_groups={TRANSFER_GROUP: 1})(PrefillWorker)

@@ -1,0 +1,239 @@
+"""Prefill workers stream the KV they compute, layer by layer, to the two TP ranks of a decode
+instance through NIXL (UCX) while the chunks run; nothing is left held on either side."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import msgspec
+import pytest
+import ray
+import torch
+
+from tetris.actors.prefill_messages import ChunkTask, PrefillError
+from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
+from tetris.config import ModelConfig, load_deployment
+from tetris.kernels.kv_pack import pack_kv
+from tetris.plan import Chunk, PrefillPlan
+from tetris.transfer.backends import make_agent, nixl_unavailable_reason
+from tetris.transfer.receive_manager import ReceiveManager, SimpleBlockAllocator
+from tetris.transfer.states import RequestReady, TransferConfig, TransferFailed
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+
+MODEL = ModelConfig(vocab_size=272, hidden_size=64, intermediate_size=128, num_layers=2,
+                    num_heads=4, num_kv_heads=2)
+HKV, D = MODEL.num_kv_heads, MODEL.hidden_size // MODEL.num_heads
+TP = 2                          # decode TP: receiver r takes KV head r (h = 1)
+BLOCK, BLOCKS = 8, 64
+TRANSFER = TransferConfig(backend="nixl", num_backends=3, pool_size=3, backend_buffer_bytes=2048,
+                          send_buffer_bytes=2048, bulk_chunk_bytes=2048, timeout_s=20.0)
+
+
+class RankReceiver:
+    """One decode TP rank's receive side: a ReceiveManager over its own cache of KV heads
+    ``[rank*h, (rank+1)*h)``, driven by its own pump; ``pause`` holds incoming messages back."""
+
+    def __init__(self, receiver_id: int, config: TransferConfig) -> None:
+        self.agent = make_agent(f"decode-stream-test-{receiver_id}", backend=config.backend)
+        shape = (BLOCKS, BLOCK, HKV // TP, D)
+        self.cache = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(MODEL.num_layers)]
+        self.allocator = SimpleBlockAllocator(BLOCKS)
+        self.mgr = ReceiveManager(receiver_id, self.cache, self.allocator, self.agent, config)
+        self.events: list = []
+        self._lock = threading.Lock()
+        self._held: list | None = None
+        self.pump = TransferPump(self.mgr, name=f"rank-{receiver_id}", on_events=self._record).start()
+
+    def _record(self, events) -> None:
+        with self._lock:
+            self.events.extend(events)
+
+    def info(self):
+        return self.agent.info()
+
+    def connect(self, peers: dict) -> None:
+        self.pump.connect(peers)
+
+    @ray.method(concurrency_group=TRANSFER_GROUP)
+    def deliver_transfer(self, msgs) -> None:
+        with self._lock:
+            if self._held is not None:
+                self._held.extend(msgs)
+                return
+        self.pump.deliver(msgs)
+
+    def pause(self, paused: bool) -> None:
+        with self._lock:
+            held, self._held = self._held, ([] if paused else None)
+        if not paused and held:
+            self.pump.deliver(held)
+
+    def reserve(self, request_id: str, prompt_tokens: int) -> bool:
+        with self.pump.locked() as mgr:
+            return mgr.reserve(request_id, prompt_tokens, time.monotonic())
+
+    def outcome(self, request_id: str):
+        with self._lock:
+            return next((e for e in self.events if isinstance(e, (RequestReady, TransferFailed))
+                         and e.request_id == request_id), None)
+
+    def read_back(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        """[L, num_tokens, 2, h, D] of positions [0, num_tokens)."""
+        with self.pump.locked():
+            table = torch.tensor(block_table, dtype=torch.int32)
+            return pack_kv(self.cache, table, torch.arange(num_tokens), list(range(len(self.cache))))
+
+    def give_back(self, block_table: list[int]) -> None:
+        with self.pump.locked():
+            self.allocator.free(block_table)   # the decode engine would own them from here
+
+    def held(self) -> tuple[list[str], int]:
+        with self.pump.locked() as mgr:
+            return sorted(mgr.requests), self.allocator.num_free
+
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+RankReceiverActor = ray.remote(num_cpus=0, concurrency_groups={TRANSFER_GROUP: 1})(RankReceiver)
+
+
+@pytest.fixture(scope="module")
+def setup(ray_session):
+    reason = nixl_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    from tetris.actors.prefill_pool import PrefillPool
+
+    cfg = load_deployment("tiny-cpu.toml")
+    dep = msgspec.structs.replace(cfg, model=MODEL, prefill=msgspec.structs.replace(
+        cfg.prefill, num_instances=3, node_size=3, kv_blocks_per_instance=320))
+    pool = PrefillPool(dep, timeout_s=8.0)
+    ranks = [RankReceiverActor.remote(r, TRANSFER) for r in range(TP)]
+    infos = pool.enable_transfer(TRANSFER)
+    assert sorted(infos) == [0, 1, 2] and infos[1].name == "prefill-1"
+    pool.connect_receivers({r: (ranks[r], ray.get(ranks[r].info.remote())) for r in range(TP)})
+    ray.get([rk.connect.remote(dict(enumerate(pool.workers))) for rk in ranks])
+    yield pool, ranks
+    pool.shutdown()
+    for rk in ranks:
+        ray.kill(rk)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, MODEL.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _outcomes(ranks, rid, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = ray.get([rk.outcome.remote(rid) for rk in ranks])
+        if all(g is not None for g in got):
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"{rid}: receivers did not finish: {got}")
+
+
+def _nothing_held(pool, ranks, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        workers = pool.held_requests()
+        receivers = ray.get([rk.held.remote() for rk in ranks])
+        if (all(not h for h in workers.values())
+                and all(not reqs and free == BLOCKS for reqs, free in receivers)):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still held: workers {workers}, receivers {receivers}")
+        time.sleep(0.05)
+
+
+def _reference_kv(pool, rid, n):
+    """K, V [L, n, Hkv, D] of the whole prompt, gathered from the workers' stores."""
+    k = torch.full((MODEL.num_layers, n, HKV, D), float("nan"))
+    v = k.clone()
+    for pos, kk, vv in pool.export_kv(rid).values():
+        k[:, pos], v[:, pos] = kk, vv
+    assert not k.isnan().any()
+    return k, v
+
+
+def test_streamed_kv_equals_head_slices_of_the_prefill_kv(setup):
+    pool, ranks = setup
+    n, rid = 150, "stream-a"
+    plan = PrefillPlan(rid, n, (Chunk(0, 50, (0,)), Chunk(50, n, (0, 1, 2))))
+    assert all(ray.get([rk.reserve.remote(rid, n) for rk in ranks]))
+    res = pool.run(plan, _prompt(n, 1), kv_receivers=tuple(range(TP)))
+    assert res.balance_moved_tokens > 0   # history moved: it must not be streamed twice
+    ready = _outcomes(ranks, rid)
+    assert all(isinstance(e, RequestReady) for e in ready), ready
+    ref_k, ref_v = _reference_kv(pool, rid, n)
+    for r, (rk, e) in enumerate(zip(ranks, ready)):
+        got = ray.get(rk.read_back.remote(e.block_table, n))
+        heads = slice(r * HKV // TP, (r + 1) * HKV // TP)
+        assert torch.equal(got[:, :, 0], ref_k[:, :, heads])
+        assert torch.equal(got[:, :, 1], ref_v[:, :, heads])
+        ray.get(rk.give_back.remote(e.block_table))
+    # one shard per (chunk, member with tokens, receiver): chunk 0 on 1 member, chunk 1 on 3
+    deadline = time.monotonic() + 10
+    while sum(st["sent"] for st in pool.transfer_state(rid).values()) < 8:
+        assert time.monotonic() < deadline, pool.transfer_state(rid)
+        time.sleep(0.05)
+    states = pool.transfer_state(rid)
+    assert {i: st["sent"] for i, st in states.items()} == {0: 4, 1: 2, 2: 2}
+    assert all(not st["failed"] for st in states.values())
+    pool.release(rid)
+    _nothing_held(pool, ranks)
+    assert pool.transfer_state(rid) == {}
+
+
+def test_failure_mid_stream_leaves_nothing_held(setup):
+    pool, ranks = setup
+    n, rid = 120, "stream-fail"
+    plan = PrefillPlan(rid, n, (Chunk(0, 60, (1,)), Chunk(60, n, (1,))))
+    assert all(ray.get([rk.reserve.remote(rid, n) for rk in ranks]))
+    ray.get(pool.workers[1].set_fault.remote(rid, 1, 1))   # chunk 1 dies after layer 0 streamed
+    with pytest.raises(PrefillError, match="FaultInjected"):
+        pool.run(plan, _prompt(n, 2), kv_receivers=tuple(range(TP)))
+    failed = _outcomes(ranks, rid)
+    assert all(isinstance(e, TransferFailed) for e in failed), failed
+    _nothing_held(pool, ranks)
+
+
+def test_abort_before_grants_tells_the_receivers(setup):
+    pool, ranks = setup
+    n, rid = 64, "stream-abort"
+    ray.get([rk.pause.remote(True) for rk in ranks])   # no grants: shards stay unfinished
+    try:
+        pool.run(PrefillPlan(rid, n, (Chunk(0, n, (2, 0)),)), _prompt(n, 3),
+                 kv_receivers=tuple(range(TP)))
+        states = pool.transfer_state(rid)
+        assert {i: st["unfinished"] for i, st in states.items()} == {0: 2, 2: 2}
+        pool.abort(rid)
+    finally:
+        ray.get([rk.pause.remote(False) for rk in ranks])
+    failed = _outcomes(ranks, rid)
+    assert all(isinstance(e, TransferFailed) and "aborted" in e.reason for e in failed), failed
+    _nothing_held(pool, ranks)
+
+
+def test_default_group_runs_one_chunk_at_a_time_while_transfer_calls_answer(setup):
+    pool, _ranks = setup
+    worker = pool.workers[2]
+    n = 1500
+    tasks = [ChunkTask(request_id=f"solo-{j}", chunk_index=0, num_chunks=1, seq=10**6 + j,
+                       group=(2,), rank=0, chunk_start=0, chunk_end=n, prompt_tokens=n,
+                       chunk_positions=(((0, n),),), history=((),), token_ids=tuple(_prompt(n, j)))
+             for j in range(3)]
+    prepared = ray.get([worker.prepare.remote(t) for t in tasks])
+    assert prepared == [None] * 3
+    # All executes are queued at once: a second thread in the default group would enter a chunk
+    # while another runs, which the worker refuses (RuntimeError).
+    refs = [worker.execute.remote(t) for t in tasks]
+    state = ray.get(worker.transfer_state.remote("solo-0"), timeout=30)   # transfer group answers
+    assert state["shards"] == 0
+    results = ray.get(refs)
+    assert [r.request_id for r in results] == ["solo-0", "solo-1", "solo-2"]
+    for t in tasks:
+        pool.release(t.request_id)
+    assert all(not h for h in pool.held_requests().values())
