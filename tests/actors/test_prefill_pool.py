@@ -7,6 +7,7 @@ engine's prefill math: ``model.forward`` with plain causal attention on one inst
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -204,3 +205,72 @@ def test_chunks_shorter_than_the_ring(pool, model):
     plan = PrefillPlan("tiny-chunks", 12, (Chunk(0, 3, (0, 1, 2, 3)), Chunk(3, 11, (0, 1, 2, 3)),
                                            Chunk(11, 12, tuple(range(8)))))
     _check_against_reference(pool, model, plan, _prompt(12, 9))
+
+
+def _logged_run(pool, log, lock, plan, ids, results):
+    def mark(what):
+        def cb(k, *ok):
+            with lock:
+                log.append((plan.request_id, k, what) + tuple(ok))
+        return cb
+
+    try:
+        results[plan.request_id] = pool.run(plan, ids, return_logits=True,
+                                            on_chunk_start=mark("start"), on_chunk_end=mark("end"))
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        results[plan.request_id] = e
+
+
+def test_overlapping_plans_from_two_threads_run_in_commit_order(pool, model):
+    # Both plans use instances 0-3 in their last chunk, entering in opposite orders; without a
+    # common order each ring would wait for a member busy with the other one.
+    first = PrefillPlan("first", 300, (Chunk(0, 100, (0, 1)), Chunk(100, 300, (0, 1, 2, 3))))
+    second = PrefillPlan("second", 260, (Chunk(0, 90, (2, 3)), Chunk(90, 260, (2, 3, 0, 1))))
+    prompts = {"first": _prompt(300, 11), "second": _prompt(260, 12)}
+    pool.commit(first)
+    pool.commit(second)
+    log: list = []
+    lock = threading.Lock()
+    results: dict = {}
+    threads = {p.request_id: threading.Thread(target=_logged_run,
+                                              args=(pool, log, lock, p, prompts[p.request_id], results))
+               for p in (first, second)}
+    threads["second"].start()                       # the later-committed plan asks first
+    deadline = time.monotonic() + 10
+    while ("second", 0) not in pool._tickets.pending().get(2, []) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert log == []                                # it waits for "first", which has not come
+    threads["first"].start()
+    for t in threads.values():
+        t.join(timeout=120)
+    assert log == [("first", 0, "start"), ("first", 0, "end", True), ("first", 1, "start"),
+                   ("first", 1, "end", True), ("second", 0, "start"), ("second", 0, "end", True),
+                   ("second", 1, "start"), ("second", 1, "end", True)]
+    for rid, ids in prompts.items():
+        ref_logits, _, _ = _reference(model, ids)
+        got = torch.tensor(results[rid].logits)
+        assert ((got - ref_logits).abs().max() / ref_logits.abs().max()).item() < 1e-4
+        pool.release(rid)
+    assert pool._tickets.pending() == {}
+
+
+def test_aborted_committed_plan_does_not_block_later_plans(pool):
+    doomed = PrefillPlan("never-run", 200, (Chunk(0, 200, (4, 5)),))
+    later = PrefillPlan("later", 150, (Chunk(0, 50, (5,)), Chunk(50, 150, (5, 4))))
+    pool.commit(doomed)
+    pool.commit(later)
+    with pytest.raises(PlanError, match="already committed"):
+        pool.commit(later)
+    pool.abort("never-run")
+    res = pool.run(later, _prompt(150, 13))     # would wait for "never-run" forever otherwise
+    assert res.first_token is not None
+    with pytest.raises(PrefillError, match="aborted before its prefill started"):
+        pool.run(doomed, _prompt(200, 14))
+    pool.release("later")
+    assert pool._tickets.pending() == {}
+    assert all(not held for held in pool.held_requests().values())
+
+
+def test_node_map_matches_the_virtual_nodes(pool):
+    assert pool.node_map() == [i // NODE_SIZE for i in range(POOL_SIZE)]
