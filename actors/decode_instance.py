@@ -98,9 +98,13 @@ class DecodeInstance:
             self.instance, r, self.tp_size, self.deployment, seed=self.seed)
             for r in range(self.tp_size)]
         host, port = await self.ranks[0].rendezvous.remote()
-        await asyncio.wait_for(asyncio.gather(*[
+        heads = await asyncio.wait_for(asyncio.gather(*[
             r.init_group.remote(host, port, self.timeout_s) for r in self.ranks]),
             timeout=max(120.0, self.timeout_s))
+        want = self.deployment.model.num_kv_heads // self.tp_size
+        if list(heads) != [want] * self.tp_size:
+            # senders slice heads [r*h, (r+1)*h) for rank r; any other split would corrupt KV
+            raise RuntimeError(f"TP ranks hold {list(heads)} KV heads each, expected {want}")
         if self.transfer is not None:
             self._agent_infos = list(await asyncio.gather(
                 *[r.enable_transfer.remote(self.transfer) for r in self.ranks]))
