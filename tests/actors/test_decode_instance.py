@@ -7,6 +7,7 @@ import asyncio
 import sys
 import time
 
+import msgspec
 import pytest
 import ray
 import torch
@@ -309,3 +310,40 @@ def test_full_instance_raises_decode_full_and_idles_without_rounds(cluster, loop
 
     assert loop.run_until_complete(body()) == 0   # nothing pending: no rounds, no spinning
     assert inst.stats().free_blocks == DEPLOYMENT.decode.kv_blocks
+
+
+def test_rank_in_process_tp1_commands_and_rejections(reference):
+    """A TP-1 rank without Ray: the command semantics the driver relies on."""
+    from tetris.actors.decode_messages import Abort, Add, Commit, Reserve
+    from tetris.actors.decode_rank import DecodeRank
+
+    deployment = DeploymentConfig(model=MODEL, decode=DecodeConfig(
+        tp_size=1, max_batch_size=2, block_size=4, kv_blocks=16))
+    rank = DecodeRank(7, 0, 1, deployment)
+    with pytest.raises(RuntimeError, match="init_group"):
+        rank.step([])
+    rank.init_group("127.0.0.1", 0, 10.0)
+    assert "no KV transfer" in rank.step([Reserve("x", (1, 2), GREEDY)]).rejected[0].reason
+    rank.enable_transfer(msgspec.structs.replace(TRANSFER, backend="inproc"))
+    try:
+        prompt = _prompt(9, 10)
+        reply = rank.step([Reserve("x", tuple(prompt), GREEDY),
+                           Reserve("x", tuple(prompt), GREEDY),            # duplicate id
+                           Reserve("big", tuple(_prompt(60, 11)), GREEDY),  # 16 blocks, 13 left
+                           Commit("nobody", 3)])
+        assert [(r.request_id, r.full) for r in reply.rejected] == [("x", False), ("big", True),
+                                                                     ("nobody", False)]
+        assert reply.outputs == [] and reply.stats.receiving == 1
+        held = rank.held()
+        assert held.receiving == ["x"] and held.free_blocks == 16 - 3 and not held.empty
+        reply = rank.step([Abort("x"), Abort("x"), Add("y", tuple(prompt), GREEDY)])
+        assert [(d.request_id, d.finish_reason) for d in reply.outputs] == [("x", "abort"), ("y", None)]
+        tokens = list(reply.outputs[1].new_token_ids)
+        while not reply.outputs or not reply.outputs[-1].finished:
+            reply = rank.step([])
+            tokens.extend(t for d in reply.outputs for t in d.new_token_ids)
+        assert tokens == reference.generate(prompt)
+        assert reply.outputs[-1].num_output_tokens == len(tokens)
+        assert rank.held().empty
+    finally:
+        rank.shutdown()
