@@ -87,8 +87,8 @@ def test_rate_monitor_sliding_window_and_update_interval():
         mon.observe_arrival(1.0)
 
 
-def test_rate_monitor_first_update_waits_for_an_interval_of_data():
-    # The old monitor updated at the first arrival over a 0.1 s span (10 req/s -> θ 0.6) and
+def test_rate_monitor_warm_up_ignores_the_first_arrivals_then_updates_every_interval():
+    # The old monitor updated at the first arrival over a 0.125 s span (8 req/s -> θ 0.4) and
     # kept that θ for 30 s although the load was 1 req/s.
     table = ImprovementRateTable([1.0, 5.0, 10.0], [0.1, 0.4, 0.6])
     mon = RateMonitor(window_s=60.0, update_interval_s=30.0, table=table, start_time=0.0)
@@ -98,11 +98,25 @@ def test_rate_monitor_first_update_waits_for_an_interval_of_data():
         mon.observe_arrival(t)
         u = mon.maybe_update(t)
         if u is not None:
-            updates.append((t, u, mon.current_rate(t)))
-    assert mon.improvement_rate == 0.1
-    assert [t for t, _, _ in updates] == [30.125, 60.125, 90.125]
-    assert all(u == 0.1 for _, u, _ in updates)
-    assert updates[0][2] == pytest.approx(31 / 30.125)  # over the elapsed time, not the window
+            updates.append((t, u))
+            if t == 30.125:        # over the elapsed time, not the window
+                assert mon.current_rate(t) == pytest.approx(31 / 30.125)
+    assert updates[0][0] == 7.125                  # the 8th arrival ends the blind start
+    assert {u for _, u in updates} == {0.1}        # never the 8 req/s of the first arrival
+    warm = [t for t, _ in updates if t < 30.0]
+    assert warm == [k + 0.125 for k in range(7, 30)]
+    assert [t for t, _ in updates if t >= 30.0] == [30.125, 60.125, 90.125]
+
+
+def test_rate_monitor_reacts_to_overload_within_the_first_interval():
+    table = ImprovementRateTable([1.0, 5.0, 10.0], [0.1, 0.4, 0.6])
+    mon = RateMonitor(window_s=60.0, update_interval_s=30.0, table=table, start_time=0.0)
+    thetas = []
+    for k in range(1, 40):         # 10 req/s
+        mon.observe_arrival(0.1 * k)
+        mon.maybe_update(0.1 * k)
+        thetas.append(mon.improvement_rate)
+    assert thetas[:7] == [0.1] * 7 and thetas[7:] == [0.6] * 32
 
 
 def test_rate_monitor_without_start_time_starts_at_its_first_call():
@@ -111,12 +125,14 @@ def test_rate_monitor_without_start_time_starts_at_its_first_call():
     table = ImprovementRateTable([1.0, 4.0], [0.1, 0.5])
     mon = RateMonitor(window_s=60.0, update_interval_s=10.0, table=table)
     t0 = 1.7e9
+    got = []
     for k in range(41):            # 4 req/s for 10 s
         mon.observe_arrival(t0 + 0.25 * k)
-        expected = 0.5 if k == 40 else None
-        assert mon.maybe_update(t0 + 0.25 * k) == expected
+        got.append(mon.maybe_update(t0 + 0.25 * k))
+    assert got[:7] == [None] * 7 and got[7:] == [0.5] * 34
     assert mon.start_time == t0
-    assert mon.improvement_rate == 0.5
     assert mon.current_rate(t0 + 10.0) == pytest.approx(41 / 10.0)
+    assert mon.maybe_update(t0 + 15.0) is None     # periodic again: next at t0 + 20
+    assert mon.maybe_update(t0 + 20.0) == 0.1      # 41 arrivals over 20 s: nearer 1 req/s
     with pytest.raises(RateTableError):
         RateMonitor(window_s=10.0, update_interval_s=20.0, table=table)

@@ -100,17 +100,20 @@ class ImprovementRateTable:
 class RateMonitor:
     """Sliding-window arrival rate and the θ it selects, updated every ``update_interval_s``.
 
-    The rate is arrivals in ``(t − window_s, t]`` over ``min(window_s, t − start_time)``. The
-    first update waits until ``update_interval_s`` has passed since ``start_time``: a rate read
-    from a few seconds of arrivals (one arrival over 0.1 s reads as 10 req/s) would pick a
-    wrong θ and keep it for a whole interval. Until then θ is ``initial_improvement_rate``
-    (default: the table's lightest-load entry). ``start_time`` None means the clock of the
-    first call (a live dispatcher on a wall clock); a simulation passes its own start.
+    The rate is arrivals in ``(t − window_s, t]`` over ``min(window_s, t − start_time)``.
+    Warm-up: before one update interval has passed since ``start_time``, θ follows the
+    elapsed-time rate at every call once ``warmup_arrivals`` arrivals have been seen (a rate
+    from one arrival over 0.1 s reads as 10 req/s and used to be kept for a whole interval;
+    holding the light-load θ for the first interval instead lets an overloaded pool build a
+    backlog it never drains). Until then θ is ``initial_improvement_rate`` (default: the
+    table's lightest-load entry). After warm-up, an update every ``update_interval_s`` (paper
+    §7.1: 30 s). ``start_time`` None means the clock of the first call (a live dispatcher on a
+    wall clock); a simulation passes its own start.
     """
 
     def __init__(self, window_s: float, update_interval_s: float, table: ImprovementRateTable,
                  initial_improvement_rate: float | None = None,
-                 start_time: float | None = None):
+                 start_time: float | None = None, warmup_arrivals: int = 8):
         if window_s <= 0 or update_interval_s <= 0:
             raise RateTableError("window_s and update_interval_s must be positive")
         if update_interval_s > window_s:
@@ -123,6 +126,8 @@ class RateMonitor:
         self._arrivals: deque[float] = deque()
         self._last_update: float | None = None
         self.start_time = start_time
+        self.warmup_arrivals = max(1, warmup_arrivals)
+        self._seen = 0
         self.improvement_rate = (table.improvement_rates[0] if initial_improvement_rate is None
                                  else initial_improvement_rate)
 
@@ -136,6 +141,7 @@ class RateMonitor:
         if self._arrivals and t < self._arrivals[-1]:
             raise RateTableError(f"arrival at {t} is earlier than the last one {self._arrivals[-1]}")
         self._arrivals.append(t)
+        self._seen += 1
 
     def current_rate(self, t: float) -> float:
         """Arrivals per second over the last ``min(window_s, t − start_time)`` seconds."""
@@ -151,12 +157,16 @@ class RateMonitor:
     def maybe_update(self, t: float) -> float | None:
         """The new θ if an update is due at ``t``, else None.
 
-        Due: first once ``update_interval_s`` has passed since the start (so the rate is read
-        over at least that long), then every ``update_interval_s`` after the last update.
+        Due: during warm-up (less than ``update_interval_s`` since the start) at every call
+        once ``warmup_arrivals`` arrivals were seen; then every ``update_interval_s`` after the
+        last update.
         """
         start = self._start(t)
-        last = start if self._last_update is None else self._last_update
-        if t - last < self.update_interval_s:
+        if t - start < self.update_interval_s:
+            if self._seen < self.warmup_arrivals or t <= start:
+                return None
+        elif self._last_update is not None and self._last_update - start >= \
+                self.update_interval_s and t - self._last_update < self.update_interval_s:
             return None
         self._last_update = t
         self.improvement_rate = self.table.lookup(self.current_rate(t))

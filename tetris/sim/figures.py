@@ -139,7 +139,10 @@ def _table(model: str, results: list[dict]) -> list[str]:
              "|" + "---|" * (len(POLICIES) + 7)]
     for r in results:
         caps = " | ".join(f"{r['capacity'][p]:.2f}" for p in POLICIES)
-        for sfx, who in (("", r["best_baseline"]), ("_disagg", r["best_disagg_baseline"])):
+        pairs = [("", r["best_baseline"]), ("_disagg", r["best_disagg_baseline"])]
+        if pairs[0][1] == pairs[1][1]:  # the best baseline is disaggregated: one row says it
+            pairs = pairs[:1]
+        for sfx, who in pairs:
             lines.append(f"| {r['workload']} | {caps} | {who} | {r['critical_rate' + sfx]:.2f} | "
                          f"{r['capacity_ratio' + sfx]:.2f}x | {r['p50_ratio' + sfx]:.2f}x | "
                          f"{r['p99_ratio' + sfx]:.2f}x | {r['throughput_ratio' + sfx]:.2f}x |")
