@@ -193,6 +193,21 @@ def test_live_queue_books_expected_ends_and_forgets_finished_requests():
     assert q.queue_times(5.0) == [5.0, 5.0, 5.0, 5.0]   # running late: busy now, not earlier
     q.finish("x")
     assert q.bookings() == 0 and q.queue_times(1.0) == [1.0] * 4
+    q.hold([3], until=4.0)            # drained: busy for planning, not a request's booking
+    assert q.queue_times(1.0) == [1.0, 1.0, 1.0, 4.0] and q.bookings() == 0
+    with pytest.raises(ValueError, match="no prefill instance 7"):
+        q.hold([7], until=2.0)
+
+
+def test_drained_instances_make_cdsp_grow_onto_them_later():
+    d = _dispatcher()
+    d.drain([0, 1], 0.2)
+    plan = d.policy.plan("y", 32_000, d.clock(), d.queue.pool_state(d.clock()),
+                         improvement_rate=0.0)
+    assert set(plan.chunks[0].instances) == {2, 3}
+    assert len(plan.chunks) >= 2 and set(plan.chunks[-1].instances) == {0, 1, 2, 3}
+    with pytest.raises(ValueError):
+        d.drain([0], 0.0)
 
 
 def test_admin_rate_table_and_profile_round_trip():

@@ -5,6 +5,8 @@ at recent plans, per-request timelines and what is still held (operators and tes
     PUT  /admin/rate_table          same keys; the rate monitor uses it from its next update
     GET  /admin/latency_profile     the prefill latency profile (coefficients per SP size)
     PUT  /admin/latency_profile     a profile; the policy is rebuilt on it
+    POST /admin/drain               {"instances": [0, 1], "seconds": 30}: plan no new work on
+                                    them for that long (running work goes on)
     GET  /admin/plans               the last 64 prefill plans
     GET  /admin/timelines?last=N    per-request TTFT breakdowns (queue, prefill, hand-off)
     GET  /admin/held                reservations still held (queue time, virtual usage,
@@ -55,6 +57,14 @@ def add_admin_routes(app: FastAPI, dispatcher) -> None:
     @app.put("/admin/latency_profile")
     async def put_profile(request: Request):
         return await call(dispatcher.latency_profile, await body(request))
+
+    @app.post("/admin/drain")
+    async def drain(request: Request):
+        data = await body(request)
+        instances, seconds = data.get("instances"), data.get("seconds")
+        if not isinstance(instances, list) or not isinstance(seconds, (int, float)):
+            raise ProtocolError("expected {\"instances\": [...], \"seconds\": N}")
+        return await call(dispatcher.drain, instances, float(seconds))
 
     @app.get("/admin/plans")
     async def plans():

@@ -136,13 +136,20 @@ class DecodePoolServer:
             yield out
 
     async def abort(self, instance: int, request_id: str) -> None:
-        await self.instances[instance].abort(request_id)
+        self.instances[instance].abort(request_id)
 
     async def stats(self) -> list:
         return [inst.stats() for inst in self.instances]
 
-    async def held(self) -> list:
-        return [await inst.held() for inst in self.instances]
+    async def held(self) -> list[dict]:
+        """Per instance, per TP rank: what is still held (all ``empty`` when idle)."""
+        import msgspec
+
+        out = []
+        for inst in self.instances:
+            ranks = await inst.held()
+            out.append({"ranks": [msgspec.to_builtins(h) | {"empty": h.empty} for h in ranks]})
+        return out
 
 
 class _PrefillHandleClient:
@@ -287,6 +294,9 @@ class DispatcherServer:
             return d.rate_table()
         return d.set_rate_table(update.get("rates", []), update.get("improvement_rates", []),
                                 update.get("description", ""))
+
+    async def drain(self, instances: list[int], seconds: float) -> dict:
+        return (await self.ready()).drain(instances, seconds)
 
     async def latency_profile(self, update: dict | None = None) -> dict:
         d = await self.ready()

@@ -59,7 +59,8 @@ __all__ = ["Dispatcher", "LiveQueue", "PrefillClient", "DecodeClient", "RequestT
 log = logging.getLogger(__name__)
 
 DEFAULT_PROFILE = "a100-llama3-8b-tp1"
-_COMPLETED = ("stop", "length")   # finish reasons after which nothing is left to abort
+_COMPLETED = ("stop", "length")
+_HOLD = "\x00hold"                 # the booking key of a drain hold (no request id has it)   # finish reasons after which nothing is left to abort
 
 
 class PrefillClient(Protocol):
@@ -95,6 +96,14 @@ class LiveQueue:
         for booked in self._booked:
             booked.pop(request_id, None)
 
+    def hold(self, instances: Sequence[int], until: float) -> None:
+        """Drain: plan no work on ``instances`` before ``until`` (maintenance, warm-up)."""
+        for i in instances:
+            if not 0 <= i < len(self._booked):
+                raise ValueError(f"no prefill instance {i} (pool of {len(self._booked)})")
+        for i in instances:
+            self._booked[i][_HOLD] = until
+
     def queue_times(self, now: float) -> list[float]:
         # A booking past its expected end is a chunk running late: busy now, end unknown.
         return [max([now, *b.values()]) for b in self._booked]
@@ -103,7 +112,8 @@ class LiveQueue:
         return PoolState(self.queue_times(now), self.node_of)
 
     def bookings(self) -> int:
-        return sum(len(b) for b in self._booked)
+        """Requests' bookings (drain holds are not requests)."""
+        return sum(len(b) - (_HOLD in b) for b in self._booked)
 
 
 class RequestTimeline(msgspec.Struct):
@@ -200,6 +210,13 @@ class Dispatcher:
         self.policy = self._make_policy(model)
         self.profile = model
         return self.latency_profile()
+
+    def drain(self, instances: Sequence[int], seconds: float) -> dict:
+        """Keep new plans off ``instances`` for ``seconds`` (admin route); running work goes on."""
+        if not 0 < seconds <= 3600:
+            raise ValueError(f"seconds must be in (0, 3600], got {seconds}")
+        self.queue.hold([int(i) for i in instances], self.clock() + seconds)
+        return self.stats()
 
     # -- requests ---------------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:

@@ -1,0 +1,327 @@
+"""The whole system over HTTP on Ray Serve: CDSP prefill on the SP pool, KV streaming to a TP-2
+decode instance, continuous batching, the OpenAI API, the handle API from a second app.
+
+One app per module (Serve and the pools start once, ~20 s). The scheduler plans with a
+CPU-like latency profile written by the fixture: the A100 profile with its overhead x10, its
+linear term x100 and its attention terms x1000, so that at test-sized prompts (hundreds of tokens) attention dominates
+as it does at 100k tokens on a GPU, and CDSP's chunking shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+
+import httpx
+import pytest
+
+from tetris.config import load_deployment
+from tetris.engine.engine import LLMEngine
+from tetris.sampling_params import SamplingParams
+from tetris.scheduler.latency import load_profile
+
+MODEL = "tetris-tiny-llama"
+pytestmark = pytest.mark.timeout(600)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_deployment(tmp) -> str:
+    profile = load_profile("a100-llama3-8b-tp1").scaled(name="cpu-test", linear=100.0,
+                                                        attention=1000.0, overhead=10.0)
+    profile.save(tmp / "cpu-test.json")
+    path = tmp / "deployment.toml"
+    path.write_text(f"""
+[model]
+name = "{MODEL}"
+source = "dummy"
+seed = 0
+vocab_size = 512
+hidden_size = 256
+intermediate_size = 688
+num_layers = 4
+num_heads = 8
+num_kv_heads = 2
+max_position_embeddings = 4096
+
+[prefill]
+num_instances = 4
+node_size = 2
+kv_blocks_per_instance = 256
+
+[decode]
+num_instances = 1
+tp_size = 2
+kv_blocks = 512
+max_batch_size = 32
+
+[scheduler]
+policy = "tetris"
+sp_candidates = [1, 2, 4]
+profile = "{tmp / 'cpu-test.json'}"
+improvement_rate = 0.0
+min_chunk_tokens = 64
+
+[transfer]
+backend = "nixl"
+timeout_s = 30.0
+""")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def app(ray_session, tmp_path_factory):
+    from ray import serve
+
+    from tetris.serve.app import APP_NAME, build_app
+
+    cfg = load_deployment(_write_deployment(tmp_path_factory.mktemp("e2e")))
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(cfg, max_pending=24), name=APP_NAME, route_prefix="/")
+    warm = serve.get_deployment_handle("DispatcherServer", APP_NAME).warmup.remote().result()
+    assert warm["event_loop"].startswith("uvloop")     # the dispatcher runs on uvloop
+    yield cfg, f"http://127.0.0.1:{port}"
+    serve.delete(APP_NAME)
+
+
+@pytest.fixture(scope="module")
+def engine(app):
+    cfg, _ = app
+    return LLMEngine.from_deployment(cfg, num_blocks=256)
+
+
+def _reference(engine, prompts, n):
+    outs = engine.generate([list(p) for p in prompts],
+                           SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    return [o for o in outs]
+
+
+def _prompt(n: int, salt: int) -> list[int]:
+    return [(i * 37 + salt * 11) % 500 + 3 for i in range(n)]
+
+
+async def _complete(client, base, prompt, n, **extra):
+    r = await client.post(f"{base}/v1/completions", json={
+        "model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0,
+        "ignore_eos": True, **extra})
+    return r
+
+
+def test_greedy_output_through_the_full_system_equals_the_engine(app, engine):
+    cfg, base = app
+    short, long = _prompt(200, 1), _prompt(1000, 2)
+
+    async def both():
+        async with httpx.AsyncClient(timeout=120) as c:
+            # Instances 0 and 1 are drained for 1 s: the long request starts on 2 and 3 and
+            # CDSP grows its later chunk onto 0 and 1.
+            r = await c.post(f"{base}/admin/drain", json={"instances": [0, 1], "seconds": 1.0})
+            assert r.status_code == 200, r.text
+            rb = await _complete(c, base, long, 24)
+            ra = await _complete(c, base, short, 24)
+            plans = (await c.get(f"{base}/admin/plans")).json()
+            return ra, rb, plans
+
+    ra, rb, plans = asyncio.run(both())
+    assert ra.status_code == rb.status_code == 200, (ra.text, rb.text)
+    ref = _reference(engine, [short, long], 24)
+    assert ra.json()["choices"][0]["text"] == ref[0].text
+    assert rb.json()["choices"][0]["text"] == ref[1].text
+    assert rb.json()["usage"] == {"prompt_tokens": 1000, "completion_tokens": 24,
+                                  "total_tokens": 1024}
+    long_plan = [p for p in plans if p["prompt_tokens"] == 1000][-1]
+    assert len(long_plan["chunks"]) >= 2, long_plan          # CDSP: the group grew
+    assert len(long_plan["chunks"][-1]["instances"]) > len(long_plan["chunks"][0]["instances"])
+
+
+def test_handle_api_from_a_second_app_gives_the_engines_tokens(app, engine):
+    from ray import cloudpickle, serve
+
+    from tetris.serve.types import GenerationRequest
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class Caller:
+        async def __call__(self, prompt_ids: list[int], n: int):
+            h = serve.get_app_handle("tetris")
+            req = GenerationRequest(prompt_token_ids=tuple(prompt_ids),
+                                    sampling=SamplingParams(max_tokens=n, temperature=0,
+                                                            ignore_eos=True))
+            whole = await h.generate.remote(req)
+            pieces = [d async for d in h.options(stream=True).generate_stream.remote(req)]
+            return whole, pieces
+
+    caller = serve.run(Caller.bind(), name="caller", route_prefix=None)
+    try:
+        prompt = _prompt(300, 3)
+        whole, pieces = caller.remote(prompt, 12).result(timeout_s=300)
+    finally:
+        serve.delete("caller")
+    ref = _reference(engine, [prompt], 12)[0]
+    assert list(whole.token_ids) == list(ref.token_ids)
+    assert [t for p in pieces for t in p.new_token_ids] == list(ref.token_ids)
+    assert pieces[-1].finished and whole.finish_reason == "length"
+
+
+def test_openai_client_completions_and_chat_streaming_and_not(app):
+    openai = pytest.importorskip("openai")
+    _, base = app
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=120)
+    full = client.completions.create(model=MODEL, prompt="Tetris fills the gaps",
+                                     max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+        model=MODEL, prompt="Tetris fills the gaps", max_tokens=10, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}) if ch.choices)
+    assert full.choices[0].text == streamed and full.usage.completion_tokens == 10
+    messages = [{"role": "user", "content": "hello"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 8 and chunks[-1].choices == []
+
+
+def test_sixteen_concurrent_requests_all_complete(app, engine):
+    _, base = app
+    prompts = [_prompt(40 + 23 * i, i) for i in range(16)]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as c:
+            return await asyncio.gather(*[_complete(c, base, p, 8) for p in prompts])
+
+    results = asyncio.run(run())
+    assert [r.status_code for r in results] == [200] * 16
+    ref = _reference(engine, prompts, 8)
+    assert [r.json()["choices"][0]["text"] for r in results] == [o.text for o in ref]
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    ({"model": "gpt-nope", "prompt": "x"}, 404, "model"),
+    ({"model": MODEL, "prompt": [5] * 5000}, 400, "prompt"),
+    ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 10_000}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+])
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(app, body, status, param):
+    _, base = app
+    with httpx.Client(timeout=120) as c:
+        if isinstance(body, bytes):
+            r = c.post(f"{base}/v1/completions", content=body,
+                       headers={"content-type": "application/json"})
+        else:
+            r = c.post(f"{base}/v1/completions", json=body)
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert err["message"] and err["type"]
+        if param is not None:
+            assert err["param"] == param
+        ok = c.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "ok",
+                                                    "max_tokens": 2})
+        assert ok.status_code == 200
+
+
+async def _open_and_drop(client, base, prompt):
+    async with client.stream("POST", f"{base}/v1/completions", json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 2000, "stream": True,
+            "ignore_eos": True}) as r:
+        assert r.status_code == 200
+        lines = r.aiter_lines()
+        async for line in lines:
+            if line.startswith("data: "):
+                break
+        # leaving the block closes the connection mid-stream: the client went away
+
+
+def _held(base) -> dict:
+    return httpx.get(f"{base}/admin/held", timeout=60).json()
+
+
+def _idle(held: dict) -> bool:
+    d = held["dispatcher"]
+    return (d == {"inflight": 0, "queue_bookings": 0, "virtual_usage": 0, "virtual_requests": 0}
+            and not any(held["prefill"].values())
+            and all(rank["empty"] for inst in held["decode"] for rank in inst["ranks"]))
+
+
+def test_two_hundred_aborted_streams_leave_nothing_reserved(app):
+    _, base = app
+
+    async def run():
+        sem = asyncio.Semaphore(8)
+        async with httpx.AsyncClient(timeout=120) as c:
+            async def one(i):
+                async with sem:
+                    await _open_and_drop(c, base, _prompt(30 + i % 50, i))
+            await asyncio.gather(*[one(i) for i in range(200)])
+
+    asyncio.run(run())
+    held = None
+    for _ in range(100):          # aborts finish asynchronously
+        held = _held(base)
+        if _idle(held):
+            break
+        asyncio.run(asyncio.sleep(0.2))
+    assert _idle(held), held
+    ok = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "still here",
+                                                    "max_tokens": 3}, timeout=120)
+    assert ok.status_code == 200
+
+
+def test_overload_gets_429_with_retry_after_not_a_crash(app):
+    _, base = app
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as c:
+            async def one(i):
+                return await c.post(f"{base}/v1/completions", json={
+                    "model": MODEL, "prompt": _prompt(20, i), "max_tokens": 64,
+                    "ignore_eos": True})
+            return await asyncio.gather(*[one(i) for i in range(40)])
+
+    results = asyncio.run(run())
+    codes = [r.status_code for r in results]
+    assert set(codes) <= {200, 429} and 429 in codes and 200 in codes, codes
+    refused = next(r for r in results if r.status_code == 429)
+    assert int(refused.headers["retry-after"]) >= 1
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_metrics_expose_tetris_names(app):
+    _, base = app
+    text = httpx.get(f"{base}/metrics", timeout=60).text
+    for name in ("tetris:time_to_first_token_seconds", "tetris:inter_token_latency_seconds",
+                 "tetris:e2e_request_latency_seconds", "tetris:request_queue_time_seconds",
+                 "tetris:prefill_chunks_per_request", "tetris:prefill_chunk_sp_size",
+                 "tetris:kv_cache_usage_perc", "tetris:improvement_rate"):
+        assert name in text, name
+    count = [ln for ln in text.splitlines()
+             if ln.startswith('tetris:prefill_chunks_per_request_count')]
+    assert count and float(count[0].split()[-1]) >= 2
+
+
+def test_admin_rate_table_round_trip_and_bad_table_refused(app):
+    _, base = app
+    with httpx.Client(timeout=60) as c:
+        r = c.put(f"{base}/admin/rate_table", json={"rates": [0.5, 2.0],
+                                                   "improvement_rates": [0.0, 0.2]})
+        assert r.status_code == 200 and r.json()["rates"] == [0.5, 2.0]
+        bad = c.put(f"{base}/admin/rate_table", json={"rates": [1.0], "improvement_rates": [3]})
+        assert bad.status_code == 400 and "error" in bad.json()
+        assert c.get(f"{base}/admin/rate_table").json()["improvement_rates"] == [0.0, 0.2]
+        prof = c.get(f"{base}/admin/latency_profile").json()
+        assert c.put(f"{base}/admin/latency_profile", json=prof).json() == prof
+        assert json.dumps(prof)
