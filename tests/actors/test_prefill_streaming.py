@@ -237,3 +237,26 @@ def test_default_group_runs_one_chunk_at_a_time_while_transfer_calls_answer(setu
     for t in tasks:
         pool.release(t.request_id)
     assert all(not h for h in pool.held_requests().values())
+
+
+def test_emulated_worker_enables_transfer_but_streams_nothing():
+    from tetris.actors.prefill_worker import PrefillWorker
+
+    cfg = load_deployment("tiny-cpu.toml")
+    worker = PrefillWorker(0, 0, cfg.model, msgspec.structs.replace(cfg.prefill, executor="emulated"),
+                           profile="a100-llama3-8b-tp1")
+    try:
+        info = worker.enable_transfer(TransferConfig(backend="inproc"))
+        assert info.name == "prefill-0" and info.backend == "inproc"
+        assert worker.enable_transfer(TransferConfig(backend="inproc")) == info   # idempotent
+        with pytest.raises(ValueError, match="another config"):
+            worker.enable_transfer(TransferConfig(backend="inproc", timeout_s=5.0))
+        task = ChunkTask(request_id="emu", chunk_index=0, num_chunks=1, seq=0, group=(0,), rank=0,
+                         chunk_start=0, chunk_end=64, prompt_tokens=64, chunk_positions=(((0, 64),),),
+                         history=((),), kv_receivers=(0, 1))
+        worker.prepare(task)
+        assert worker.execute(task).emulated
+        assert worker.transfer_state("emu") == {"shards": 0, "unfinished": 0, "sent": 0, "failed": []}
+        assert worker.held_requests() == []
+    finally:
+        worker.shutdown()
