@@ -14,12 +14,18 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 __all__ = ["write_kv", "paged_decode_attention", "paged_decode_attention_with_lse"]
 
 
-def write_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
-    """Store k, v [T, Hkv, D] at ``slot_mapping`` int64 [T] of the caches (in place)."""
+def write_kv(k_cache, v_cache, k, v, slot_mapping, *, check_bounds: bool = True) -> None:
+    """Store k, v [T, Hkv, D] at ``slot_mapping`` int64 [T] of the caches (in place).
+
+    ``check_bounds=False`` skips the range check, which reads the slots back to the host (a
+    device sync on GPU, and unusable inside a CUDA graph); callers that built the slots from
+    their own block tables pass it.
+    """
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
         raise ValueError(
             f"caches must both be [NB, BS, Hkv, D]; got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
@@ -35,14 +41,16 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping) -> None:
     if t == 0:
         return
     slots = slot_mapping.to(device=k_cache.device, dtype=torch.int64)
-    lo, hi = int(slots.min()), int(slots.max())
-    if lo < 0 or hi >= nb * bs:
-        raise ValueError(f"slot_mapping holds slots outside [0, {nb * bs}): min {lo}, max {hi}")
-    k_cache.view(nb * bs, hkv, d)[slots] = k.to(k_cache.dtype)
-    v_cache.view(nb * bs, hkv, d)[slots] = v.to(v_cache.dtype)
+    if check_bounds:
+        lo, hi = int(slots.min()), int(slots.max())
+        if lo < 0 or hi >= nb * bs:
+            raise ValueError(f"slot_mapping holds slots outside [0, {nb * bs}): min {lo}, max {hi}")
+    k_cache.view(nb * bs, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
-def _check(q, k_cache, v_cache, block_tables, context_lens) -> None:
+def _check(q, k_cache, v_cache, block_tables, context_lens) -> int:
+    """Validate shapes; returns the longest context length (0 for an empty batch)."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"expected q [B, Hq, D] and caches [NB, BS, Hkv, D]; got q {tuple(q.shape)}, "
@@ -57,11 +65,13 @@ def _check(q, k_cache, v_cache, block_tables, context_lens) -> None:
             f"block_tables must be [B={b}, MAXB] and context_lens [B]; got "
             f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}"
         )
-    if b and int(context_lens.max()) > block_tables.shape[1] * bs:
+    longest = int(context_lens.max()) if b else 0
+    if longest > block_tables.shape[1] * bs:
         raise ValueError(
-            f"a context length ({int(context_lens.max())}) exceeds the block table's capacity "
+            f"a context length ({longest}) exceeds the block table's capacity "
             f"({block_tables.shape[1]} blocks x {bs})"
         )
+    return longest
 
 
 def paged_decode_attention_with_lse(q, k_cache, v_cache, block_tables, context_lens, scale=None):
@@ -71,7 +81,7 @@ def paged_decode_attention_with_lse(q, k_cache, v_cache, block_tables, context_l
     rounded up to whole blocks) and masks slots past each context length. A sequence with
     context length 0 gets out = 0, lse = -inf.
     """
-    _check(q, k_cache, v_cache, block_tables, context_lens)
+    longest = _check(q, k_cache, v_cache, block_tables, context_lens)
     b, hq, d = q.shape
     nb, bs, hkv, _ = k_cache.shape
     group = hq // hkv
@@ -79,7 +89,7 @@ def paged_decode_attention_with_lse(q, k_cache, v_cache, block_tables, context_l
     if b == 0:
         return q.new_zeros(0, hq, d), torch.zeros(0, hq, dtype=torch.float32, device=q.device)
     lens = context_lens.to(device=q.device, dtype=torch.int64)
-    nblk = max(1, -(-int(lens.max()) // bs))
+    nblk = max(1, -(-longest // bs))
     tables = block_tables[:, :nblk].to(device=q.device, dtype=torch.int64).clamp(0, nb - 1)
     keys = k_cache[tables].view(b, nblk * bs, hkv, d).float()  # [B, L, Hkv, D]
     vals = v_cache[tables].view(b, nblk * bs, hkv, d).float()
@@ -95,6 +105,30 @@ def paged_decode_attention_with_lse(q, k_cache, v_cache, block_tables, context_l
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None):
-    """q [B, Hq, D] against the paged cache -> out [B, Hq, D] in q.dtype."""
-    return paged_decode_attention_with_lse(q, k_cache, v_cache, block_tables, context_lens,
-                                           scale)[0]
+    """q [B, Hq, D] against the paged cache -> out [B, Hq, D] in q.dtype.
+
+    Without the LSE, one batched SDPA does the work: the gathered keys are viewed as
+    [B, Hkv, L, D] (no copy) and each KV head's ``group`` query heads take the place of SDPA's
+    query length, so GQA needs no key expansion; a [B, 1, 1, L] mask hides slots past each
+    context. A context of length 0 gets out = 0.
+    """
+    longest = _check(q, k_cache, v_cache, block_tables, context_lens)
+    b, hq, d = q.shape
+    nb, bs, hkv, _ = k_cache.shape
+    if b == 0:
+        return q.new_zeros(0, hq, d)
+    lens = context_lens.to(device=q.device, dtype=torch.int64)
+    nblk = max(1, -(-longest // bs))
+    tables = block_tables[:, :nblk].to(device=q.device, dtype=torch.int64).clamp(0, nb - 1)
+    # fp32 math whatever the cache dtype, like the LSE path (a no-op for fp32 caches).
+    keys = k_cache[tables].view(b, nblk * bs, hkv, d).transpose(1, 2).float()  # [B, Hkv, L, D]
+    vals = v_cache[tables].view(b, nblk * bs, hkv, d).transpose(1, 2).float()
+    visible = torch.arange(nblk * bs, device=q.device)[None, :] < lens[:, None]  # [B, L]
+    # An all-hidden row would make SDPA return NaN: let it see slot 0, then zero it below.
+    empty = lens == 0
+    visible[:, 0] |= empty
+    qg = q.reshape(b, hkv, hq // hkv, d).float()  # [B, Hkv, group, D]
+    out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=visible[:, None, None, :],
+                                         scale=scale)
+    out = out.masked_fill(empty[:, None, None, None], 0.0)
+    return out.reshape(b, hq, d).to(q.dtype)
