@@ -22,8 +22,10 @@ do; while KV is arriving it wakes every ``poll_interval_s`` to collect ranks' re
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import ray
@@ -79,6 +81,10 @@ class DecodeInstance:
         self._broken: BaseException | None = None
         self._agent_infos: list[AgentInfo] = []
         self.rounds = 0   # rounds sent to the ranks (tests check that idle means no rounds)
+        # rank 0's engine step time of recent rounds that produced tokens (benchmarks)
+        self.step_times: collections.deque[float] = collections.deque(maxlen=4096)
+        # wall time of the same rounds as seen here (step + Ray calls + lockstep wait)
+        self.round_times: collections.deque[float] = collections.deque(maxlen=4096)
 
     # -- setup ----------------------------------------------------------------------------
     @property
@@ -263,7 +269,10 @@ class DecodeInstance:
                     if not self._commands and not receiving:
                         continue
                 cmds, self._commands = self._commands, []
+                t0 = time.perf_counter()
                 replies = await asyncio.gather(*[r.step.remote(cmds) for r in self.ranks])
+                if replies[0].step_s:
+                    self.round_times.append(time.perf_counter() - t0)
                 self.rounds += 1
                 self._route(cmds, replies)
         except asyncio.CancelledError:
@@ -275,6 +284,8 @@ class DecodeInstance:
 
     def _route(self, cmds: list[Command], replies: list[StepReply]) -> None:
         self._stats = replies[0].stats
+        if replies[0].step_s:
+            self.step_times.append(replies[0].step_s)
         self._settle(cmds, replies)
         for delta in replies[0].outputs:
             req = self._requests.get(delta.request_id)

@@ -96,6 +96,7 @@ class StepReply(msgspec.Struct, frozen=True):
     failed: list[Failed]
     rejected: list[Rejected]
     stats: EngineStats
+    step_s: float = 0.0     # this rank's engine.step() time this round (0 without a model call)
 
 
 class RankHeld(msgspec.Struct, frozen=True):

@@ -156,14 +156,17 @@ class DecodeRank:
                 rejected.append(reason)
         # With only RECEIVING requests the plan is empty: no model call, no collective, just
         # the outputs queued by this round's commands (aborts, committed first tokens).
+        t0 = time.perf_counter()
         outputs = engine.step() if engine.has_unfinished() else []
+        step_s = time.perf_counter() - t0 if outputs else 0.0
         with self._events_lock:
             ready, self._ready = self._ready, []
             failed, self._failed = self._failed, []
         deltas = [TokenDelta(o.request_id, o.new_token_ids, o.new_text, o.finished, o.finish_reason,
                              len(o.token_ids)) for o in outputs] if self.tp_rank == 0 else []
         return StepReply(rank=self.tp_rank, outputs=deltas,
-                         ready=ready, failed=failed, rejected=rejected, stats=engine.stats())
+                         ready=ready, failed=failed, rejected=rejected, stats=engine.stats(),
+                         step_s=step_s)
 
     def _apply(self, cmd: Command) -> Rejected | None:
         engine = self._engine()

@@ -29,8 +29,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+import msgspec
 from ray import serve
 
 from tetris.config import DeploymentConfig, load_deployment
@@ -132,8 +131,10 @@ class DecodePoolServer:
         self.instances[instance].commit(request_id, first_token)
 
     async def stream(self, instance: int, request_id: str) -> AsyncIterator:
+        # The prompt stays behind: a long context must not travel with every token (the
+        # ingress, which has it, puts it back).
         async for out in self.instances[instance].stream(request_id):
-            yield out
+            yield msgspec.structs.replace(out, prompt_token_ids=())
 
     async def abort(self, instance: int, request_id: str) -> None:
         self.instances[instance].abort(request_id)
@@ -141,10 +142,14 @@ class DecodePoolServer:
     async def stats(self) -> list:
         return [inst.stats() for inst in self.instances]
 
+    async def step_times(self) -> list[dict[str, list[float]]]:
+        """Per instance: rank 0's engine step times and the driver's round times (s) of the
+        recent rounds that made tokens."""
+        return [{"step": list(inst.step_times), "round": list(inst.round_times)}
+                for inst in self.instances]
+
     async def held(self) -> list[dict]:
         """Per instance, per TP rank: what is still held (all ``empty`` when idle)."""
-        import msgspec
-
         out = []
         for inst in self.instances:
             ranks = await inst.held()
@@ -280,8 +285,6 @@ class DispatcherServer:
         return self.metrics.render()
 
     async def timelines(self, last: int = 100) -> list[dict]:
-        import msgspec
-
         d = await self.ready()
         return [msgspec.to_builtins(t) | {"breakdown": t.breakdown()} for t in list(d.timelines)[-last:]]
 
@@ -324,7 +327,7 @@ class _DispatcherBackend:
         gen = self.handle.options(stream=True).generate.remote(req)
         try:
             async for out in gen:
-                yield out
+                yield msgspec.structs.replace(out, prompt_token_ids=req.prompt_token_ids)
         except Exception as e:
             raise _unwrap(e) from None
         finally:
