@@ -10,7 +10,9 @@ order, chunk order within a plan), and the oldest unfinished ticket of the whole
 always start, so some chunk always makes progress. Chunks of disjoint groups run concurrently.
 
 A plan's tickets leave when its chunks end, when its ``run`` ends, or when it is cancelled;
-a cancelled plan that has not started never blocks later ones, and its ``run`` fails.
+a cancelled plan that has not started never blocks later ones, and its ``run`` fails. A plan
+cancelled while a chunk executes keeps that chunk's ticket until the chunk ends, so the next
+plan's members do not sit in a ring waiting for a member that is still busy.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ class ChunkTickets:
         self._queues: list[list[Ticket]] = [[] for _ in range(pool_size)]
         self._plans: dict[str, PrefillPlan] = {}   # committed, not finished
         self._running: set[str] = set()
+        self._current: dict[str, int] = {}          # running request -> chunk now executing
         self._cancelled: set[str] = set()           # cancelled before their run started
+        self._aborted: set[str] = set()             # cancelled while their run was under way
         self._progress = 0                          # tickets removed so far (stall detection)
 
     def commit(self, plan: PrefillPlan) -> None:
@@ -76,9 +80,10 @@ class ChunkTickets:
             instances = plan.chunks[k].instances
             seen, deadline = self._progress, time.monotonic() + stall_s
             while True:
-                if request_id not in self._plans:
+                if request_id in self._aborted:
                     raise PrefillError(f"request {request_id} was aborted during its prefill")
                 if all(self._queues[i][0] == me for i in instances):
+                    self._current[request_id] = k
                     return
                 if self._progress != seen:
                     seen, deadline = self._progress, time.monotonic() + stall_s
@@ -92,6 +97,7 @@ class ChunkTickets:
 
     def chunk_done(self, request_id: str, k: int) -> None:
         with self._cond:
+            self._current.pop(request_id, None)
             plan = self._plans.get(request_id)
             if plan is not None:
                 self._remove(plan.chunks[k].instances, lambda t: t == (request_id, k))
@@ -100,14 +106,23 @@ class ChunkTickets:
         """``run`` ended (either way): every ticket of the plan goes."""
         with self._cond:
             self._running.discard(request_id)
+            self._aborted.discard(request_id)
+            self._current.pop(request_id, None)
             self._drop(request_id)
 
     def cancel(self, request_id: str) -> None:
         """Abort: drop the plan's tickets; its ``run``, pending or under way, fails."""
         with self._cond:
-            if request_id in self._plans and request_id not in self._running:
+            if request_id not in self._plans:
+                return
+            if request_id not in self._running:
                 self._cancelled.add(request_id)
-            self._drop(request_id)
+                self._drop(request_id)
+                return
+            self._aborted.add(request_id)
+            plan, now = self._plans[request_id], self._current.get(request_id)
+            self._remove(sorted({i for c in plan.chunks for i in c.instances}),
+                         lambda t: t[0] == request_id and t[1] != now)
 
     def pending(self) -> dict[int, list[Ticket]]:
         """instance -> its unfinished tickets in order (for tests and diagnostics)."""
