@@ -14,6 +14,10 @@ The shipped 8B profile stops at SP 16; sizes 32-128 are extrapolated for this be
 keeps the search as wide as the paper's: every power of two up to the pool is a candidate.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_scheduler.py [--decisions 1000] [--json]
+
+``--compare-reference`` times the search alone (``CdspSearch.plan``) against the pre-speed-up
+search kept in ``tests/scheduler/cdsp_reference.py``, interleaved on the same cases, so the
+ratio is measured side by side on whatever load the machine has.
 """
 
 from __future__ import annotations
@@ -79,6 +83,42 @@ def run(pool_size: int, decisions: int, theta: float, seed: int, policy_name: st
     }
 
 
+def compare_reference(pool_size: int, decisions: int, theta: float, seed: int,
+                      prof: PrefillLatencyModel, repeats: int) -> dict:
+    """Mean µs of the current and the reference search on the same cases, interleaved."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "scheduler"))
+    import cdsp_reference as ref
+
+    from tetris.scheduler.cdsp import CdspSearch
+    from tetris.scheduler.extend import node_members
+
+    rng = random.Random(seed)
+    sizes = [s for s in prof.sp_sizes if s <= pool_size]
+    node_of = [i // 8 for i in range(pool_size)]
+    impls = [(CdspSearch, node_members(node_of)), (ref.CdspSearch, ref.node_members(node_of))]
+    totals = [0.0, 0.0]
+    gc.disable()
+    try:
+        for _ in range(decisions):
+            q = [rng.uniform(0.0, 10.0) for _ in range(pool_size)]
+            length = rng.randint(4096, 262144)
+            for k, (cls, topo) in enumerate(impls):
+                best = None
+                for _ in range(repeats):
+                    t0 = time.perf_counter_ns()
+                    cls(prof.table, sizes, q, topo, 0.0, theta=theta, min_chunk_tokens=256,
+                        chunk_align=64).plan(length)
+                    dt = time.perf_counter_ns() - t0
+                    best = dt if best is None or dt < best else best
+                totals[k] += best / 1000.0
+    finally:
+        gc.enable()
+    new, old = totals[0] / decisions, totals[1] / decisions
+    return {"pool": pool_size, "search_us": new, "reference_us": old, "speedup": old / new}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--decisions", type=int, default=1000)
@@ -87,8 +127,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=5, help="time each decision this often, keep the fastest")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--compare-reference", action="store_true",
+                    help="time the search against the pre-speed-up reference, side by side")
     args = ap.parse_args(argv)
     prof = extended_profile(128)
+    if args.compare_reference:
+        rows = [compare_reference(n, args.decisions, args.improvement_rate, args.seed + n, prof,
+                                  args.repeats) for n in (8, 16, 32, 64, 128)]
+        if args.json:
+            print(json.dumps({"improvement_rate": args.improvement_rate, "rows": rows}))
+        else:
+            print(f"θ = {args.improvement_rate}: search alone, mean µs (fastest of {args.repeats})")
+            for r in rows:
+                print(f"{r['pool']:>6} now {r['search_us']:8.1f}  reference {r['reference_us']:8.1f}"
+                      f"  speed-up {r['speedup']:.2f}x")
+        return 0
     rows = [run(n, args.decisions, args.improvement_rate, args.seed + n, args.policy, prof,
                 args.repeats)
             for n in (8, 16, 32, 64, 128)]
