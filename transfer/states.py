@@ -43,6 +43,9 @@ class TransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     instance; with at least ``pool_size`` of them every prefill instance gets its own
     (SPEC 7 step 3, first case), else requests are served in first-handshake order.
     ``policy = "per_chunk_fcfs"`` is the naive baseline that can starve (tests and ablations).
+    ``backend = "emulated"`` (EMULATION, ``transfer/backends/emulated.py``) moves no payload: a
+    write completes after ``wire bytes × emulated_bytes_per_wire_byte / emulated_link_bandwidth``
+    and its notice then travels to the receiver; the other two fields serve only that backend.
     """
 
     num_backends: int = 4
@@ -54,13 +57,20 @@ class TransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     abort_grace_s: float = 1.0
     policy: Literal["handshake_order", "per_chunk_fcfs"] = "handshake_order"
     # "auto": NIXL over UCX when it starts, else in-process (same process only, with a warning)
-    backend: Literal["auto", "nixl", "inproc"] = "auto"
+    backend: Literal["auto", "nixl", "inproc", "emulated"] = "auto"
+    # EMULATION: one sender's link at the paper's byte counts (one 200 Gb/s NIC per GPU, §7.1),
+    # and how many paper bytes one wire byte stands for (emulated workers send head_dim 1).
+    emulated_link_bandwidth: float = 25e9
+    emulated_bytes_per_wire_byte: float = 128.0
 
     def __post_init__(self) -> None:
         for key in ("num_backends", "pool_size", "backend_buffer_bytes", "send_buffer_bytes",
                     "bulk_chunk_bytes"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"transfer.{key} must be positive, got {getattr(self, key)}")
+        if self.emulated_link_bandwidth <= 0 or self.emulated_bytes_per_wire_byte <= 0:
+            raise ValueError("transfer.emulated_link_bandwidth and emulated_bytes_per_wire_byte "
+                             "must be positive")
         if self.timeout_s <= 0 or self.abort_grace_s < 0:
             raise ValueError("transfer.timeout_s must be positive and abort_grace_s non-negative")
 
