@@ -43,6 +43,43 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unsupported dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
 
 
+class _Fused:
+    """Column-parallel linears whose local weights are row ranges of one [sum out, in] tensor.
+
+    The member linears keep their own parameters (HF names, loading, TP sharding unchanged),
+    but each parameter is a view into the shared tensor, so one GEMM computes all their
+    outputs side by side. If anything re-materialises a member's weight (``module.to``, a
+    replaced parameter), the views stop aliasing and ``__call__`` falls back to one GEMM per
+    member, so results never use stale weights.
+    """
+
+    def __init__(self, linears: list[ColumnParallelLinear]) -> None:
+        first = linears[0].weight
+        rows = [lin.weight.shape[0] for lin in linears]
+        self.weight = torch.empty(sum(rows), first.shape[1], dtype=first.dtype,
+                                  device=first.device)
+        self.linears = linears
+        self.sizes = rows
+        start = 0
+        for lin, n in zip(linears, rows, strict=True):
+            lin.weight = torch.nn.Parameter(self.weight[start:start + n], requires_grad=False)
+            start += n
+
+    def aliased(self) -> bool:
+        base = self.weight.data_ptr()
+        offsets, start = [], 0
+        for n in self.sizes:
+            offsets.append(base + start * self.weight.stride(0) * self.weight.element_size())
+            start += n
+        return all(lin.weight.data_ptr() == off and lin.weight.device == self.weight.device
+                   for lin, off in zip(self.linears, offsets, strict=True))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum out]
+        if self.aliased():
+            return F.linear(x, self.weight)
+        return torch.cat([lin(x) for lin in self.linears], dim=-1)
+
+
 class _Attention(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group, dtype, device):
         super().__init__()
@@ -55,6 +92,7 @@ class _Attention(torch.nn.Module):
         self.v_proj = ColumnParallelLinear(h, cfg.num_kv_heads * d,
                                            what="num_kv_heads * head_dim", **kw)
         self.o_proj = RowParallelLinear(cfg.num_heads * d, h, what="num_heads * head_dim", **kw)
+        self.qkv = _Fused([self.q_proj, self.k_proj, self.v_proj])
 
 
 class _MLP(torch.nn.Module):
@@ -65,9 +103,11 @@ class _MLP(torch.nn.Module):
         self.gate_proj = ColumnParallelLinear(h, f, **kw)
         self.up_proj = ColumnParallelLinear(h, f, **kw)
         self.down_proj = RowParallelLinear(f, h, **kw)
+        self.gate_up = _Fused([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x).split(self.gate_up.sizes, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class _DecoderLayer(torch.nn.Module):
@@ -131,17 +171,24 @@ class LlamaModel(torch.nn.Module):
 
     def layer_qkv(self, i: int, hidden: torch.Tensor, positions: torch.Tensor):
         """hidden [T, H], positions LongTensor[T] -> q [T, Hq_l, D], k, v [T, Hkv_l, D]."""
-        layer = self.layers[i]
         t = hidden.shape[0]
         if positions.shape != (t,):
             raise ValueError(f"positions must be [T]={t}, got {tuple(positions.shape)}")
-        x = layer.input_layernorm(hidden)
-        attn = layer.self_attn
-        q = attn.q_proj(x).view(t, self.local_num_heads, self.head_dim)
-        k = attn.k_proj(x).view(t, self.local_num_kv_heads, self.head_dim)
-        v = attn.v_proj(x).view(t, self.local_num_kv_heads, self.head_dim)
-        cos, sin = self.rotary.cos_sin(positions, q.dtype)
-        return RotaryEmbedding.rotate(q, cos, sin), RotaryEmbedding.rotate(k, cos, sin), v
+        return self._qkv(i, hidden, self.rotary.cos_sin(positions, hidden.dtype))
+
+    def _qkv(self, i: int, hidden: torch.Tensor, cos_sin):
+        """``layer_qkv`` with the rotary tables of this pass already computed."""
+        layer = self.layers[i]
+        t = hidden.shape[0]
+        hq, hkv, d = self.local_num_heads, self.local_num_kv_heads, self.head_dim
+        qkv = layer.self_attn.qkv(layer.input_layernorm(hidden))  # [T, (Hq_l + 2 Hkv_l) D]
+        q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+        cos, sin = cos_sin
+        # v stays a strided view of the fused output (its rows are hq+2hkv heads apart);
+        # contiguous() makes it the plain [T, Hkv_l, D] tensor callers (and kernels) expect.
+        return (RotaryEmbedding.rotate(q.view(t, hq, d), cos, sin),
+                RotaryEmbedding.rotate(k.view(t, hkv, d), cos, sin),
+                v.reshape(t, hkv, d).contiguous())
 
     def layer_attn_out(self, i: int, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """residual [T, H], attn [T, Hq_l, D] -> residual + o_proj(attn) [T, H]."""
@@ -170,8 +217,11 @@ class LlamaModel(torch.nn.Module):
         """Run every layer; returns the final-normed hidden states [T, H]."""
         hidden = self.embed(input_ids)
         positions = positions.to(self.device)
+        if positions.shape != (hidden.shape[0],):
+            raise ValueError(f"positions must be [T]={hidden.shape[0]}, got {tuple(positions.shape)}")
+        cos_sin = self.rotary.cos_sin(positions, hidden.dtype)  # shared by every layer
         for i in range(self.num_layers):
-            q, k, v = self.layer_qkv(i, hidden, positions)
+            q, k, v = self._qkv(i, hidden, cos_sin)
             hidden = self.layer_attn_out(i, hidden, attention(i, q, k, v))
             hidden = self.layer_mlp(i, hidden)
         return self.final_norm(hidden)
