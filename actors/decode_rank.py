@@ -13,6 +13,12 @@ Lifecycle of a rank (driven by ``DecodeInstance``):
 
 Every rank applies the same commands in the same order, so all engine replicas make the same
 decisions (lockstep); only transfer events differ between ranks, and the driver combines them.
+
+EMULATION (``decode.executor = "emulated"``): ``init_group`` loads no model and forms no group;
+the engine is an ``EmulatedDecodeEngine`` (real batching and block bookkeeping, steps that
+sleep the decode latency model's time for the deployment's TP size, placeholder tokens) and the
+receive manager runs over its storage-free cache. ``control_counts`` reports the Ray calls and
+transfer messages this rank saw (the fidelity benchmark's control-plane cost).
 """
 
 from __future__ import annotations
@@ -86,6 +92,7 @@ class DecodeRank:
         self._events_lock = threading.Lock()
         self._ready: list[str] = []
         self._failed: list[Failed] = []
+        self._counts = _ControlCounts()
 
     # -- setup ----------------------------------------------------------------------------
     def rendezvous(self) -> tuple[str, int]:
@@ -99,6 +106,8 @@ class DecodeRank:
         """Form the instance's gloo world (all ranks at once) and load the sharded model."""
         from tetris.model.loader import load_model
 
+        if self.deployment.decode.executor == "emulated":
+            return self._init_emulated()
         group = None
         if self.tp_size > 1:
             if dist.is_initialized():
@@ -114,12 +123,26 @@ class DecodeRank:
             dist.barrier()
         return model.local_num_kv_heads
 
+    def _init_emulated(self) -> int:
+        """EMULATION: no model, no group. The engine's latency is the deployment's TP size
+        even when one rank actor stands for the whole instance (``tp_size`` 1 here)."""
+        from tetris.actors.emulated_decode import EmulatedDecodeEngine
+
+        mc = self.deployment.model
+        if mc.num_kv_heads % self.tp_size:
+            raise ValueError(f"{mc.num_kv_heads} KV heads cannot be split over {self.tp_size} ranks")
+        heads = mc.num_kv_heads // self.tp_size
+        self.engine = EmulatedDecodeEngine(self.deployment, tp_size=self.deployment.decode.tp_size,
+                                           kv_heads=heads,
+                                           time_scale=_time_scale(self.deployment))
+        return heads
+
     def enable_transfer(self, config: TransferConfig) -> AgentInfo:
         from tetris.transfer.backends import make_agent
         from tetris.transfer.receive_manager import ReceiveManager
 
         engine = self._engine()
-        self.agent = make_agent(f"decode-{self.receiver_id}", backend=config.backend)
+        self.agent = make_agent(f"decode-{self.receiver_id}", backend=config.backend, config=config)
         caches = [(engine.cache.k[i], engine.cache.v[i]) for i in range(engine.cache.num_layers)]
         manager = ReceiveManager(self.receiver_id, caches, self._blocks, self.agent, config)
         self.pump = TransferPump(manager, name=f"decode-{self.receiver_id}",
@@ -127,10 +150,12 @@ class DecodeRank:
         return self.agent.info()
 
     def connect_senders(self, peers: dict) -> None:
-        self._pump().connect(peers)
+        # Counted on the way out: the control-plane cost of streaming, measured not estimated.
+        self._pump().connect({i: _CountingPeer(h, self._counts) for i, h in peers.items()})
 
     @ray.method(concurrency_group=TRANSFER_GROUP)
     def deliver_transfer(self, msgs: list[ControlMessage]) -> None:
+        self._counts.received(msgs)
         if self.pump is None:
             log.warning("decode-%d: %d transfer message(s) before enable_transfer; dropped",
                         self.receiver_id, len(msgs))
@@ -149,6 +174,7 @@ class DecodeRank:
     # -- one round ------------------------------------------------------------------------
     def step(self, commands: list[Command]) -> StepReply:
         engine = self._engine()
+        self._counts.steps += 1
         rejected: list[Rejected] = []
         for cmd in commands:
             reason = self._apply(cmd)
@@ -218,6 +244,12 @@ class DecodeRank:
         self._engine().abort_request(request_id)
 
     # -- introspection --------------------------------------------------------------------
+    @ray.method(concurrency_group=TRANSFER_GROUP)
+    def control_counts(self) -> dict[str, int]:
+        """Ray calls and messages this rank handled: step rounds, transfer calls/messages in
+        and out by kind (cumulative)."""
+        return self._counts.snapshot()
+
     def stats(self) -> EngineStats:
         return self._engine().stats()
 
@@ -255,6 +287,54 @@ class DecodeRank:
         if self.pump is None:
             raise RuntimeError("call enable_transfer before connecting senders")
         return self.pump
+
+
+def _time_scale(deployment: DeploymentConfig) -> float:
+    emulation = getattr(deployment, "emulation", None)
+    return 1.0 if emulation is None else float(emulation.time_scale)
+
+
+class _ControlCounts:
+    """Cumulative control-plane counters of one rank (updated from two threads: a lock)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.steps = 0
+        self.calls_in = 0
+        self.calls_out = 0
+        self.msgs: dict[str, int] = {}
+
+    def received(self, msgs) -> None:
+        with self._lock:
+            self.calls_in += 1
+            for m in msgs:
+                key = f"in:{type(m).__name__}"
+                self.msgs[key] = self.msgs.get(key, 0) + 1
+
+    def sent(self, msgs) -> None:
+        with self._lock:
+            self.calls_out += 1
+            for m in msgs:
+                key = f"out:{type(m).__name__}"
+                self.msgs[key] = self.msgs.get(key, 0) + 1
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {"steps": self.steps, "transfer_calls_in": self.calls_in,
+                    "transfer_calls_out": self.calls_out} | dict(sorted(self.msgs.items()))
+
+
+class _CountingPeer:
+    """A sender actor handle whose ``deliver_transfer.remote`` calls are counted."""
+
+    def __init__(self, handle, counts: _ControlCounts) -> None:
+        self._handle = handle
+        self._counts = counts
+        self.deliver_transfer = self
+
+    def remote(self, msgs):
+        self._counts.sent(msgs)
+        return self._handle.deliver_transfer.remote(msgs)
 
 
 DecodeRankActor = ray.remote(concurrency_groups={TRANSFER_GROUP: 1})(DecodeRank)

@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from tetris.actors.balance import BALANCE_TAG_KIND, LayerBalancer
+from tetris.actors.emulated_decode import PLACEHOLDER_TOKEN, WIRE_HEAD_DIM, torch_dtype
 from tetris.actors.kv_store import PagedKVStore, ranges_tensor
 from tetris.actors.prefill_messages import ChunkResult, ChunkTask
 from tetris.actors.ring import RING_TAG_KIND, RingAttention
@@ -178,30 +179,82 @@ class ModelExecutor:
 
 
 class EmulatedExecutor:
-    """Waits the profile's predicted chunk time: ``T_s(h, l)`` of SPEC §2 (paper Eq. 1)."""
+    """Waits the profile's predicted chunk time: ``T_s(h, l)`` of SPEC §2 (paper Eq. 1).
+
+    EMULATION. With a pump (``enable_transfer``) and ``kv_receivers`` it streams like the real
+    body: a handshake per receiver at the start, then ``layer_ready`` per layer at
+    ``(i + 1) · T / L`` with KV of the wire geometry (``head_dim`` 1, zeros), so the transfer
+    control plane runs for real while the emulated backend times the paper's bytes. The member
+    holding the prompt's last token returns ``PLACEHOLDER_TOKEN`` as the first token.
+    """
 
     emulated = True
 
-    def __init__(self, profile) -> None:
+    def __init__(self, profile, model=None, *, tp_size: int = 1,
+                 sleep=time.sleep, clock=time.perf_counter) -> None:
         self.profile = profile
+        self.model = model          # ModelConfig: geometry of streamed KV (None: no streaming)
+        self.tp_size = tp_size
+        self.sleep = sleep
+        self.clock = clock
         self.fault: tuple[str, int, int] | None = None
+        self.pump = None            # a started TransferPump once transfer is enabled
 
     def prepare(self, task: ChunkTask) -> None:
         if task.chunk_end <= task.chunk_start:
             raise ValueError(f"chunk {task.chunk_index} is empty")
+        if task.kv_receivers:
+            if self.pump is None or self.model is None:
+                raise RuntimeError(f"chunk {task.chunk_index} streams KV but transfer is not "
+                                   f"enabled on emulated prefill instance {task.instance}")
+            hkv, n = self.model.num_kv_heads // self.tp_size, len(task.kv_receivers)
+            if hkv % n or len(set(task.kv_receivers)) != n:
+                raise ValueError(f"{hkv} KV heads cannot be split over receivers {task.kv_receivers}")
 
     def execute(self, task: ChunkTask) -> ChunkResult:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         if self.fault is not None and self.fault[:2] == (task.request_id, task.chunk_index):
             self.fault = None
             raise FaultInjected("injected fault (emulated)")
-        seconds = self.profile.predict(len(task.group), task.chunk_start,
-                                       task.chunk_end - task.chunk_start)
-        time.sleep(max(0.0, float(seconds)))
+        seconds = max(0.0, float(self.profile.predict(len(task.group), task.chunk_start,
+                                                      task.chunk_end - task.chunk_start)))
+        mine = task.chunk_positions[task.rank]
+        wire = self._open_shards(task) if task.kv_receivers and ranges_len(mine) else []
+        if wire:
+            layers = self.model.num_layers
+            for i in range(layers):
+                # Absolute deadlines: the sleeps' overshoot does not add up over the layers.
+                self.sleep(max(0.0, t0 + seconds * (i + 1) / layers - self.clock()))
+                with self.pump.locked() as mgr:
+                    for r, kv in wire:
+                        mgr.layer_ready(task.request_id, task.chunk_index, i, kv, receiver_id=r)
+        else:
+            self.sleep(max(0.0, t0 + seconds - self.clock()))
+        last = task.prompt_tokens - 1
+        holds_last = task.chunk_index == task.num_chunks - 1 and any(
+            lo <= last < hi for lo, hi in mine)
         return ChunkResult(
             request_id=task.request_id, chunk_index=task.chunk_index, instance=task.instance,
-            rank=task.rank, elapsed_s=time.perf_counter() - t0, emulated=True,
+            rank=task.rank, elapsed_s=self.clock() - t0, emulated=True,
+            first_token=PLACEHOLDER_TOKEN if holds_last else None,
         )
+
+    def _open_shards(self, task: ChunkTask) -> list[tuple[int, torch.Tensor]]:
+        """Handshake each receiver; per receiver the zero KV ``[n, 2, h, WIRE_HEAD_DIM]`` that
+        every layer sends (never written, so one tensor serves all layers)."""
+        n_recv = len(task.kv_receivers)
+        h = self.model.num_kv_heads // self.tp_size // n_recv
+        dtype = torch_dtype(self.model.dtype)
+        mine = task.chunk_positions[task.rank]
+        n = ranges_len(mine)
+        now = time.monotonic()
+        with self.pump.locked() as mgr:
+            for r in task.kv_receivers:
+                mgr.add_shard(request_id=task.request_id, chunk_index=task.chunk_index, receiver_id=r,
+                              prompt_tokens=task.prompt_tokens, chunk=(task.chunk_start, task.chunk_end),
+                              ranges=mine, num_layers=self.model.num_layers, kv_heads=h,
+                              head_dim=WIRE_HEAD_DIM, dtype=dtype, now=now)
+        return [(r, torch.zeros((n, 2, h, WIRE_HEAD_DIM), dtype=dtype)) for r in task.kv_receivers]
 
     def abort(self, request_id: str) -> None:
         return None

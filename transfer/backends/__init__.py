@@ -2,7 +2,8 @@
 
 ``make_agent(name)`` returns a NIXL agent when ``nixl`` imports and its UCX plugin starts;
 if not, it logs a WARNING that says why and returns an in-process agent, which only reaches
-agents of the same process (``agent.capabilities.cross_process`` is False). Never silent.
+agents of the same process (``agent.capabilities.cross_process`` is False). Never silent. ``"emulated"`` (EMULATION) times
+writes from the config's link bandwidth and moves no payload (``backends/emulated.py``).
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ from typing import Literal
 
 from tetris.transfer.backends.base import BackendCapabilities, TransferAgent, WriteStatus
 from tetris.transfer.backends.inproc import InProcAgent
+from tetris.transfer.states import TransferConfig
 
 __all__ = ["make_agent", "TransferAgent", "BackendCapabilities", "WriteStatus", "InProcAgent",
            "nixl_unavailable_reason"]
 
 log = logging.getLogger(__name__)
 
-BackendChoice = Literal["auto", "nixl", "inproc"]
+BackendChoice = Literal["auto", "nixl", "inproc", "emulated"]
 
 
 def nixl_unavailable_reason() -> str | None:
@@ -30,8 +32,16 @@ def nixl_unavailable_reason() -> str | None:
     return None
 
 
-def make_agent(name: str, backend: BackendChoice = "auto") -> TransferAgent:
-    """A transfer agent named ``name`` (unique per cluster) on the chosen backend."""
+def make_agent(name: str, backend: BackendChoice = "auto",
+               config: TransferConfig | None = None) -> TransferAgent:
+    """A transfer agent named ``name`` (unique per cluster) on the chosen backend; ``config``
+    gives the emulated backend its link (defaults: ``TransferConfig()``)."""
+    if backend == "emulated":
+        from tetris.transfer.backends.emulated import EmulatedAgent
+
+        cfg = config or TransferConfig()
+        return EmulatedAgent(name, bandwidth=cfg.emulated_link_bandwidth,
+                             bytes_per_wire_byte=cfg.emulated_bytes_per_wire_byte)
     if backend == "inproc":
         return InProcAgent(name)
     reason = nixl_unavailable_reason()

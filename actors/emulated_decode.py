@@ -1,0 +1,185 @@
+"""EMULATION: a decode engine with no model and no KV tensors, for the paper-scale emulated cluster.
+
+``EmulatedDecodeEngine`` keeps ``LLMEngine``'s decode-side contract (``can_reserve``,
+``reserve``, ``commit_prefilled``, ``abort_request``, ``step``, ``stats``) and its real
+bookkeeping: the same ``Batcher`` (continuous batching, admission, preemption) over the same
+``BlockManager`` at the deployment's KV capacity. A step sleeps what the decode latency model
+(``scheduler/decode_latency.py``) gives for (TP size, batch, KV tokens of the batch), times the
+emulation's time scale, and appends ``PLACEHOLDER_TOKEN`` to every running sequence: never EOS,
+so requests end by ``max_tokens``, as the simulator assumes.
+
+KV streaming keeps its control plane: the receive manager runs over ``cache``, meta tensors of
+the wire geometry (``WIRE_HEAD_DIM`` = 1, the model's dtype and KV heads) that hold no memory.
+The emulated prefill worker sends that same geometry, and the emulated transfer backend times
+each write at ``emulated_bytes_per_wire_byte`` (the model's head_dim) paper bytes per wire byte.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+
+import torch
+
+from tetris.config import DeploymentConfig, ModelConfig
+from tetris.engine.batcher import Batcher
+from tetris.engine.block_manager import BlockManager, OutOfBlocksError
+from tetris.engine.engine import EngineStats
+from tetris.engine.request import FinishReason, RequestOutput, Sequence, SequenceStatus
+from tetris.engine.sampling import check_stop
+from tetris.sampling_params import SamplingParams
+from tetris.scheduler.decode_latency import DecodeLatencyModel, DecodeModelSpec
+
+__all__ = ["EmulatedDecodeEngine", "EmulatedCache", "PLACEHOLDER_TOKEN", "WIRE_HEAD_DIM",
+           "decode_model_spec", "torch_dtype"]
+
+PLACEHOLDER_TOKEN = 120    # what emulated prefill and decode emit ("x" for the byte tokenizer)
+WIRE_HEAD_DIM = 1          # head_dim of emulated KV on the wire: control plane real, payload tiny
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def decode_model_spec(model: ModelConfig) -> DecodeModelSpec:
+    """Weight and KV bytes of a Llama geometry, for the decode latency model.
+
+    Weights: embeddings (twice unless tied), per layer q/o (H·H each), k/v (H·Hkv·D each) and
+    the MLP (3·H·I), plus norms; LLaMA3-8B gives 8.03e9 parameters, as ``LLAMA3_8B`` states.
+    """
+    h, d = model.hidden_size, model.attention_head_dim
+    q_dim, kv_dim = model.num_heads * d, model.num_kv_heads * d
+    per_layer = h * q_dim * 2 + h * kv_dim * 2 + 3 * h * model.intermediate_size + 2 * h
+    embed = model.vocab_size * h * (1 if model.tie_word_embeddings else 2)
+    elt = torch.empty((), dtype=torch_dtype(model.dtype)).element_size()
+    params = embed + model.num_layers * per_layer + h
+    kv = 2 * model.num_layers * model.num_kv_heads * d * elt
+    return DecodeModelSpec(model.name, float(params * elt), float(kv), model.num_layers, h)
+
+
+class EmulatedCache:
+    """What the receive manager needs of ``KVCache``: per layer ``k[i]``, ``v[i]``, here meta
+    tensors ``[num_blocks, block_size, kv_heads, WIRE_HEAD_DIM]`` (no storage)."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
+                 dtype: torch.dtype) -> None:
+        shape = (num_blocks, block_size, kv_heads, WIRE_HEAD_DIM)
+        self.num_layers = num_layers
+        self.k = [torch.empty(shape, dtype=dtype, device="meta") for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device="meta") for _ in range(num_layers)]
+
+
+class EmulatedDecodeEngine:
+    """One decode instance's engine in emulation; ``tp_size`` is the instance's (paper) TP."""
+
+    def __init__(self, deployment: DeploymentConfig, *, tp_size: int, kv_heads: int,
+                 time_scale: float = 1.0, sleep: Callable[[float], None] = time.sleep) -> None:
+        dc, mc = deployment.decode, deployment.model
+        self.tp_size = tp_size
+        self.time_scale = time_scale
+        self.sleep = sleep
+        self.latency = DecodeLatencyModel(decode_model_spec(mc))
+        self.max_model_len = mc.max_position_embeddings
+        self.vocab_size = mc.vocab_size
+        self.blocks = BlockManager(dc.kv_blocks, dc.block_size)
+        # A re-admitted (preempted) sequence is "recomputed" in one step: no token budget.
+        self.batcher = Batcher(self.blocks, max_num_seqs=dc.max_batch_size,
+                               max_num_batched_tokens=dc.kv_blocks * dc.block_size)
+        self.cache = EmulatedCache(mc.num_layers, dc.kv_blocks, dc.block_size, kv_heads,
+                                   torch_dtype(mc.dtype))
+        self._seqs: dict[str, Sequence] = {}
+        self._pending: list[RequestOutput] = []
+        self.emulated_s = 0.0      # emulated step time slept so far (time-scaled)
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+        raise ValueError("an emulated decode instance does not prefill: its prompts come "
+                         "from the prefill pool (reserve, then commit_prefilled)")
+
+    def can_reserve(self, num_prompt_tokens: int) -> bool:
+        return self.blocks.can_allocate(num_prompt_tokens + 1)
+
+    def reserve(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> list[int]:
+        """Hold blocks for a prompt prefilled elsewhere; each position's slot (``LLMEngine.reserve``)."""
+        if request_id in self._seqs:
+            raise ValueError(f"request {request_id!r} is already running")
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt or len(prompt) > self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens: need 1 to {self.max_model_len}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        max_total = min(self.max_model_len, self.blocks.num_blocks * self.blocks.block_size)
+        seq = Sequence(request_id, prompt, params, generator=None,
+                       stop_token_ids=frozenset(params.stop_token_ids), max_total_tokens=max_total)
+        if not self.can_reserve(seq.num_tokens):
+            raise OutOfBlocksError(f"{request_id}: {seq.num_tokens} prompt tokens do not fit "
+                                   f"{self.blocks.num_free_blocks} free blocks")
+        self.blocks.allocate(seq)
+        seq.status = SequenceStatus.RECEIVING
+        self._seqs[request_id] = seq
+        bs = self.blocks.block_size
+        return [seq.block_table[p // bs] * bs + p % bs for p in range(seq.num_tokens)]
+
+    def commit_prefilled(self, request_id: str, first_token: int) -> None:
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.status is not SequenceStatus.RECEIVING:
+            raise ValueError(f"request {request_id!r} is not reserved and awaiting its KV")
+        seq.num_computed = seq.num_tokens
+        seq.tokens.append(int(first_token))
+        reason = check_stop(seq, int(first_token), None)
+        if reason is None:
+            self.batcher.add_prefilled(seq)
+        else:
+            seq.finish(reason)
+            self.batcher.remove(seq)
+            del self._seqs[request_id]
+        self._pending.append(seq.to_output((int(first_token),)))
+
+    def abort_request(self, request_id: str) -> bool:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.batcher.remove(seq)
+        seq.finish(FinishReason.ABORT)
+        self._pending.append(seq.to_output(()))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs) or bool(self._pending)
+
+    # -- one iteration ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule as the engine does, wait the emulated step time, emit placeholder tokens."""
+        outputs, self._pending = self._pending, []
+        plan = self.batcher.schedule()
+        if plan.empty:
+            return outputs
+        scheduled = plan.decodes + plan.prefills
+        context = sum(s.seq.num_tokens for s in scheduled)
+        seconds = self.latency.step_time(self.tp_size, len(scheduled), context) * self.time_scale
+        self.sleep(seconds)
+        self.emulated_s += seconds
+        for sched in scheduled:
+            seq = sched.seq
+            seq.num_computed += sched.num_new_tokens
+            if not sched.samples:
+                continue
+            seq.tokens.append(PLACEHOLDER_TOKEN)
+            reason = check_stop(seq, PLACEHOLDER_TOKEN, None)
+            if reason is not None:
+                seq.finish(reason)
+                self.batcher.remove(seq)
+                del self._seqs[seq.request_id]
+            outputs.append(seq.to_output((PLACEHOLDER_TOKEN,)))
+        return outputs
+
+    def stats(self) -> EngineStats:
+        b = self.batcher
+        return EngineStats(
+            running=len(b.running), waiting=len(b.waiting), ready=len(b.ready),
+            receiving=sum(s.status is SequenceStatus.RECEIVING for s in self._seqs.values()),
+            free_blocks=self.blocks.num_free_blocks, total_blocks=self.blocks.num_blocks,
+            block_size=self.blocks.block_size,
+            preemptions=sum(s.num_preemptions for s in self._seqs.values()),
+        )
