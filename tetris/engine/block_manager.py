@@ -75,6 +75,12 @@ class BlockManager:
             self._free.append(block)
         seq.block_table = []
 
+    def reserve(self, owner: str) -> int:
+        """Take one block out of circulation for good (e.g. the CUDA graphs' scratch slots)."""
+        if not self._free:
+            raise OutOfBlocksError(f"{owner}: no free block to reserve")
+        return self._take(owner)
+
     def _needs_block(self, seq: Sequence) -> int:
         return int(seq.num_tokens > len(seq.block_table) * self.block_size)
 

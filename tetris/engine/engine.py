@@ -44,11 +44,16 @@ class LLMEngine:
 
     ``tokenizer`` is optional: without it outputs carry token ids only and stop strings are
     refused. ``seed`` seeds the generators of requests that bring no seed of their own.
+    ``cuda_graphs`` (None: on iff the model is on CUDA) replays captured decode steps for the
+    batch sizes ``graph_batch_sizes`` (default: 1, 2, 4, 8, multiples of 16 up to
+    ``max_num_seqs``); it holds one KV block back as the padding rows' scratch space. True
+    off CUDA runs the same padded path eagerly (for tests).
     """
 
     def __init__(self, model, tokenizer=None, *, num_blocks: int = 1024, block_size: int = 16,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 2048,
-                 seed: int | None = 0) -> None:
+                 seed: int | None = 0, cuda_graphs: bool | None = None,
+                 graph_batch_sizes: Seq[int] | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = model.cfg.max_position_embeddings
@@ -57,7 +62,19 @@ class LLMEngine:
         self.cache = KVCache.for_model(model, num_blocks, block_size)
         self.batcher = Batcher(self.blocks, max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.cache)
+        if cuda_graphs is None:
+            cuda_graphs = self.cache.buffer.device.type == "cuda"
+        graph_kw = {}
+        self._usable_blocks = num_blocks
+        if cuda_graphs:
+            scratch = self.blocks.reserve("<cuda-graph-scratch>")
+            self._usable_blocks -= 1
+            longest = min(self.max_model_len + 1, self._usable_blocks * block_size)
+            graph_kw = dict(scratch_slot=scratch * block_size,
+                            max_blocks_per_seq=self.blocks.blocks_needed(longest),
+                            graph_batch_sizes=list(graph_batch_sizes or []) or None,
+                            max_batch_size=max_num_seqs)
+        self.runner = ModelRunner(model, self.cache, cuda_graphs=cuda_graphs, **graph_kw)
         self._rng = random.Random(seed)
         self._seqs: dict[str, Sequence] = {}
         # Outputs produced between steps (aborts, prefilled first tokens), sent by the next.
@@ -103,7 +120,7 @@ class LLMEngine:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                        else self._eos)
         # A sequence never outgrows the whole cache, so one that runs alone always fits.
-        max_total = min(self.max_model_len, self.blocks.num_blocks * self.blocks.block_size)
+        max_total = min(self.max_model_len, self._usable_blocks * self.blocks.block_size)
         return Sequence(request_id, prompt, params, generator=generator, stop_token_ids=stop_ids,
                         max_total_tokens=max_total)
 
@@ -118,8 +135,8 @@ class LLMEngine:
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        capacity = self.blocks.num_blocks * self.blocks.block_size
-        if self.blocks.blocks_needed(len(prompt) + 1) > self.blocks.num_blocks:
+        capacity = self._usable_blocks * self.blocks.block_size
+        if self.blocks.blocks_needed(len(prompt) + 1) > self._usable_blocks:
             raise ValueError(
                 f"prompt has {len(prompt)} tokens but the KV cache holds only {capacity} tokens"
             )
@@ -257,7 +274,7 @@ class LLMEngine:
         return EngineStats(
             running=len(b.running), waiting=len(b.waiting), ready=len(b.ready),
             receiving=sum(s.status is SequenceStatus.RECEIVING for s in self._seqs.values()),
-            free_blocks=self.blocks.num_free_blocks, total_blocks=self.blocks.num_blocks,
+            free_blocks=self.blocks.num_free_blocks, total_blocks=self._usable_blocks,
             block_size=self.blocks.block_size,
             preemptions=sum(s.num_preemptions for s in self._seqs.values()),
         )

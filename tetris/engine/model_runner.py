@@ -8,6 +8,13 @@ then:
 - a prefill chunk with no cached prefix runs plain causal attention on its own K/V;
 - a chunk continuing a cached prefix (chunked prefill, recompute) reads prefix and chunk K/V
   back from the cache and masks by absolute position.
+
+Decode-only iterations go through ``decode_step``, which is graph-safe (no host reads of
+device values). With CUDA graphs on, a batch that fits a captured size runs by replay, padded
+to that size: padding rows have context length 0 (they attend to nothing) and write their
+K/V to a scratch slot no sequence owns. Mixed prefill/decode batches, and batches larger than
+every captured size, run eagerly. Off CUDA, ``cuda_graphs=True`` runs the same padded path
+eagerly (``DecodeGraphRunner``'s emulation), which is how the dispatch is tested on CPU.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import msgspec
 import torch
 
 from tetris.engine.batcher import BatchPlan
+from tetris.engine.cuda_graphs import DecodeGraphRunner, StaticInput, default_batch_buckets
 from tetris.engine.kv_cache import KVCache
 from tetris.engine.request import Sequence
 from tetris.kernels import dispatch
@@ -46,11 +54,42 @@ class BatchInputs(msgspec.Struct):
 
 
 class ModelRunner:
-    def __init__(self, model, cache: KVCache) -> None:
+    """Executes batch plans; ``cuda_graphs`` (None: on iff the cache is on CUDA) needs
+    ``scratch_slot``, a cache slot that no sequence owns, and ``max_blocks_per_seq``, the
+    block-table width the graphs are captured with (the longest sequence's blocks)."""
+
+    def __init__(self, model, cache: KVCache, *, cuda_graphs: bool | None = None,
+                 graph_batch_sizes: list[int] | None = None, scratch_slot: int | None = None,
+                 max_blocks_per_seq: int | None = None, max_batch_size: int = 32) -> None:
         self.model = model
         self.cache = cache
         self.block_size = cache.block_size
         self.device = cache.buffer.device
+        self.graph_steps = 0  # decode steps run through the graph runner (replay or emulation)
+        self.eager_steps = 0
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        self.graphs: DecodeGraphRunner | None = None
+        if cuda_graphs:
+            if scratch_slot is None or max_blocks_per_seq is None:
+                raise ValueError("CUDA graphs need a scratch_slot and max_blocks_per_seq")
+            sizes = graph_batch_sizes or default_batch_buckets(max_batch_size)
+            self.graphs = self._graph_runner(sizes, scratch_slot, max_blocks_per_seq)
+            self._graph_width = max_blocks_per_seq
+
+    def _graph_runner(self, sizes: list[int], scratch_slot: int,
+                      max_blocks: int) -> DecodeGraphRunner:
+        if not 0 <= scratch_slot < self.cache.num_blocks * self.block_size:
+            raise ValueError(f"scratch_slot {scratch_slot} is outside the cache")
+        inputs = [
+            StaticInput("input_ids", (), "int64"),
+            StaticInput("positions", (), "int64"),
+            StaticInput("slot_mapping", (), "int64", pad_value=scratch_slot),
+            StaticInput("block_tables", (max_blocks,), "int32"),
+            StaticInput("context_lens", (), "int32"),  # 0: padding rows attend to nothing
+        ]
+        # Off CUDA the runner emulates (padded static buffers, eager): same dispatch, testable.
+        return DecodeGraphRunner(self.decode_step, inputs, sizes, self.device, emulate=True)
 
     def prepare(self, plan: BatchPlan) -> BatchInputs:
         bs = self.block_size
@@ -107,6 +146,8 @@ class ModelRunner:
     def execute(self, plan: BatchPlan) -> tuple[torch.Tensor, list[Sequence]]:
         """Run ``plan``; return logits [N, V] float32 of the sequences that sample, in order."""
         inputs = self.prepare(plan)
+        if not inputs.prefills:  # decode only: every row samples, in plan order
+            return self._decode(inputs), inputs.sample_seqs
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
             return self.attention(layer, q, k, v, inputs)
@@ -116,15 +157,45 @@ class ModelRunner:
             return hidden.new_empty(0, 0, dtype=torch.float32), []
         return self.model.logits(hidden.index_select(0, inputs.sample_rows)), inputs.sample_seqs
 
+    def _decode(self, inputs: BatchInputs) -> torch.Tensor:
+        tensors = dict(input_ids=inputs.input_ids, positions=inputs.positions,
+                       slot_mapping=inputs.slot_mapping, block_tables=inputs.block_tables,
+                       context_lens=inputs.context_lens)
+        graphs = self.graphs
+        if graphs is None or graphs.bucket_for(inputs.num_decodes) is None:
+            self.eager_steps += 1
+            return self.decode_step(**tensors)
+        self.graph_steps += 1
+        width = self._graph_width
+        tables = inputs.block_tables
+        if tables.shape[1] > width:
+            raise ValueError(f"a block table has {tables.shape[1]} blocks; graphs hold {width}")
+        tensors["block_tables"] = torch.nn.functional.pad(tables, (0, width - tables.shape[1]))
+        return graphs.run(**tensors)
+
+    def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                    slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor) -> torch.Tensor:
+        """One token per sequence -> logits [B, V] float32. Graph-safe: no host reads.
+
+        input_ids, positions, slot_mapping int64 [B]; block_tables int32 [B, MAXB];
+        context_lens int32 [B] (positions + 1 for live rows).
+        """
+        def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+            k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
+            # Slots come from our own block tables (in range by construction).
+            write_kv(k_cache, v_cache, k, v, slot_mapping, check_bounds=False)
+            return dispatch.paged_decode_attention(q, k_cache, v_cache, block_tables,
+                                                   context_lens)
+
+        return self.model.logits(self.model.forward(input_ids, positions, attention))
+
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   inputs: BatchInputs) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] of the whole flat batch -> out [T, Hq, D]."""
+        """q [T, Hq, D], k/v [T, Hkv, D] of a batch with prefill rows -> out [T, Hq, D]."""
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
-        write_kv(k_cache, v_cache, k, v, inputs.slot_mapping)
+        write_kv(k_cache, v_cache, k, v, inputs.slot_mapping, check_bounds=False)
         nd = inputs.num_decodes
-        if nd and not inputs.prefills:
-            return dispatch.paged_decode_attention(q, k_cache, v_cache, inputs.block_tables,
-                                                   inputs.context_lens)
         out = torch.empty_like(q)
         if nd:
             out[:nd] = dispatch.paged_decode_attention(q[:nd], k_cache, v_cache,
