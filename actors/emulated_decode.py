@@ -162,8 +162,9 @@ class EmulatedDecodeEngine:
         self.emulated_s += seconds
         for sched in scheduled:
             seq = sched.seq
+            samples = sched.samples      # read before num_computed moves on
             seq.num_computed += sched.num_new_tokens
-            if not sched.samples:
+            if not samples:
                 continue
             seq.tokens.append(PLACEHOLDER_TOKEN)
             reason = check_stop(seq, PLACEHOLDER_TOKEN, None)

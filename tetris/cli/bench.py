@@ -41,15 +41,59 @@ def _print_transfer(out: dict) -> None:
           f"({hs['ray_calls_per_handshake']} Ray calls, {hs['requests']} requests)")
 
 
+def _add_fidelity(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="paper-llama3-8b-emulated.toml",
+                   help="an emulated deployment (default: the paper's 8B cluster, emulated)")
+    p.add_argument("--workload", default="short", help="short, medium, long or a trace file")
+    p.add_argument("--rate", type=positive_list(float, "rates in req/s"), default=[1.0],
+                   help="arrival rate(s) in req/s of paper time, comma-separated (default 1)")
+    p.add_argument("--requests", type=positive_int, default=40, help="requests per rate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="slow all emulated time by this factor (the machine cannot keep up)")
+    p.add_argument("--max-output", type=positive_int, default=16,
+                   help="cap on output tokens, for both runs (TTFT does not depend on it)")
+
+
+def _run_fidelity(args: argparse.Namespace) -> dict:
+    from tqdm import tqdm
+
+    from tetris.bench_fidelity import run_fidelity
+
+    if args.time_scale <= 0:
+        raise SystemExit("tetris bench fidelity: --time-scale must be positive")
+    with tqdm(total=len(args.rate) * args.requests, desc="bench fidelity (EMULATION)",
+              disable=args.json, file=sys.stderr) as bar:
+        return run_fidelity(args.config, workload=args.workload, rates=args.rate,
+                            requests=args.requests, seed=args.seed, time_scale=args.time_scale,
+                            max_output=args.max_output, tick=bar.update)
+
+
+def _print_fidelity(out: dict) -> None:
+    print(f"{out['label']}; time scale {out['time_scale']:g}, {out['workload']} workload, "
+          f"{out['requests']} requests per rate")
+    print(f"{'rate':>6} {'sim P50':>8} {'live P50':>9} {'ratio':>6} {'sim P99':>8} {'live P99':>9} "
+          f"{'ratio':>6} {'failed':>6} {'plan us':>8} {'handoff ms':>10} {'ray/req':>8}")
+    for r in out["runs"]:
+        cp = r["control_plane"]
+        calls = sum(cp["ray_calls_per_request"].values())
+        print(f"{r['rate']:>6g} {r['sim_ttft_s']['p50']:>8.3f} {r['live_ttft_s']['p50']:>9.3f} "
+              f"{r['ratio_p50']:>6.3f} {r['sim_ttft_s']['p99']:>8.3f} {r['live_ttft_s']['p99']:>9.3f} "
+              f"{r['ratio_p99']:>6.3f} {r['failed']:>6} {cp['decision_us_mean']:>8.0f} "
+              f"{cp['handoff_ms']['p50']:>10.1f} {calls:>8.0f}")
+
+
 # name -> (help, add arguments, run -> dict, print the dict for people)
 BENCHES = {
     "transfer": ("NIXL throughput between two Ray actors vs an in-process copy; handshake overhead",
                  _add_transfer, _run_transfer, _print_transfer),
+    "fidelity": ("EMULATION: live emulated cluster vs simulator, TTFT P50/P99 on one seeded trace",
+                 _add_fidelity, _run_fidelity, _print_fidelity),
 }
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("bench", help="run a benchmark (transfer, ...)")
+    parser = subparsers.add_parser("bench", help="run a benchmark (transfer, fidelity)")
     sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
     for name, (help_text, add, _, _) in BENCHES.items():
         p = sub.add_parser(name, help=help_text)

@@ -1,0 +1,134 @@
+"""The live half of ``tetris bench fidelity``: an emulated Serve app driven open-loop.
+
+``LiveCluster`` starts Ray (unless the caller has), Serve and the app of a deployment, wires it
+(``DispatcherServer.warmup``) and tears it down on exit. ``run_trace`` sends each request of a
+trace at its arrival time (× the time scale) through the Ingress handle's ``generate_stream``,
+without waiting for earlier ones (open loop), and returns per-request times plus the control
+counters of the decode ranks and the dispatcher's timelines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Callable
+
+from tetris.config import DeploymentConfig
+
+__all__ = ["LiveCluster"]
+
+_PROMPT_TOKEN = 1000   # any id inside the vocabulary: emulated workers never read the prompt
+
+
+class LiveCluster:
+    def __init__(self, deployment: DeploymentConfig, *, app_name: str = "tetris") -> None:
+        self.deployment = deployment
+        self.app_name = app_name
+        self.started_ray = False
+        self.startup_s = 0.0
+
+    def __enter__(self) -> LiveCluster:
+        import ray
+        from ray import serve
+
+        from tetris.serve.app import build_app
+
+        t0 = time.perf_counter()
+        if not ray.is_initialized():
+            ray.init(num_cpus=64, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+            self.started_ray = True
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        self.ingress = serve.run(build_app(self.deployment, max_pending=4096),
+                                 name=self.app_name, route_prefix=f"/{self.app_name}")
+        self.dispatcher = serve.get_deployment_handle("DispatcherServer", self.app_name)
+        self.decode = serve.get_deployment_handle("DecodePoolServer", self.app_name)
+        self.dispatcher.warmup.remote().result(timeout_s=600)
+        self.ranks = [h for _rid, (h, _info) in sorted(self.decode.peers.remote().result().items())]
+        self.startup_s = time.perf_counter() - t0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import ray
+        from ray import serve
+
+        try:
+            serve.delete(self.app_name)
+        finally:
+            if self.started_ray:
+                serve.shutdown()
+                ray.shutdown()
+
+    def counts(self) -> dict[str, int]:
+        import ray
+
+        total: dict[str, int] = {}
+        for c in ray.get([r.control_counts.remote() for r in self.ranks]):
+            for k, v in c.items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def held(self) -> dict:
+        return self.dispatcher.held.remote().result(timeout_s=60)
+
+    async def run_trace(self, trace, time_scale: float,
+                        tick: Callable[[int], None] | None = None) -> dict:
+        from tetris.sampling_params import SamplingParams
+        from tetris.serve.types import GenerationRequest
+
+        before = self.counts()
+        t0 = time.perf_counter() + 0.05
+        out: list[dict] = []
+
+        async def one(i: int, r) -> None:
+            due = t0 + r.arrival_time * time_scale
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            sent = time.perf_counter()
+            req = GenerationRequest(prompt_token_ids=(_PROMPT_TOKEN,) * r.prompt_tokens,
+                                    request_id=f"fid-{r.request_id}-{int(t0 * 1e3)}",
+                                    sampling=SamplingParams(max_tokens=r.output_tokens,
+                                                            temperature=0, ignore_eos=True))
+            first, tokens, err = None, 0, None
+            try:
+                async for d in self.ingress.options(stream=True).generate_stream.remote(req):
+                    if first is None and d.new_token_ids:
+                        first = time.perf_counter()
+                    tokens += len(d.new_token_ids)
+            except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
+                err = f"{type(e).__name__}: {e}"
+            out.append({"i": i, "request_id": req.request_id, "sent": sent, "lag": sent - due,
+                        "ttft": None if first is None else (first - sent) / time_scale,
+                        "tokens": tokens, "want": r.output_tokens, "error": err})
+            if tick is not None:
+                tick(1)
+
+        await asyncio.gather(*[one(i, r) for i, r in enumerate(trace)])
+        after = self.counts()
+        timelines = await self.dispatcher.timelines.remote(len(trace) + 64)
+        return self._collect(trace, out, before, after, timelines, time_scale)
+
+    def _collect(self, trace, out, before, after, timelines, time_scale) -> dict:
+        out.sort(key=lambda o: o["i"])
+        by_id = {t["request_id"]: t for t in timelines}
+        failed = [o for o in out if o["error"] or o["tokens"] != o["want"]]
+        delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        tls = [by_id[o["request_id"]] for o in out if o["request_id"] in by_id]
+        return {
+            "ttft_s": [o["ttft"] if o["ttft"] is not None else float("nan") for o in out],
+            # The dispatcher's own view: arrival there to the end of the prefill (the
+            # simulator's TTFT definition), without ingress hops and the decode hand-off.
+            "prefill_ttft_s": [(t["prefill_end"] - t["arrival"]) / time_scale for t in tls],
+            "to_plan_s": [t["planned"] - t["arrival"] for t in tls],
+            "handoff_s": [t["first_output"] - t["prefill_end"] for t in tls if t["first_output"]],
+            "chunk_member_calls": 2 * sum(sum(t["sp_sizes"]) for t in tls),
+            "transfer_calls": delta.get("transfer_calls_in", 0) + delta.get("transfer_calls_out", 0),
+            "decode_steps": delta.get("steps", 0),
+            "messages": {k: v for k, v in delta.items() if ":" in k},
+            "lag_s": [o["lag"] for o in out],
+            "failed": len(failed),
+            "errors": sorted({o["error"] for o in failed if o["error"]})[:5],
+        }
