@@ -33,6 +33,7 @@ import ray
 from tetris.actors.decode_messages import (Abort, Add, Command, Commit, DecodeError, DecodeFull,
                                            Reserve, StepReply, TokenDelta)
 from tetris.actors.decode_rank import DecodeRankActor
+from tetris.actors.placement import PLACEMENT_TIMEOUT_S, Placement, place_decode
 from tetris.config import DeploymentConfig
 from tetris.engine.engine import EngineStats
 from tetris.engine.request import RequestOutput
@@ -62,13 +63,16 @@ class _Request:
 
 class DecodeInstance:
     def __init__(self, deployment: DeploymentConfig, instance: int, *,
-                 transfer: TransferConfig | None, placement=None, seed: int = 0,
-                 timeout_s: float = 60.0, poll_interval_s: float = 0.003) -> None:
+                 transfer: TransferConfig | None, placement: str | None = None, seed: int = 0,
+                 timeout_s: float = 60.0, poll_interval_s: float = 0.003,
+                 placement_timeout_s: float = PLACEMENT_TIMEOUT_S) -> None:
         self.deployment = deployment
         self.instance = instance
         self.tp_size = deployment.decode.tp_size
         self.transfer = transfer
-        self.placement = placement
+        self.placement_mode = placement   # None: decode.placement of the deployment
+        self.placement_timeout_s = placement_timeout_s
+        self.placement: Placement | None = None
         self.seed = seed
         self.timeout_s = timeout_s
         self.poll_interval_s = poll_interval_s
@@ -92,15 +96,14 @@ class DecodeInstance:
         return tuple(self.instance * self.tp_size + r for r in range(self.tp_size))
 
     async def start(self) -> None:
-        """Spawn the ranks, form the TP group, load the model, enable transfer when given."""
-        options: dict = {"num_cpus": 0}   # ranks mostly wait on each other, like prefill workers
-        if self.placement is not None:
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-            # One bundle per instance: its TP ranks are packed on one node.
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=self.placement, placement_group_bundle_index=0)
-        self.ranks = [DecodeRankActor.options(**options).remote(
+        """Place and spawn the ranks, form the TP group, load the model, enable transfer when
+        given. With placement, rank r runs in bundle r of the instance's STRICT_PACK group, so
+        the TP group never spans nodes (actors/placement.py)."""
+        # Waiting for a placement group blocks: keep the event loop (a Serve replica's) free.
+        self.placement = await asyncio.to_thread(
+            place_decode, self.deployment.decode, self.instance, mode=self.placement_mode,
+            timeout_s=self.placement_timeout_s)
+        self.ranks = [DecodeRankActor.options(**self.placement.options(r)).remote(
             self.instance, r, self.tp_size, self.deployment, seed=self.seed)
             for r in range(self.tp_size)]
         host, port = await self.ranks[0].rendezvous.remote()
@@ -207,6 +210,9 @@ class DecodeInstance:
             for r in self.ranks:
                 ray.kill(r)
             self.ranks = []
+        if self.placement is not None:
+            self.placement.remove()
+            self.placement = None
 
     # -- internals ------------------------------------------------------------------------
     def _open(self, request_id: str, prompt: tuple[int, ...], *, receiving: bool) -> _Request:

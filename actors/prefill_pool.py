@@ -33,6 +33,7 @@ import ray
 
 from tetris.actors.chunk_order import ChunkTickets
 from tetris.actors.layout import plan_layout
+from tetris.actors.placement import PLACEMENT_TIMEOUT_S, Placement, node_map, place_prefill
 from tetris.actors.prefill_messages import (
     BalanceMode,
     ChunkResult,
@@ -61,43 +62,63 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class PrefillPool:
-    """``num_instances`` workers, ``node_size`` per (virtual) node, forming one gloo world."""
+    """``num_instances`` workers forming one gloo world, placed on Ray nodes by ``placement``
+    (default ``prefill.placement``; see actors/placement.py); ``node_of`` is their node map."""
 
     def __init__(self, deployment: DeploymentConfig, *, num_instances: int | None = None,
                  node_size: int | None = None, profile: str | None = None,
                  timeout_s: float = 60.0, chunk_timeout_s: float = 600.0,
-                 balance: BalanceMode = "overlap") -> None:
+                 balance: BalanceMode = "overlap", placement: str | None = None,
+                 placement_timeout_s: float = PLACEMENT_TIMEOUT_S) -> None:
         pc = deployment.prefill
         n = num_instances or pc.num_instances
         per_node = node_size or pc.node_size
         if n % per_node:
             raise ValueError(f"{n} instances cannot be cut into nodes of {per_node}")
         self.deployment = deployment
-        self.node_of = tuple(i // per_node for i in range(n))
         self.timeout_s = timeout_s
         self.chunk_timeout_s = chunk_timeout_s
         self.balance: BalanceMode = balance
         self.emulated = pc.executor == "emulated"
         self._profile = profile or deployment.scheduler.profile
-        self.workers = [self._spawn(i) for i in range(n)]
+        self.workers: list = []
+        self.placement: Placement = place_prefill(pc, n, mode=placement,
+                                                  timeout_s=placement_timeout_s)
+        try:
+            # Spawn with the bundles' nodes; the workers' own reports then fix the node map.
+            self.node_of = tuple(node_map(self.placement.node_ids or ["local"] * n, per_node))
+            self.workers = [self._spawn(i) for i in range(n)]
+            self.node_ids: tuple[str, ...] = tuple(ray.get(
+                [w.ray_node.remote() for w in self.workers], timeout=max(120.0, timeout_s)))
+        except BaseException:
+            self._release_actors()
+            raise
+        self.node_of = tuple(node_map(self.node_ids, per_node))
         self._seq = itertools.count()
         self._lock = threading.Lock()
         self._gate = _SharedExclusive()
         self._tickets = ChunkTickets(n)
         self._transfer = None          # TransferConfig once enable_transfer ran
         self._receivers: dict = {}     # receiver id -> (actor handle, AgentInfo)
-        self._form_world()
+        try:
+            self._form_world()
+        except BaseException:
+            self._release_actors()
+            raise
 
     def _spawn(self, i: int):
-        # num_cpus=0: workers mostly wait on each other; Ray must not refuse to place them.
-        return PrefillWorkerActor.options(num_cpus=0).remote(
+        # Placement options reserve no CPU for the actor itself (num_cpus=0): workers mostly
+        # wait on each other; a bundle, when there is one, holds the instance's reservation.
+        return PrefillWorkerActor.options(**self.placement.options(i)).remote(
             i, self.node_of[i], self.deployment.model, self.deployment.prefill,
             profile=self._profile)
 
     def _form_world(self) -> None:
-        """(Re)make the one gloo world of all workers, with its store on a fresh free port."""
-        port = free_port()
-        ray.get([w.init_world.remote("127.0.0.1", port, self.size, self.timeout_s)
+        """(Re)make the one gloo world of all workers, with its store in worker 0 on a port
+        free on worker 0's node."""
+        host, port = ray.get(self.workers[0].store_address.remote(),
+                             timeout=max(120.0, self.timeout_s))
+        ray.get([w.init_world.remote(host, port, self.size, self.timeout_s)
                  for w in self.workers], timeout=max(120.0, self.timeout_s))
 
     @property
@@ -279,7 +300,8 @@ class PrefillPool:
         return dict(enumerate(ray.get([w.held_requests.remote() for w in self.workers])))
 
     def node_map(self) -> list[int]:
-        """Each worker's node index (virtual nodes of ``node_size`` today)."""
+        """Each worker's node index: the real Ray nodes on a multi-node cluster, virtual nodes
+        of ``node_size`` on one node (``placement.node_map``)."""
         return list(self.node_of)
 
     # -- KV streaming -------------------------------------------------------------------------
@@ -317,9 +339,13 @@ class PrefillPool:
         try:
             ray.get([w.shutdown.remote() for w in self.workers], timeout=30)
         finally:
-            for w in self.workers:
-                ray.kill(w)
-            self.workers = []
+            self._release_actors()
+
+    def _release_actors(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
+        self.placement.remove()
 
 
 class _RunOptions(NamedTuple):

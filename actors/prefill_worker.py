@@ -245,7 +245,22 @@ class PrefillWorker:
         self.executor.fault = (request_id, chunk_index, layer)
 
     def node_index(self) -> int:
+        """The node index the pool gave at spawn (its node map may differ, see ``ray_node``)."""
         return self.node
+
+    def ray_node(self) -> str:
+        """The Ray node id this worker runs on (the pool's node map is built from these)."""
+        return ray.get_runtime_context().get_node_id()
+
+    def store_address(self) -> tuple[str, int]:
+        """(this node's IP, a port free on it): the world's store runs in rank 0, so its
+        address must be reachable from every node, which 127.0.0.1 is not."""
+        import socket
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            return host, s.getsockname()[1]
 
     def shutdown(self) -> None:
         if self.streaming is not None:

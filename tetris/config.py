@@ -113,10 +113,17 @@ class PrefillConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     executor: Literal["model", "emulated"] = "model"
     block_size: int = 16
     kv_blocks_per_instance: int = 4096
+    # Ray placement (actors/placement.py): "auto" places with a placement group ("pack") on a
+    # multi-node cluster and not at all ("none") on one node, where the workers share the node
+    # anyway and a 2-core box must still run the tiny deployment. One bundle per instance.
+    placement: Literal["auto", "pack", "spread", "none"] = "auto"
+    cpus_per_instance: float = 1.0
+    gpus_per_instance: float = 0.0   # tp_size on a GPU cluster
 
     def __post_init__(self) -> None:
         if self.num_instances <= 0 or self.tp_size <= 0 or self.node_size <= 0:
             raise ValueError("prefill.num_instances, tp_size and node_size must be positive")
+        _check_bundle("prefill", self.cpus_per_instance, self.gpus_per_instance)
         if self.num_instances % self.node_size:
             raise ValueError(
                 f"prefill.num_instances ({self.num_instances}) must be a multiple of "
@@ -133,11 +140,24 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_size: int = 16
     kv_blocks: int = 8192
     executor: Literal["model", "emulated"] = "model"
+    # One placement group per instance, one bundle per TP rank, STRICT_PACK (a TP group never
+    # spans nodes); "auto" = "pack" on a multi-node cluster, "none" on one node.
+    placement: Literal["auto", "pack", "none"] = "auto"
+    cpus_per_rank: float = 1.0
+    gpus_per_rank: float = 0.0   # 1 on a GPU cluster
 
     def __post_init__(self) -> None:
         if min(self.num_instances, self.tp_size, self.max_batch_size, self.block_size,
                self.kv_blocks) <= 0:
             raise ValueError("decode.* sizes must be positive")
+        _check_bundle("decode", self.cpus_per_rank, self.gpus_per_rank)
+
+
+def _check_bundle(table: str, cpus: float, gpus: float) -> None:
+    # Ray rejects a placement-group bundle with no resources at all.
+    if cpus < 0 or gpus < 0 or cpus + gpus <= 0:
+        raise ValueError(f"{table}: CPUs and GPUs per bundle must be >= 0 and not both 0, "
+                         f"got {cpus} CPUs and {gpus} GPUs")
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
