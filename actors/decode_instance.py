@@ -68,7 +68,10 @@ class DecodeInstance:
                  placement_timeout_s: float = PLACEMENT_TIMEOUT_S) -> None:
         self.deployment = deployment
         self.instance = instance
-        self.tp_size = deployment.decode.tp_size
+        # EMULATION: one rank actor stands for the whole TP group (its engine still takes the
+        # deployment's TP size for latency), so the control plane of a TP-8 instance costs one
+        # actor's Ray calls on a small machine.
+        self.tp_size = 1 if deployment.decode.executor == "emulated" else deployment.decode.tp_size
         self.transfer = transfer
         self.placement_mode = placement   # None: decode.placement of the deployment
         self.placement_timeout_s = placement_timeout_s

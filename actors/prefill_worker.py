@@ -47,7 +47,7 @@ class _Streaming:
         from tetris.transfer.send_manager import SendManager
 
         self.config = config
-        self.agent = make_agent(f"prefill-{instance}", backend=config.backend)
+        self.agent = make_agent(f"prefill-{instance}", backend=config.backend, config=config)
         self.mgr = SendManager(instance, self.agent, config)
         self.pump = TransferPump(self.mgr, name=f"prefill-{instance}", on_events=self._on_events)
         self.sent: dict[str, int] = {}
@@ -123,7 +123,8 @@ class PrefillWorker:
 
             if profile is None:
                 raise ValueError("the emulated executor needs a latency profile")
-            self.executor = EmulatedExecutor(load_profile(profile))
+            self.executor = EmulatedExecutor(load_profile(profile), model_cfg,
+                                             tp_size=prefill_cfg.tp_size)
         else:
             from tetris.model.loader import load_model
 
@@ -177,8 +178,8 @@ class PrefillWorker:
         """Start the send side (agent ``prefill-<instance>``); idempotent for the same config."""
         if self.streaming is None:
             self.streaming = _Streaming(self.instance, config)
-            if isinstance(self.executor, ModelExecutor):
-                self.executor.pump = self.streaming.pump
+            # Both bodies stream: the emulated one with KV of the wire geometry (EMULATION).
+            self.executor.pump = self.streaming.pump
         elif self.streaming.config != config:
             raise ValueError(f"transfer on prefill instance {self.instance} is already enabled "
                              "with another config")

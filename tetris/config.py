@@ -1,12 +1,13 @@
 """Deployment configuration: TOML files decoded into frozen msgspec Structs.
 
-A deployment file has five tables, each optional except ``[model]``::
+A deployment file has six tables, each optional except ``[model]``::
 
     [model]        what to serve: a seeded tiny Llama or a local Hugging Face directory
     [prefill]      the sequence-parallel pool: instance count, TP size, instances per node
     [decode]       decode instances: count, TP size, batch and KV capacity
     [scheduler]    CDSP policy, SP candidates, latency profile, improvement rate
     [transfer]     KV streaming: backend, receive buffers, piece sizes, timeouts
+    [emulation]    EMULATION only: the time scale of emulated decode steps
 
 Unknown keys and wrong types are rejected with a ``ConfigError`` that names the file, the key
 and what was expected. Configs are passed down explicitly; there is no global config.
@@ -31,6 +32,7 @@ __all__ = [
     "DecodeConfig",
     "SchedulerConfig",
     "DeploymentConfig",
+    "EmulationConfig",
     "load_deployment",
     "default_deployment_path",
     "DEFAULT_DEPLOYMENT",
@@ -182,12 +184,25 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError(f"scheduler.sp_candidates must be powers of two, got {s}")
 
 
+class EmulationConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """EMULATION (``executor = "emulated"``): emulated decode steps take ``time_scale`` × the
+    decode latency model's time (``tetris bench fidelity --time-scale`` also scales the prefill
+    profile and the emulated link; docs/emulation.md)."""
+
+    time_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.time_scale <= 0:
+            raise ValueError(f"emulation.time_scale must be positive, got {self.time_scale}")
+
+
 class DeploymentConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: ModelConfig
     prefill: PrefillConfig = PrefillConfig()
     decode: DecodeConfig = DecodeConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     transfer: TransferConfig = TransferConfig()
+    emulation: EmulationConfig = EmulationConfig()
     source_path: str | None = None
 
 

@@ -239,7 +239,7 @@ def test_default_group_runs_one_chunk_at_a_time_while_transfer_calls_answer(setu
     assert all(not h for h in pool.held_requests().values())
 
 
-def test_emulated_worker_enables_transfer_but_streams_nothing():
+def test_emulated_worker_streams_wire_geometry_shards_and_aborts_them():
     from tetris.actors.prefill_worker import PrefillWorker
 
     cfg = load_deployment("tiny-cpu.toml")
@@ -255,8 +255,13 @@ def test_emulated_worker_enables_transfer_but_streams_nothing():
                          chunk_start=0, chunk_end=64, prompt_tokens=64, chunk_positions=(((0, 64),),),
                          history=((),), kv_receivers=(0, 1))
         worker.prepare(task)
-        assert worker.execute(task).emulated
-        assert worker.transfer_state("emu") == {"shards": 0, "unfinished": 0, "sent": 0, "failed": []}
+        res = worker.execute(task)
+        assert res.emulated and res.first_token is not None   # it holds the last prompt token
+        # EMULATION streams like the real body: one shard per receiver (no receiver is
+        # connected here, so nothing is granted and both stay unfinished until the abort).
+        assert worker.transfer_state("emu") == {"shards": 2, "unfinished": 2, "sent": 0, "failed": []}
+        assert worker.held_requests() == ["emu"]
+        worker.abort("emu")
         assert worker.held_requests() == []
     finally:
         worker.shutdown()
