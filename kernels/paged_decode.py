@@ -13,10 +13,18 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import torch
 import torch.nn.functional as F
 
-__all__ = ["write_kv", "paged_decode_attention", "paged_decode_attention_with_lse"]
+__all__ = [
+    "write_kv",
+    "paged_decode_attention",
+    "paged_decode_attention_with_lse",
+    "DecodeMeta",
+    "decode_meta",
+    "paged_decode_attention_meta",
+]
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping, *, check_bounds: bool = True) -> None:
@@ -104,31 +112,67 @@ def paged_decode_attention_with_lse(q, k_cache, v_cache, block_tables, context_l
     return out.reshape(b, hq, d).to(q.dtype), lse.reshape(b, hq)
 
 
+class DecodeMeta(msgspec.Struct):
+    """What every layer's decode attention of one step shares: built once per step.
+
+    tables  int64 [B, nblk]  the blocks holding the longest context, clamped into the cache
+    visible bool [B, 1, 1, L] the SDPA mask (L = nblk * BS); an empty row sees slot 0
+    empty   bool [B]          rows with context length 0 (their output is zeroed), or None
+    """
+
+    tables: torch.Tensor
+    visible: torch.Tensor
+    empty: torch.Tensor | None
+
+
+def decode_meta(block_tables, context_lens, block_size: int, num_blocks: int,
+                longest: int) -> DecodeMeta:
+    """The shared part of ``paged_decode_attention`` for contexts of at most ``longest``."""
+    nblk = max(1, -(-longest // block_size))
+    dev = block_tables.device
+    tables = block_tables[:, :nblk].to(torch.int64).clamp(0, num_blocks - 1)
+    lens = context_lens.to(device=dev, dtype=torch.int64)
+    visible = torch.arange(nblk * block_size, device=dev)[None, :] < lens[:, None]  # [B, L]
+    empty = lens == 0
+    # An all-hidden row would make SDPA return NaN: let it see slot 0, then zero it.
+    if bool(empty.any()):
+        visible[:, 0] |= empty
+    else:
+        empty = None
+    return DecodeMeta(tables=tables, visible=visible[:, None, None, :], empty=empty)
+
+
+def paged_decode_attention_meta(q, k_cache, v_cache, meta: DecodeMeta, scale=None):
+    """``paged_decode_attention`` with the step's shared tensors precomputed (torch path).
+
+    One batched SDPA: the gathered keys are viewed as [B, Hkv, L, D] (no copy) and each KV
+    head's ``group`` query heads take the place of SDPA's query length, so GQA needs no key
+    expansion.
+    """
+    b, hq, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    if b == 0:
+        return q.new_zeros(0, hq, d)
+    length = meta.tables.shape[1] * bs
+    # fp32 math whatever the cache dtype, like the LSE path (a no-op for fp32 caches).
+    keys = k_cache[meta.tables].view(b, length, hkv, d).transpose(1, 2).float()  # [B,Hkv,L,D]
+    vals = v_cache[meta.tables].view(b, length, hkv, d).transpose(1, 2).float()
+    qg = q.reshape(b, hkv, hq // hkv, d).float()  # [B, Hkv, group, D]
+    out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=meta.visible, scale=scale)
+    if meta.empty is not None:
+        out = out.masked_fill(meta.empty[:, None, None, None], 0.0)
+    return out.reshape(b, hq, d).to(q.dtype)
+
+
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None):
     """q [B, Hq, D] against the paged cache -> out [B, Hq, D] in q.dtype.
 
-    Without the LSE, one batched SDPA does the work: the gathered keys are viewed as
-    [B, Hkv, L, D] (no copy) and each KV head's ``group`` query heads take the place of SDPA's
-    query length, so GQA needs no key expansion; a [B, 1, 1, L] mask hides slots past each
-    context. A context of length 0 gets out = 0.
+    A context of length 0 gets out = 0. Callers running many layers of one step can build
+    ``decode_meta`` once and call ``paged_decode_attention_meta`` per layer instead.
     """
     longest = _check(q, k_cache, v_cache, block_tables, context_lens)
-    b, hq, d = q.shape
-    nb, bs, hkv, _ = k_cache.shape
-    if b == 0:
-        return q.new_zeros(0, hq, d)
-    lens = context_lens.to(device=q.device, dtype=torch.int64)
-    nblk = max(1, -(-longest // bs))
-    tables = block_tables[:, :nblk].to(device=q.device, dtype=torch.int64).clamp(0, nb - 1)
-    # fp32 math whatever the cache dtype, like the LSE path (a no-op for fp32 caches).
-    keys = k_cache[tables].view(b, nblk * bs, hkv, d).transpose(1, 2).float()  # [B, Hkv, L, D]
-    vals = v_cache[tables].view(b, nblk * bs, hkv, d).transpose(1, 2).float()
-    visible = torch.arange(nblk * bs, device=q.device)[None, :] < lens[:, None]  # [B, L]
-    # An all-hidden row would make SDPA return NaN: let it see slot 0, then zero it below.
-    empty = lens == 0
-    visible[:, 0] |= empty
-    qg = q.reshape(b, hkv, hq // hkv, d).float()  # [B, Hkv, group, D]
-    out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=visible[:, None, None, :],
-                                         scale=scale)
-    out = out.masked_fill(empty[:, None, None, None], 0.0)
-    return out.reshape(b, hq, d).to(q.dtype)
+    if q.shape[0] == 0:
+        return q.new_zeros(0, *q.shape[1:])
+    nb, bs = k_cache.shape[:2]
+    meta = decode_meta(block_tables.to(q.device), context_lens, bs, nb, longest)
+    return paged_decode_attention_meta(q, k_cache, v_cache, meta, scale)

@@ -19,6 +19,8 @@ eagerly (``DecodeGraphRunner``'s emulation), which is how the dispatch is tested
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 import torch
 
@@ -27,7 +29,7 @@ from tetris.engine.cuda_graphs import DecodeGraphRunner, StaticInput, default_ba
 from tetris.engine.kv_cache import KVCache
 from tetris.engine.request import Sequence
 from tetris.kernels import dispatch
-from tetris.kernels.paged_decode import write_kv
+from tetris.kernels.paged_decode import decode_meta, paged_decode_attention_meta, write_kv
 
 __all__ = ["ModelRunner", "BatchInputs"]
 
@@ -51,6 +53,15 @@ class BatchInputs(msgspec.Struct):
     prefills: list[_PrefillSpan]
     sample_rows: torch.Tensor    # int64 [N]: row of each sampling sequence's last token
     sample_seqs: list[Sequence]
+
+
+def _torch_decode_path(device: torch.device) -> bool:
+    """Whether ``dispatch.paged_decode_attention`` would take the torch path here: off CUDA
+    unless the Triton interpreter is asked for (see tetris.kernels.dispatch)."""
+    if device.type == "cuda":
+        return False
+    return not (os.environ.get("TRITON_INTERPRET") == "1"
+                and os.environ.get("TETRIS_KERNEL_BACKEND") == "triton")
 
 
 class ModelRunner:
@@ -181,10 +192,18 @@ class ModelRunner:
         input_ids, positions, slot_mapping int64 [B]; block_tables int32 [B, MAXB];
         context_lens int32 [B] (positions + 1 for live rows).
         """
+        meta = None
+        if _torch_decode_path(self.device):
+            # The torch kernel's per-step tensors (tables, mask), built once, not per layer.
+            meta = decode_meta(block_tables, context_lens, self.block_size,
+                               self.cache.num_blocks, int(context_lens.max()))
+
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
             k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
             # Slots come from our own block tables (in range by construction).
             write_kv(k_cache, v_cache, k, v, slot_mapping, check_bounds=False)
+            if meta is not None:
+                return paged_decode_attention_meta(q, k_cache, v_cache, meta)
             return dispatch.paged_decode_attention(q, k_cache, v_cache, block_tables,
                                                    context_lens)
 
