@@ -60,9 +60,12 @@ def test_tiny_fidelity_run_prints_one_json_object(ray_session, tmp_path, capsys)
     assert out["emulation"] is True and "EMULATION" in out["label"]
     (run,) = out["runs"]
     assert run["failed"] == 0 and run["requests"] == 3
-    # Live TTFT includes the control plane and the hand-off, so it cannot beat the simulator's.
+    # Live TTFT adds the control plane and the hand-off to the same emulated compute, so it
+    # cannot beat the simulator's (how far above it lies depends on this machine's load: the
+    # fidelity figures come from the benchmark, not from this test).
     assert run["live_ttft_s"]["p50"] >= run["sim_ttft_s"]["p50"] * 0.98
-    assert 0.5 < run["ratio_p50"] < 3.0
+    assert run["live_prefill_end_ttft_s"]["p50"] <= run["live_ttft_s"]["p50"]
+    assert run["ratio_p50"] == pytest.approx(run["live_ttft_s"]["p50"] / run["sim_ttft_s"]["p50"])
     cp = run["control_plane"]
     assert cp["decision_us_mean"] > 0 and cp["ray_calls_per_request"]["transfer_control"] > 0
     assert cp["transfer_messages_per_request"]["in:Handshake"] >= 1
