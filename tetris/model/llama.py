@@ -174,21 +174,23 @@ class LlamaModel(torch.nn.Module):
         t = hidden.shape[0]
         if positions.shape != (t,):
             raise ValueError(f"positions must be [T]={t}, got {tuple(positions.shape)}")
-        return self._qkv(i, hidden, self.rotary.cos_sin(positions, hidden.dtype))
+        q, k, v = self._qkv(i, hidden, self.rotary.cos_sin(positions, hidden.dtype))
+        return q.contiguous(), k.contiguous(), v.contiguous()
 
     def _qkv(self, i: int, hidden: torch.Tensor, cos_sin):
-        """``layer_qkv`` with the rotary tables of this pass already computed."""
+        """``layer_qkv`` with the rotary tables of this pass already computed.
+
+        q, k and v are views into shared buffers (token rows hq+hkv or hq+2hkv heads apart):
+        every head's D values are contiguous, which is all the attention ops need.
+        """
         layer = self.layers[i]
         t = hidden.shape[0]
         hq, hkv, d = self.local_num_heads, self.local_num_kv_heads, self.head_dim
         qkv = layer.self_attn.qkv(layer.input_layernorm(hidden))  # [T, (Hq_l + 2 Hkv_l) D]
-        q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
         cos, sin = cos_sin
-        # v stays a strided view of the fused output (its rows are hq+2hkv heads apart);
-        # contiguous() makes it the plain [T, Hkv_l, D] tensor callers (and kernels) expect.
-        return (RotaryEmbedding.rotate(q.view(t, hq, d), cos, sin),
-                RotaryEmbedding.rotate(k.view(t, hkv, d), cos, sin),
-                v.reshape(t, hkv, d).contiguous())
+        # q and k rotate by the same per-token angles: one pass over both.
+        qk = RotaryEmbedding.rotate(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
+        return qk[:, :hq], qk[:, hq:], qkv[:, (hq + hkv) * d:].view(t, hkv, d)
 
     def layer_attn_out(self, i: int, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """residual [T, H], attn [T, Hq_l, D] -> residual + o_proj(attn) [T, H]."""
