@@ -56,14 +56,18 @@ def _add_fidelity(p: argparse.ArgumentParser) -> None:
 
 
 def _run_fidelity(args: argparse.Namespace) -> dict:
+    import contextlib
+
     from tqdm import tqdm
 
     from tetris.bench_fidelity import run_fidelity
 
     if args.time_scale <= 0:
         raise SystemExit("tetris bench fidelity: --time-scale must be positive")
-    with tqdm(total=len(args.rate) * args.requests, desc="bench fidelity (EMULATION)",
-              disable=args.json, file=sys.stderr) as bar:
+    # Ray's driver prints raylet warnings on stdout; --json must print one object there only.
+    with contextlib.redirect_stdout(sys.stderr), tqdm(
+            total=len(args.rate) * args.requests, desc="bench fidelity (EMULATION)",
+            disable=args.json, file=sys.stderr) as bar:
         return run_fidelity(args.config, workload=args.workload, rates=args.rate,
                             requests=args.requests, seed=args.seed, time_scale=args.time_scale,
                             max_output=args.max_output, tick=bar.update)
