@@ -243,15 +243,16 @@ def test_emulated_worker_streams_wire_geometry_shards_and_aborts_them():
     from tetris.actors.prefill_worker import PrefillWorker
 
     cfg = load_deployment("tiny-cpu.toml")
-    worker = PrefillWorker(0, 0, cfg.model, msgspec.structs.replace(cfg.prefill, executor="emulated"),
+    # instance 9: its in-process agent name cannot clash with another test's in this process
+    worker = PrefillWorker(9, 0, cfg.model, msgspec.structs.replace(cfg.prefill, executor="emulated"),
                            profile="a100-llama3-8b-tp1")
     try:
         info = worker.enable_transfer(TransferConfig(backend="inproc"))
-        assert info.name == "prefill-0" and info.backend == "inproc"
+        assert info.name == "prefill-9" and info.backend == "inproc"
         assert worker.enable_transfer(TransferConfig(backend="inproc")) == info   # idempotent
         with pytest.raises(ValueError, match="another config"):
             worker.enable_transfer(TransferConfig(backend="inproc", timeout_s=5.0))
-        task = ChunkTask(request_id="emu", chunk_index=0, num_chunks=1, seq=0, group=(0,), rank=0,
+        task = ChunkTask(request_id="emu", chunk_index=0, num_chunks=1, seq=0, group=(9,), rank=0,
                          chunk_start=0, chunk_end=64, prompt_tokens=64, chunk_positions=(((0, 64),),),
                          history=((),), kv_receivers=(0, 1))
         worker.prepare(task)
