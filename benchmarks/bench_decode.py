@@ -11,7 +11,8 @@ engine, the steps that return the first and the last tokens. With N new tokens p
 Both run in this one process, one after the other for each batch size, so the ratio is taken
 side by side under the same machine load. ``--repeats`` keeps the fastest of several runs.
 
-    python benchmarks/bench_decode.py                 # table
+    python benchmarks/bench_decode.py                 # table, the "small" shape
+    python benchmarks/bench_decode.py --shape tiny    # per-step overhead dominates there
     python benchmarks/bench_decode.py --json          # one JSON object
 """
 
@@ -25,6 +26,13 @@ import time
 from pathlib import Path
 
 import torch
+
+# Named model shapes; any of --hidden/--intermediate/--layers/--heads/--kv-heads/--vocab
+# overrides the chosen shape's value.
+SHAPES = {
+    "small": dict(hidden=768, intermediate=2048, layers=6, heads=12, kv_heads=4, vocab=32000),
+    "tiny": dict(hidden=256, intermediate=688, layers=4, heads=8, kv_heads=2, vocab=512),
+}
 
 BASE_MODEL = dict(max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=500000.0,
                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
@@ -152,7 +160,7 @@ def run(args) -> dict:
                 identical_sequences=f"{same}/{b}",
             ))
     return dict(
-        benchmark="decode", model=config, prompt_len=args.prompt_len,
+        benchmark="decode", shape=args.shape, model=config, prompt_len=args.prompt_len,
         new_tokens=args.new_tokens, repeats=args.repeats, dtype="float32",
         torch_threads=torch.get_num_threads(), rows=rows,
     )
@@ -176,15 +184,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--intermediate", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    for name in ("hidden", "intermediate", "layers", "heads", "kv-heads", "vocab"):
+        p.add_argument(f"--{name}", type=int, help="overrides the shape's value")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own)")
     p.add_argument("--checkpoint", help="folder to keep the checkpoint in (default: a temp dir)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
+    for key, value in SHAPES[args.shape].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.threads is not None:
+        if args.threads <= 0:
+            p.error("--threads must be positive")
+        torch.set_num_threads(args.threads)
     if min(args.batch_sizes) <= 0 or args.new_tokens < 2 or args.prompt_len <= 0:
         p.error("batch sizes and --prompt-len must be positive, --new-tokens at least 2")
     result = run(args)
