@@ -9,8 +9,8 @@ then:
 - a chunk continuing a cached prefix (chunked prefill, recompute) reads prefix and chunk K/V
   back from the cache and masks by absolute position.
 
-Decode-only iterations go through ``decode_step``, which is graph-safe (no host reads of
-device values). With CUDA graphs on, a batch that fits a captured size runs by replay, padded
+Decode-only iterations go through ``decode_step``, which is graph-safe on CUDA (no host
+reads of device values). With CUDA graphs on, a batch that fits a captured size runs by replay, padded
 to that size: padding rows have context length 0 (they attend to nothing) and write their
 K/V to a scratch slot no sequence owns. Mixed prefill/decode batches, and batches larger than
 every captured size, run eagerly. Off CUDA, ``cuda_graphs=True`` runs the same padded path
@@ -187,7 +187,10 @@ class ModelRunner:
     def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor,
                     slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor) -> torch.Tensor:
-        """One token per sequence -> logits [B, V] float32. Graph-safe: no host reads.
+        """One token per sequence -> logits [B, V] float32.
+
+        Graph-safe on CUDA (no host reads there); the CPU torch path reads the longest
+        context length once per step to size its gather.
 
         input_ids, positions, slot_mapping int64 [B]; block_tables int32 [B, MAXB];
         context_lens int32 [B] (positions + 1 for live rows).
