@@ -2,8 +2,8 @@
 
 The managers (``tetris.transfer``) are poll-driven and never block; something has to deliver
 their control messages, poll them and carry their outboxes to the peers. In an actor that
-something is a ``TransferPump``: a daemon thread that, every ``interval_s`` or as soon as a
-message arrives,
+something is a ``TransferPump``: a daemon thread that, every ``interval_s`` while transfers are
+under way (every ``idle_interval_s`` otherwise) or as soon as a message arrives,
 
 1. delivers the messages that peers sent (``deliver``, called from a Ray method of the
    actor's ``"transfer"`` concurrency group, so it runs while a chunk or a decode step
@@ -117,9 +117,15 @@ class TransferPump:
             peer.deliver_transfer.remote(by_peer[dst])
 
     def _busy(self) -> bool:
-        """Whether the manager has transfers under way (else the pump naps until woken)."""
+        """Whether the manager has transfers under way (else the pump naps until woken).
+
+        A sender's finished shards stay held until the owner forgets them; they need no polling.
+        """
         m = self.manager
-        return bool(getattr(m, "shards", None) or getattr(m, "requests", None))
+        shards = getattr(m, "shards", None)
+        if shards is not None:
+            return any(not s.state.finished for s in shards.values())
+        return bool(getattr(m, "requests", None))
 
     def _run(self) -> None:
         while not self._stop.is_set():

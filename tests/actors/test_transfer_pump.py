@@ -1,0 +1,89 @@
+"""The transfer pump's routing, locking and idle behaviour, with a fake manager (no Ray)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from tetris.actors.transfer_pump import TransferPump
+from tetris.transfer.messages import Abort, Envelope
+from tetris.transfer.states import TransferFailed
+
+
+class _Remote:
+    def __init__(self) -> None:
+        self.calls: list[list] = []
+
+    def remote(self, msgs) -> None:
+        self.calls.append(list(msgs))
+
+
+class _Peer:
+    def __init__(self) -> None:
+        self.deliver_transfer = _Remote()
+
+
+class _Manager:
+    def __init__(self) -> None:
+        self.delivered: list = []
+        self.outbox: list[Envelope] = []
+        self.shards: dict = {}
+
+    def deliver(self, msg, now) -> None:
+        self.delivered.append(msg)
+
+    def poll(self, now):
+        return [TransferFailed(request_id=m.request_id, reason=m.reason) for m in self.delivered
+                if isinstance(m, Abort)]
+
+    def drain_outbox(self):
+        out, self.outbox = self.outbox, []
+        return out
+
+
+def _abort(rid: str) -> Abort:
+    return Abort(request_id=rid, reason="x", origin="receiver", origin_id=0)
+
+
+def test_round_delivers_inbox_routes_outbox_per_peer_and_reports_events():
+    mgr, events = _Manager(), []
+    pump = TransferPump(mgr, name="t", on_events=events.extend)
+    a, b = _Peer(), _Peer()
+    pump.connect({1: a, 2: b})
+    pump.deliver([_abort("r1")])
+    mgr.outbox = [Envelope("receiver", 2, _abort("x")), Envelope("receiver", 1, _abort("y")),
+                  Envelope("receiver", 2, _abort("z")), Envelope("receiver", 9, _abort("w"))]
+    out = pump.pump_once()
+    assert [m.request_id for m in mgr.delivered] == ["r1"]
+    assert [[m.request_id for m in c] for c in b.deliver_transfer.calls] == [["x", "z"]]
+    assert [[m.request_id for m in c] for c in a.deliver_transfer.calls] == [["y"]]
+    assert pump.dropped == 1                      # no peer 9: dropped and counted
+    assert [e.request_id for e in out] == [e.request_id for e in events] == ["r1"]
+
+
+def test_finished_shards_do_not_keep_the_pump_busy():
+    mgr = _Manager()
+    pump = TransferPump(mgr, name="t")
+    assert not pump._busy()
+    mgr.shards = {("r", 0, 1): SimpleNamespace(state=SimpleNamespace(finished=True))}
+    assert not pump._busy()
+    mgr.shards[("r", 1, 1)] = SimpleNamespace(state=SimpleNamespace(finished=False))
+    assert pump._busy()
+
+
+def test_thread_runs_rounds_and_wakes_on_delivery():
+    mgr = _Manager()
+    pump = TransferPump(mgr, name="t", idle_interval_s=5.0).start()
+    try:
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        pump.deliver([_abort("r2")])
+        while not mgr.delivered and time.monotonic() - t0 < 2.0:
+            time.sleep(0.005)
+        assert [m.request_id for m in mgr.delivered] == ["r2"]
+        assert time.monotonic() - t0 < 2.0        # woken, not after the 5 s idle nap
+        with pump.locked() as m:
+            assert m is mgr
+    finally:
+        pump.stop()
+    assert not pump._thread.is_alive()
