@@ -88,3 +88,40 @@ def test_errors_are_clear():
     with pytest.raises(ValueError, match="do not fit"):
         paged_decode_attention(torch.zeros(1, 3, D), k_cache, k_cache,
                                torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1]))
+
+
+def test_sdpa_path_equals_lse_path_and_meta_is_shared_across_layers():
+    """The batched-SDPA output equals the LSE path's, GQA groups and empty rows included, and
+    one step's DecodeMeta serves caches of different layers."""
+    from tetris.kernels.paged_decode import decode_meta, paged_decode_attention_meta
+
+    lens = [7, 0, 13, 1, 4]
+    k_cache, v_cache, tables, _ = _scatter_sequences(lens, seed=3)
+    g = torch.Generator().manual_seed(4)
+    # A strided q (a slice of a wider buffer), as the model's fused projection hands it over.
+    q = torch.randn(len(lens), HQ + HKV, D, generator=g)[:, :HQ]
+    context = torch.tensor(lens, dtype=torch.int32)
+    meta = decode_meta(tables, context, BS, NB, max(lens))
+    assert meta.empty is not None and meta.empty.tolist() == [n == 0 for n in lens]
+    for kc, vc in ((k_cache, v_cache), (v_cache * 0.5, k_cache * 2.0)):  # two "layers"
+        want, _ = paged_decode_attention_with_lse(q, kc, vc, tables, context)
+        torch.testing.assert_close(paged_decode_attention_meta(q, kc, vc, meta), want,
+                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(paged_decode_attention(q, kc, vc, tables, context), want,
+                                   atol=1e-5, rtol=1e-5)
+    assert torch.equal(paged_decode_attention(q, k_cache, v_cache, tables, context)[1],
+                       torch.zeros(HQ, D))
+    full = decode_meta(tables, context + 1, BS, NB, max(lens) + 1)
+    assert full.empty is None  # no empty row: no masking pass
+
+
+def test_write_kv_without_bounds_check_writes_the_same():
+    k = torch.randn(3, HKV, D, generator=torch.Generator().manual_seed(9))
+    slots = torch.tensor([5, 0, 7])
+    checked = [torch.zeros(2, BS, HKV, D) for _ in range(2)]
+    unchecked = [torch.zeros(2, BS, HKV, D) for _ in range(2)]
+    write_kv(*checked, k, 2 * k, slots)
+    write_kv(*unchecked, k, 2 * k, slots, check_bounds=False)
+    assert all(torch.equal(a, b) for a, b in zip(checked, unchecked, strict=True))
+    with pytest.raises(ValueError, match="outside"):
+        write_kv(*checked, k[:1], k[:1], torch.tensor([-1]))
