@@ -115,7 +115,8 @@ def paged_decode_attention_with_lse(q, k_cache, v_cache, block_tables, context_l
 class DecodeMeta(msgspec.Struct):
     """What every layer's decode attention of one step shares: built once per step.
 
-    tables  int64 [B, nblk]  the blocks holding the longest context, clamped into the cache
+    tables  int64 [B * nblk]  each row's first nblk blocks (enough for the longest context),
+                              clamped into the cache, flattened for one index_select
     visible bool [B, 1, 1, L] the SDPA mask (L = nblk * BS); an empty row sees slot 0
     empty   bool [B]          rows with context length 0 (their output is zeroed), or None
     """
@@ -130,7 +131,7 @@ def decode_meta(block_tables, context_lens, block_size: int, num_blocks: int,
     """The shared part of ``paged_decode_attention`` for contexts of at most ``longest``."""
     nblk = max(1, -(-longest // block_size))
     dev = block_tables.device
-    tables = block_tables[:, :nblk].to(torch.int64).clamp(0, num_blocks - 1)
+    tables = block_tables[:, :nblk].to(torch.int64).clamp(0, num_blocks - 1).reshape(-1)
     lens = context_lens.to(device=dev, dtype=torch.int64)
     visible = torch.arange(nblk * block_size, device=dev)[None, :] < lens[:, None]  # [B, L]
     empty = lens == 0
@@ -153,10 +154,11 @@ def paged_decode_attention_meta(q, k_cache, v_cache, meta: DecodeMeta, scale=Non
     _, bs, hkv, _ = k_cache.shape
     if b == 0:
         return q.new_zeros(0, hq, d)
-    length = meta.tables.shape[1] * bs
-    # fp32 math whatever the cache dtype, like the LSE path (a no-op for fp32 caches).
-    keys = k_cache[meta.tables].view(b, length, hkv, d).transpose(1, 2).float()  # [B,Hkv,L,D]
-    vals = v_cache[meta.tables].view(b, length, hkv, d).transpose(1, 2).float()
+    length = meta.visible.shape[-1]
+    # index_select copies whole blocks; advanced indexing (k_cache[tables]) is several times
+    # slower on CPU for the same gather. fp32 math whatever the cache dtype, like the LSE path.
+    keys = k_cache.index_select(0, meta.tables).view(b, length, hkv, d).transpose(1, 2).float()
+    vals = v_cache.index_select(0, meta.tables).view(b, length, hkv, d).transpose(1, 2).float()
     qg = q.reshape(b, hkv, hq // hkv, d).float()  # [B, Hkv, group, D]
     out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=meta.visible, scale=scale)
     if meta.empty is not None:
