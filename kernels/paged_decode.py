@@ -117,7 +117,8 @@ class DecodeMeta(msgspec.Struct):
 
     tables  int64 [B * nblk]  each row's first nblk blocks (enough for the longest context),
                               clamped into the cache, flattened for one index_select
-    visible bool [B, 1, 1, L] the SDPA mask (L = nblk * BS); an empty row sees slot 0
+    visible fp32 [B, 1, 1, L] additive SDPA mask: 0 for a visible slot, -inf past the
+                              context (L = nblk * BS); an empty row sees slot 0
     empty   bool [B]          rows with context length 0 (their output is zeroed), or None
     """
 
@@ -128,7 +129,11 @@ class DecodeMeta(msgspec.Struct):
 
 def decode_meta(block_tables, context_lens, block_size: int, num_blocks: int,
                 longest: int) -> DecodeMeta:
-    """The shared part of ``paged_decode_attention`` for contexts of at most ``longest``."""
+    """The shared part of ``paged_decode_attention`` for contexts of at most ``longest``.
+
+    The mask is additive (what SDPA turns a boolean mask into on every call anyway), so the
+    conversion happens once per step instead of once per layer.
+    """
     nblk = max(1, -(-longest // block_size))
     dev = block_tables.device
     tables = block_tables[:, :nblk].to(torch.int64).clamp(0, num_blocks - 1).reshape(-1)
@@ -140,7 +145,8 @@ def decode_meta(block_tables, context_lens, block_size: int, num_blocks: int,
         visible[:, 0] |= empty
     else:
         empty = None
-    return DecodeMeta(tables=tables, visible=visible[:, None, None, :], empty=empty)
+    additive = torch.zeros(visible.shape, device=dev).masked_fill_(~visible, float("-inf"))
+    return DecodeMeta(tables=tables, visible=additive[:, None, None, :], empty=empty)
 
 
 def paged_decode_attention_meta(q, k_cache, v_cache, meta: DecodeMeta, scale=None):
