@@ -51,3 +51,22 @@ def ray_session():
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_http(ray_session):
+    """Ray Serve of the test session, its HTTP proxy on a free loopback port; the base URL.
+
+    Serve keeps the HTTP options of whoever starts it first, so every test that deploys an app
+    depends on this fixture (never ``serve.start`` or a bare ``serve.run`` before it).
+    """
+    import socket
+
+    from ray import serve
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()

@@ -148,7 +148,7 @@ timeout_s = 30.0
 
 
 @pytest.fixture(scope="module")
-def emulated_app(ray_session, tmp_path_factory):
+def emulated_app(serve_http, tmp_path_factory):
     from ray import serve
 
     from tetris.serve.app import build_app

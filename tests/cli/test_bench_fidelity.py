@@ -41,7 +41,7 @@ def test_simulated_ttft_of_a_lone_request_is_the_profile_time(tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_tiny_fidelity_run_prints_one_json_object(ray_session, tmp_path, capsys):
+def test_tiny_fidelity_run_prints_one_json_object(serve_http, tmp_path, capsys):
     from tetris.cli.main import main
 
     cfg = tmp_path / "tiny.toml"

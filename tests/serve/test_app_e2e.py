@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import sys
 
 import httpx
@@ -24,12 +23,6 @@ from tetris.scheduler.latency import load_profile
 
 MODEL = "tetris-tiny-llama"
 pytestmark = pytest.mark.timeout(600)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _write_deployment(tmp) -> str:
@@ -76,18 +69,16 @@ timeout_s = 30.0
 
 
 @pytest.fixture(scope="module")
-def app(ray_session, tmp_path_factory):
+def app(serve_http, tmp_path_factory):
     from ray import serve
 
     from tetris.serve.app import APP_NAME, build_app
 
     cfg = load_deployment(_write_deployment(tmp_path_factory.mktemp("e2e")))
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(cfg, max_pending=24), name=APP_NAME, route_prefix="/")
     warm = serve.get_deployment_handle("DispatcherServer", APP_NAME).warmup.remote().result()
     assert warm["event_loop"].startswith("uvloop")     # the dispatcher runs on uvloop
-    yield cfg, f"http://127.0.0.1:{port}"
+    yield cfg, serve_http
     serve.delete(APP_NAME)
 
 
