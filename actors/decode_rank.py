@@ -117,8 +117,11 @@ class DecodeRank:
             group = dist.group.WORLD
         model, tokenizer = load_model(self.deployment.model, tp_group=group)
         dc = self.deployment.decode
+        # CUDA graphs capture only single-rank decode for now: capturing the TP all-reduce
+        # inside a graph has not been tried on a GPU.
         self.engine = LLMEngine(model, tokenizer, num_blocks=dc.kv_blocks, block_size=dc.block_size,
-                                max_num_seqs=dc.max_batch_size, seed=self.seed)
+                                max_num_seqs=dc.max_batch_size, seed=self.seed,
+                                cuda_graphs=None if group is None else False)
         if group is not None:
             dist.barrier()
         return model.local_num_kv_heads
