@@ -16,6 +16,8 @@ each write at ``emulated_bytes_per_wire_byte`` (the model's head_dim) paper byte
 
 from __future__ import annotations
 
+import itertools
+import random
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -24,10 +26,9 @@ import torch
 
 from tetris.config import DeploymentConfig, ModelConfig
 from tetris.engine.batcher import Batcher
-from tetris.engine.block_manager import BlockManager, OutOfBlocksError
-from tetris.engine.engine import EngineStats
-from tetris.engine.request import FinishReason, RequestOutput, Sequence, SequenceStatus
-from tetris.engine.sampling import check_stop
+from tetris.engine.block_manager import BlockManager
+from tetris.engine.engine import LLMEngine
+from tetris.engine.request import RequestOutput, Sequence
 from tetris.sampling_params import SamplingParams
 from tetris.scheduler.decode_latency import DecodeLatencyModel, DecodeModelSpec
 
@@ -70,8 +71,13 @@ class EmulatedCache:
         self.v = [torch.empty(shape, dtype=dtype, device="meta") for _ in range(num_layers)]
 
 
-class EmulatedDecodeEngine:
-    """One decode instance's engine in emulation; ``tp_size`` is the instance's (paper) TP."""
+class EmulatedDecodeEngine(LLMEngine):
+    """One decode instance's engine in emulation; ``tp_size`` is the instance's (paper) TP.
+
+    The request bookkeeping, batching, blocks, stop checks and stats are ``LLMEngine``'s own;
+    only the forward pass (``_execute``) is replaced: it sleeps the decode latency model's time
+    and samples ``PLACEHOLDER_TOKEN``. There is no model, no tokenizer and no EOS.
+    """
 
     def __init__(self, deployment: DeploymentConfig, *, tp_size: int, kv_heads: int,
                  time_scale: float = 1.0, sleep: Callable[[float], None] = time.sleep) -> None:
@@ -80,107 +86,38 @@ class EmulatedDecodeEngine:
         self.time_scale = time_scale
         self.sleep = sleep
         self.latency = DecodeLatencyModel(decode_model_spec(mc))
+        self.model = None
+        self.runner = None
+        self.tokenizer = None
         self.max_model_len = mc.max_position_embeddings
         self.vocab_size = mc.vocab_size
         self.blocks = BlockManager(dc.kv_blocks, dc.block_size)
+        self._usable_blocks = dc.kv_blocks
         # A re-admitted (preempted) sequence is "recomputed" in one step: no token budget.
         self.batcher = Batcher(self.blocks, max_num_seqs=dc.max_batch_size,
                                max_num_batched_tokens=dc.kv_blocks * dc.block_size)
         self.cache = EmulatedCache(mc.num_layers, dc.kv_blocks, dc.block_size, kv_heads,
                                    torch_dtype(mc.dtype))
+        self._rng = random.Random(0)
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []
-        self.emulated_s = 0.0      # emulated step time slept so far (time-scaled)
+        self._ids = itertools.count()
+        self._eos = frozenset()     # placeholders never end a request early
+        self.emulated_s = 0.0       # emulated step time slept so far (time-scaled)
 
-    # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
         raise ValueError("an emulated decode instance does not prefill: its prompts come "
                          "from the prefill pool (reserve, then commit_prefilled)")
 
-    def can_reserve(self, num_prompt_tokens: int) -> bool:
-        return self.blocks.can_allocate(num_prompt_tokens + 1)
-
-    def reserve(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> list[int]:
-        """Hold blocks for a prompt prefilled elsewhere; each position's slot (``LLMEngine.reserve``)."""
-        if request_id in self._seqs:
-            raise ValueError(f"request {request_id!r} is already running")
-        prompt = [int(t) for t in prompt_token_ids]
-        if not prompt or len(prompt) > self.max_model_len:
-            raise ValueError(f"prompt of {len(prompt)} tokens: need 1 to {self.max_model_len}")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        max_total = min(self.max_model_len, self.blocks.num_blocks * self.blocks.block_size)
-        seq = Sequence(request_id, prompt, params, generator=None,
-                       stop_token_ids=frozenset(params.stop_token_ids), max_total_tokens=max_total)
-        if not self.can_reserve(seq.num_tokens):
-            raise OutOfBlocksError(f"{request_id}: {seq.num_tokens} prompt tokens do not fit "
-                                   f"{self.blocks.num_free_blocks} free blocks")
-        self.blocks.allocate(seq)
-        seq.status = SequenceStatus.RECEIVING
-        self._seqs[request_id] = seq
-        bs = self.blocks.block_size
-        return [seq.block_table[p // bs] * bs + p % bs for p in range(seq.num_tokens)]
-
-    def commit_prefilled(self, request_id: str, first_token: int) -> None:
-        seq = self._seqs.get(request_id)
-        if seq is None or seq.status is not SequenceStatus.RECEIVING:
-            raise ValueError(f"request {request_id!r} is not reserved and awaiting its KV")
-        seq.num_computed = seq.num_tokens
-        seq.tokens.append(int(first_token))
-        reason = check_stop(seq, int(first_token), None)
-        if reason is None:
-            self.batcher.add_prefilled(seq)
-        else:
-            seq.finish(reason)
-            self.batcher.remove(seq)
-            del self._seqs[request_id]
-        self._pending.append(seq.to_output((int(first_token),)))
-
-    def abort_request(self, request_id: str) -> bool:
-        seq = self._seqs.pop(request_id, None)
-        if seq is None:
-            return False
-        self.batcher.remove(seq)
-        seq.finish(FinishReason.ABORT)
-        self._pending.append(seq.to_output(()))
-        return True
-
-    def has_unfinished(self) -> bool:
-        return bool(self._seqs) or bool(self._pending)
-
     # -- one iteration ----------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Schedule as the engine does, wait the emulated step time, emit placeholder tokens."""
-        outputs, self._pending = self._pending, []
-        plan = self.batcher.schedule()
-        if plan.empty:
-            return outputs
+    def _execute(self, plan) -> tuple[list[Sequence], list[int]]:
+        """Wait the emulated step time of the scheduled batch; placeholders for the samplers."""
         scheduled = plan.decodes + plan.prefills
         context = sum(s.seq.num_tokens for s in scheduled)
         seconds = self.latency.step_time(self.tp_size, len(scheduled), context) * self.time_scale
         self.sleep(seconds)
         self.emulated_s += seconds
+        sampling = [s.seq for s in scheduled if s.samples]   # read before num_computed moves on
         for sched in scheduled:
-            seq = sched.seq
-            samples = sched.samples      # read before num_computed moves on
-            seq.num_computed += sched.num_new_tokens
-            if not samples:
-                continue
-            seq.tokens.append(PLACEHOLDER_TOKEN)
-            reason = check_stop(seq, PLACEHOLDER_TOKEN, None)
-            if reason is not None:
-                seq.finish(reason)
-                self.batcher.remove(seq)
-                del self._seqs[seq.request_id]
-            outputs.append(seq.to_output((PLACEHOLDER_TOKEN,)))
-        return outputs
-
-    def stats(self) -> EngineStats:
-        b = self.batcher
-        return EngineStats(
-            running=len(b.running), waiting=len(b.waiting), ready=len(b.ready),
-            receiving=sum(s.status is SequenceStatus.RECEIVING for s in self._seqs.values()),
-            free_blocks=self.blocks.num_free_blocks, total_blocks=self.blocks.num_blocks,
-            block_size=self.blocks.block_size,
-            preemptions=sum(s.num_preemptions for s in self._seqs.values()),
-        )
+            sched.seq.num_computed += sched.num_new_tokens
+        return sampling, [PLACEHOLDER_TOKEN] * len(sampling)

@@ -215,10 +215,7 @@ class LLMEngine:
                 head = self.batcher.waiting[0]
                 raise RuntimeError(f"{head.request_id} cannot be scheduled on an idle engine")
             return outputs
-        logits, sampling = self.runner.execute(plan)
-        for sched in plan.decodes + plan.prefills:
-            sched.seq.num_computed += sched.num_new_tokens
-        tokens = sample(logits, sampling) if sampling else []
+        sampling, tokens = self._execute(plan)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         for seq, token in zip(sampling, tokens, strict=True):
             seq.tokens.append(token)
@@ -229,6 +226,16 @@ class LLMEngine:
                 del self._seqs[seq.request_id]
             outputs.append(seq.to_output((token,)))
         return outputs
+
+    def _execute(self, plan) -> tuple[list[Sequence], list[int]]:
+        """Run the plan's forward pass; the sequences that sample this step and their tokens.
+
+        The one place the model runs: an emulated engine overrides only this.
+        """
+        logits, sampling = self.runner.execute(plan)
+        for sched in plan.decodes + plan.prefills:
+            sched.seq.num_computed += sched.num_new_tokens
+        return sampling, (sample(logits, sampling) if sampling else [])
 
     def generate(self, prompts: Seq[Seq[int] | str],
                  params: SamplingParams | Seq[SamplingParams]) -> list[RequestOutput]:
