@@ -206,11 +206,14 @@ def make_policy(name: str, profile: PrefillLatencyModel, *,
     raise PolicyError(f"unknown policy {name!r}; known: {', '.join(policy_names())}")
 
 
-def policy_from_config(cfg: "SchedulerConfig", default_profile: str = "a100-llama3-8b-tp1") -> Policy:
-    """The policy a deployment's ``[scheduler]`` table describes."""
+def policy_from_config(cfg: "SchedulerConfig", default_profile: str = "a100-llama3-8b-tp1", *,
+                       profile: PrefillLatencyModel | None = None) -> Policy:
+    """The policy a deployment's ``[scheduler]`` table describes; ``profile`` overrides the
+    table's latency profile (e.g. one replaced at run time)."""
     from tetris.scheduler.latency import load_profile
 
-    profile = load_profile(cfg.profile or default_profile)
+    if profile is None:
+        profile = load_profile(cfg.profile or default_profile)
     return make_policy(cfg.policy, profile, sp_candidates=cfg.sp_candidates or None,
                        min_chunk_tokens=cfg.min_chunk_tokens,
                        improvement_rate=cfg.improvement_rate)

@@ -45,7 +45,7 @@ from tetris.config import DeploymentConfig
 from tetris.engine.request import RequestOutput
 from tetris.plan import PrefillPlan
 from tetris.scheduler.latency import PrefillLatencyModel, PrefillProfile, load_profile
-from tetris.scheduler.policies import make_policy
+from tetris.scheduler.policies import policy_from_config
 from tetris.scheduler.pool import PoolState
 from tetris.scheduler.rate import ImprovementRateTable, RateMonitor
 from tetris.scheduler.router import DecodeRouter
@@ -170,10 +170,7 @@ class Dispatcher:
 
     # -- configuration ----------------------------------------------------------------------
     def _make_policy(self, profile: PrefillLatencyModel):
-        sc = self.deployment.scheduler
-        return make_policy(sc.policy, profile, sp_candidates=sc.sp_candidates or None,
-                           min_chunk_tokens=sc.min_chunk_tokens,
-                           improvement_rate=sc.improvement_rate)
+        return policy_from_config(self.deployment.scheduler, profile=profile)
 
     def _make_monitor(self, table: ImprovementRateTable | None) -> RateMonitor | None:
         sc = self.deployment.scheduler
