@@ -27,13 +27,19 @@ import gc
 import json
 import random
 import statistics
+import subprocess
 import sys
 import time
+import types
+from pathlib import Path
+
+from tqdm import tqdm
 
 from tetris.scheduler.latency import PrefillLatencyModel, SpCoefficients, load_profile
 from tetris.scheduler.policies import make_policy
 from tetris.scheduler.pool import PoolState
 
+POOLS = (8, 16, 32, 64, 128)
 PAPER_US = {8: (22.8, 52.5), 16: (25.8, 86.8), 32: (22.9, 53.4), 64: (24.9, 45.1),
             128: (30.6, 73.7)}
 
@@ -83,40 +89,85 @@ def run(pool_size: int, decisions: int, theta: float, seed: int, policy_name: st
     }
 
 
-def compare_reference(pool_size: int, decisions: int, theta: float, seed: int,
-                      prof: PrefillLatencyModel, repeats: int) -> dict:
-    """Mean µs of the current and the reference search on the same cases, interleaved."""
-    from pathlib import Path
+def _search_at(rev: str):
+    """``(CdspSearch, node_members)`` of the scheduler as committed at git revision ``rev``."""
+    root = Path(__file__).resolve().parents[1]
 
+    def source(path: str) -> str:
+        return subprocess.run(["git", "-C", str(root), "show", f"{rev}:{path}"],
+                              capture_output=True, text=True, check=True).stdout
+
+    name = f"_bench_extend_{rev}"
+    ext = types.ModuleType(name)
+    exec(compile(source("tetris/scheduler/extend.py"), f"{rev}:extend.py", "exec"), ext.__dict__)
+    sys.modules[name] = ext  # the old cdsp.py imports its own extend.py, not today's
+    cdsp = types.ModuleType(f"_bench_cdsp_{rev}")
+    code = source("tetris/scheduler/cdsp.py").replace("from tetris.scheduler.extend import",
+                                                       f"from {name} import")
+    exec(compile(code, f"{rev}:cdsp.py", "exec"), cdsp.__dict__)
+    return cdsp.CdspSearch, ext.node_members
+
+
+def _implementations(baselines: list[str]) -> list[tuple[str, type, object]]:
+    """The search now, the pre-speed-up reference, and the search at each git revision."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "scheduler"))
     import cdsp_reference as ref
 
     from tetris.scheduler.cdsp import CdspSearch
     from tetris.scheduler.extend import node_members
 
+    impls = [("now", CdspSearch, node_members), ("reference", ref.CdspSearch, ref.node_members)]
+    impls += [(rev, *_search_at(rev)) for rev in baselines]
+    return impls
+
+
+def compare(pool_size: int, decisions: int, theta: float, seed: int,
+            prof: PrefillLatencyModel, repeats: int, impls: list) -> dict:
+    """Mean / max µs of each search on the same cases, interleaved case by case, so every
+    implementation sees the same machine load; their plans must agree."""
     rng = random.Random(seed)
     sizes = [s for s in prof.sp_sizes if s <= pool_size]
     node_of = [i // 8 for i in range(pool_size)]
-    impls = [(CdspSearch, node_members(node_of)), (ref.CdspSearch, ref.node_members(node_of))]
-    totals = [0.0, 0.0]
+    runs = [(cls, nm(node_of)) for _, cls, nm in impls]
+    times: list[list[float]] = [[] for _ in impls]
     gc.disable()
     try:
         for _ in range(decisions):
             q = [rng.uniform(0.0, 10.0) for _ in range(pool_size)]
             length = rng.randint(4096, 262144)
-            for k, (cls, topo) in enumerate(impls):
+            plans = []
+            for k, (cls, topo) in enumerate(runs):
                 best = None
                 for _ in range(repeats):
                     t0 = time.perf_counter_ns()
-                    cls(prof.table, sizes, q, topo, 0.0, theta=theta, min_chunk_tokens=256,
-                        chunk_align=64).plan(length)
+                    res = cls(prof.table, sizes, q, topo, 0.0, theta=theta, min_chunk_tokens=256,
+                              chunk_align=64).plan(length)
                     dt = time.perf_counter_ns() - t0
                     best = dt if best is None or dt < best else best
-                totals[k] += best / 1000.0
+                times[k].append(best / 1000.0)
+                plans.append((res.ttft, res.chunks))
+            if any(p != plans[0] for p in plans[1:]):
+                raise AssertionError(f"pool {pool_size}: the searches disagree on a plan")
     finally:
         gc.enable()
-    new, old = totals[0] / decisions, totals[1] / decisions
-    return {"pool": pool_size, "search_us": new, "reference_us": old, "speedup": old / new}
+    row: dict = {"pool": pool_size}
+    for (name, *_), ts in zip(impls, times):
+        row[name] = {"mean_us": statistics.fmean(ts), "max_us": max(ts)}
+    now = row["now"]["mean_us"]
+    row["speedup"] = {name: row[name]["mean_us"] / now for name, *_ in impls[1:]}
+    return row
+
+
+def _print_comparison(rows: list[dict], impls: list, args) -> None:
+    names = [name for name, *_ in impls]
+    print(f"θ = {args.improvement_rate}: search alone, {args.decisions} decisions per size, "
+          f"fastest of {args.repeats} timings each; mean / max µs, and mean ratio to now")
+    print(f"{'max SP':>6} " + " ".join(f"{n:>22}" for n in names))
+    for r in rows:
+        cells = [f"{r[n]['mean_us']:7.1f} / {r[n]['max_us']:7.1f}"
+                 + (f" {r['speedup'][n]:4.2f}x" if n in r["speedup"] else "      ")
+                 for n in names]
+        print(f"{r['pool']:>6} " + " ".join(f"{c:>22}" for c in cells))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,22 +180,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--compare-reference", action="store_true",
                     help="time the search against the pre-speed-up reference, side by side")
+    ap.add_argument("--baseline", action="append", default=[], metavar="REV",
+                    help="with --compare-reference: also time the search as committed at git "
+                         "revision REV (repeatable)")
     args = ap.parse_args(argv)
     prof = extended_profile(128)
     if args.compare_reference:
-        rows = [compare_reference(n, args.decisions, args.improvement_rate, args.seed + n, prof,
-                                  args.repeats) for n in (8, 16, 32, 64, 128)]
+        impls = _implementations(args.baseline)
+        rows = [compare(n, args.decisions, args.improvement_rate, args.seed + n, prof,
+                        args.repeats, impls) for n in tqdm(POOLS, desc="pool", disable=args.json)]
         if args.json:
-            print(json.dumps({"improvement_rate": args.improvement_rate, "rows": rows}))
+            print(json.dumps({"improvement_rate": args.improvement_rate,
+                              "decisions": args.decisions, "repeats": args.repeats, "rows": rows}))
         else:
-            print(f"θ = {args.improvement_rate}: search alone, mean µs (fastest of {args.repeats})")
-            for r in rows:
-                print(f"{r['pool']:>6} now {r['search_us']:8.1f}  reference {r['reference_us']:8.1f}"
-                      f"  speed-up {r['speedup']:.2f}x")
+            _print_comparison(rows, impls, args)
         return 0
     rows = [run(n, args.decisions, args.improvement_rate, args.seed + n, args.policy, prof,
                 args.repeats)
-            for n in (8, 16, 32, 64, 128)]
+            for n in tqdm(POOLS, desc="pool", disable=args.json)]
     if args.json:
         print(json.dumps({"policy": args.policy, "improvement_rate": args.improvement_rate,
                           "decisions": args.decisions, "repeats": args.repeats, "rows": rows}))

@@ -14,7 +14,8 @@ chunk's end minus ``now``. A decision:
 
 Speed (the simulator plans thousands of requests): Eq. 2 is carried as one number, the end of
 the previous chunk ``t_prev`` (every member of the current group is busy until then, and no
-other queue time changes), groups come from ``GroupBuilder``'s memo, a plan under construction
+other queue time changes), groups come from ``GroupBuilder`` (one object per distinct instance
+set, extensions memoised on it; ring orders only for the chosen plan), a plan under construction
 is a linked tuple, and a branch is cut as soon as its first chunk ends after the best TTFT found
 so far (its rest can only end later, so the result is the exhaustive search's).
 """
@@ -102,11 +103,13 @@ class CdspSearch:
     def options(self, prompt_tokens: int) -> list[tuple[int, tuple[int, ...], float, float]]:
         """Every single-chunk alternative: (sp, members, start, end), for explaining a plan."""
         out = []
+        builder = self.groups
         for s in self.sizes:
-            g = self.groups.group((s,))
+            g = builder.child(builder.root, s)
             start = max(self.now, g.max_queue)
             a, b, _, d = self.coeffs[s]
-            out.append((s, g.members, start, start + a + prompt_tokens * (b + d * prompt_tokens)))
+            out.append((s, builder.ring([g])[0], start,
+                        start + a + prompt_tokens * (b + d * prompt_tokens)))
         return out
 
     # ---- Algorithms 1 and 3 ---------------------------------------------------------------
@@ -154,8 +157,12 @@ class CdspSearch:
         return best_ttft, best
 
     def _result(self, end: float, link: _Link | None) -> SearchResult:
-        chunks = []
+        steps = []
         while link is not None:
             tokens, group, start, chunk_end, link = link
-            chunks.append((tokens, group.members, start, chunk_end))
+            steps.append((tokens, group, start, chunk_end))
+        # A plan's chunk groups are one chain (each grows the previous), as ``ring`` expects.
+        rings = self.groups.ring([g for _, g, _, _ in steps])
+        chunks = [(tokens, members, start, chunk_end)
+                  for (tokens, _, start, chunk_end), members in zip(steps, rings)]
         return SearchResult(end - self.now, chunks)

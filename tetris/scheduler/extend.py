@@ -10,102 +10,105 @@
 
 Why the CDSP search can reuse one ``GroupBuilder`` for the whole decision: Eq. 2 only changes
 the queue times of a chunk's own members, and every later group contains them, so which
-instances ``extend`` *adds* depends only on the untouched queue times of non-members. A group
-is therefore fixed by the sequence of SP sizes that built it (its *chain*), and is memoised
-as a tree: each group keeps the groups extended from it by SP size. Ties break on node index, then instance index, so plans are deterministic.
+instances ``extend`` *adds* depends only on the untouched queue times of non-members.
+
+How a group is held (the search builds dozens per decision, so this is the hot path):
+
+- Within a node, ``extend`` always takes the shortest-queued instances first, so a group is
+  "the first ``c_n`` instances of node ``n``'s queue-sorted list" for each node.
+- At most one node of a group is partly used: rule 1 leaves at most one node partial (whole
+  nodes, then one remainder node), and rule 2 fills that node before touching another. So a
+  ``Group`` is a bitmask of the nodes it uses plus (partial node, its count): a few ints.
+- ``extend`` depends only on that instance set, so equal sets reached by different chains of
+  SP sizes (8 -> 16 and 16 alone, say) are one ``Group`` object, and the extensions of one are
+  the extensions of all: about a third of the groups a search asks for are built.
+- Only the ring order depends on the chain (a group's members keep their positions when it
+  grows; the added ones follow, node by node, by index). It is built only for the chosen
+  plan, from consecutive groups of the chain: ``GroupBuilder.ring``.
+
+Ties break on node index, then instance index, so plans are deterministic.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
-__all__ = ["Group", "GroupBuilder", "node_members"]
+__all__ = ["Group", "GroupBuilder", "Ring", "Topology", "node_members"]
 
 
-def node_members(node_of: Sequence[int]) -> list[tuple[int, list[int]]]:
+class Topology(list):
+    """``node_members``' result, a list of ``(node, its instances ascending)`` by node index,
+    plus what ``GroupBuilder`` derives from it once per pool layout rather than per decision."""
+
+    __slots__ = ("spans", "node_size", "num_instances")
+
+    def __init__(self, nodes: Sequence[tuple[int, list[int]]]):
+        super().__init__(nodes)
+        members = [m for _, m in self]
+        lens = {len(m) for m in members}
+        # Equal nodes (the usual case) allow rule 1 in one step; 0 means "nodes differ".
+        self.node_size = lens.pop() if len(lens) == 1 else 0
+        self.num_instances = sum(len(m) for m in members)
+        # Nodes numbered block by block let a decision sort queue slices instead of gathering.
+        contiguous = all(m == list(range(m[0], m[0] + len(m))) for m in members if m)
+        self.spans = [(m[0], m[0] + len(m)) for m in members] if contiguous else None
+
+
+def node_members(node_of: Sequence[int]) -> Topology:
     """``(node, its instances ascending)`` for each node, by node index: the pool's topology."""
     nodes: dict[int, list[int]] = {}
     for i, n in enumerate(node_of):
         nodes.setdefault(n, []).append(i)
-    return sorted(nodes.items())
+    return Topology(sorted(nodes.items()))
 
 
 class Group:
-    """An instance group: members per node, its max queue time, and (lazily) its ring order.
+    """An instance set: ``used`` has bit ``p`` set for each node position ``p`` (nodes by index)
+    it uses, all of each node except ``part``, of which it holds the first ``cnt``
+    (``part`` is -1 when every used node is whole). ``children`` memoises ``extend`` by SP size."""
 
-    Within a node, ``extend`` always takes the shortest-queued instances first, so a group's
-    members on node ``n`` are exactly the first ``counts[n]`` of that node's queue-sorted list;
-    a group is grown by counting, never by scanning its members. Most groups of a search are
-    only asked for their ``max_queue``, so ``counts`` (needed to grow a group further) and the
-    ring order (parent's members, then the new ones node by node, by index) are built on demand.
-    """
+    __slots__ = ("size", "max_queue", "used", "part", "cnt", "children")
 
-    __slots__ = ("size", "max_queue", "parent", "takes", "children", "_counts", "_partial",
-                 "_members", "_by_node")
-
-    def __init__(self, size: int, max_queue: float, parent: "Group | None" = None,
-                 takes: dict[int, int] | None = None,
-                 by_node: dict[int, list[int]] | None = None):
+    def __init__(self, size: int, max_queue: float, used: int, part: int, cnt: int):
         self.size = size
         self.max_queue = max_queue
-        self.parent = parent
-        self.takes = takes  # node -> instances added to the parent there
-        self._by_node = by_node
-        self.children: dict[int, Group] = {}  # SP size -> extend(self, size), memoised
-        root = parent is None
-        self._counts: dict[int, int] | None = {} if root else None
-        self._partial: list[int] | None = [] if root else None
-        self._members: tuple[int, ...] | None = () if root else None
+        self.used = used
+        self.part = part
+        self.cnt = cnt
+        self.children: dict[int, Group] = {}
 
-    @property
-    def counts(self) -> dict[int, int]:
-        """Members per node."""
-        if self._counts is None:
-            counts = dict(self.parent.counts)
-            for n, k in self.takes.items():
-                counts[n] = counts.get(n, 0) + k
-            self._counts = counts
-        return self._counts
 
-    @property
-    def partial(self) -> list[int]:
-        """Nodes in use that still have free instances, ascending."""
-        if self._partial is None:
-            counts, by_node = self.counts, self._by_node
-            self._partial = sorted(n for n in set(self.parent.partial).union(self.takes)
-                                   if counts[n] < len(by_node[n]))
-        return self._partial
+class Ring(NamedTuple):
+    """A group reached through a chain of SP sizes, with its members in ring order."""
 
-    @property
-    def members(self) -> tuple[int, ...]:
-        if self._members is None:
-            added: list[int] = []
-            pc = self.parent.counts
-            for n in sorted(self.takes):
-                c0 = pc.get(n, 0)
-                added.extend(sorted(self._by_node[n][c0:c0 + self.takes[n]]))
-            self._members = self.parent.members + tuple(added)
-        return self._members
+    size: int
+    max_queue: float
+    members: tuple[int, ...]
 
 
 class GroupBuilder:
-    """``extend`` over one snapshot of queue times, memoised by chain of SP sizes."""
+    """``extend`` over one snapshot of queue times; one ``Group`` per distinct instance set."""
 
-    __slots__ = ("queue", "by_node", "node_size", "root", "_rank", "_full_rank")
+    __slots__ = ("queue", "topology", "nodeq", "node_size", "root", "_groups", "_rank",
+                 "_full_rank", "_by_node")
 
-    def __init__(self, queue: Sequence[float], topology: list[tuple[int, list[int]]]):
+    def __init__(self, queue: Sequence[float], topology: Sequence[tuple[int, list[int]]]):
         """``topology`` is ``node_members(node_of)``, computed once per pool layout."""
+        top = topology if isinstance(topology, Topology) else Topology(topology)
         self.queue = queue
-        key = queue.__getitem__
-        # Each node's instances by queue time; a stable sort keeps ties in index order.
-        by_node = {n: sorted(members, key=key) for n, members in topology}
-        self.by_node = by_node
-        sizes = {len(v) for v in by_node.values()}
-        # Equal nodes (the usual case) allow rule 1 in one step; 0 means "nodes differ".
-        self.node_size = sizes.pop() if len(sizes) == 1 else 0
+        self.topology = top
+        # nodeq[p]: node p's queue times ascending; nodeq[p][c - 1] is when its c
+        # shortest-queued instances are all free.
+        if top.spans is not None:
+            self.nodeq = [sorted(queue[a:b]) for a, b in top.spans]
+        else:
+            self.nodeq = [sorted([queue[i] for i in m]) for _, m in top]
+        self.node_size = top.node_size
+        self.root = Group(0, float("-inf"), 0, -1, 0)  # the empty group of a new request
+        self._groups: dict[tuple[int, int, int], Group] = {}
         self._rank: dict[int, list[int]] = {}
         self._full_rank: list[int] | None = None
-        self.root = Group(0, float("-inf"))  # the empty group of a new request
+        self._by_node: dict[int, list[int]] = {}
 
     def child(self, g: Group, s: int) -> Group:
         """``extend(g, s)``, memoised on ``g``."""
@@ -114,95 +117,149 @@ class GroupBuilder:
             c = g.children[s] = self.extend(g, s)
         return c
 
-    def group(self, chain: tuple[int, ...]) -> Group:
-        """The group built by extending from empty through the SP sizes of ``chain``."""
-        g = self.root
-        for s in chain:
+    def chain(self, sizes: Sequence[int]) -> list[Group]:
+        """The groups built by extending from empty through ``sizes`` in turn."""
+        out, g = [], self.root
+        for s in sizes:
             g = self.child(g, s)
-        return g
+            out.append(g)
+        return out
+
+    def group(self, chain: Sequence[int]) -> Ring:
+        """The group built by extending from empty through the SP sizes of ``chain``."""
+        groups = self.chain(chain)
+        if not groups:
+            return Ring(0, self.root.max_queue, ())
+        g = groups[-1]
+        return Ring(g.size, g.max_queue, self.ring(groups)[-1])
 
     def extend(self, g: Group, s: int) -> Group:
         need = s - g.size
-        if need < 0:
+        if need <= 0:
+            if need == 0:
+                return g
             raise ValueError(f"cannot shrink a group of {g.size} to SP size {s}")
-        if need == 0:
-            return g
-        if s > len(self.queue):
-            raise ValueError(f"SP size {s} exceeds the pool of {len(self.queue)} instances")
-        by_node, counts = self.by_node, g.counts
-        takes: dict[int, int] = {}  # node -> instances added there
-        partial = g.partial
-        if len(partial) == 1:
-            n = partial[0]
-            members = by_node[n]
-            c0 = counts[n]
-            if c0 + need <= len(members):
-                # Fast path (the commonest growth): the node in use has room for all of it.
-                last = self.queue[members[c0 + need - 1]]
-                return Group(s, last if last > g.max_queue else g.max_queue, g, {n: need},
-                             by_node)
-            takes[n] = len(members) - c0
-        elif partial:
-            # Rule 2 over several nodes: the globally shortest-queued free instances.
-            q = self.queue
-            free = sorted((q[i], i, n) for n in partial for i in by_node[n][counts[n]:])
-            for _, _, n in free[:need]:
-                takes[n] = takes.get(n, 0) + 1
-        need -= sum(takes.values())
-        if need:
-            self._fill_from_untouched(need, counts, takes)
-        q = self.queue
-        mq = g.max_queue
-        for n, k in takes.items():
-            # node lists are queue-sorted: the last instance taken there waits longest
-            last = q[by_node[n][counts.get(n, 0) + k - 1]]
+        if s > self.topology.num_instances:
+            raise ValueError(
+                f"SP size {s} exceeds the pool of {self.topology.num_instances} instances")
+        used, part, mq = g.used, g.part, g.max_queue
+        if part >= 0:
+            # Rule 2: the one partly used node first, shortest queues first.
+            q = self.nodeq[part]
+            c = g.cnt + need
+            if c < len(q):
+                last = q[c - 1]
+                return self._intern(s, last if last > mq else mq, used, part, c)
+            last = q[-1]
             if last > mq:
                 mq = last
-        return Group(s, mq, g, takes, by_node)
+            need = c - len(q)
+            part = -1
+            if not need:
+                return self._intern(s, mq, used, -1, 0)
+        return self._fill_from_untouched(s, need, mq, used)
+
+    def _fill_from_untouched(self, s: int, need: int, mq: float, used: int) -> Group:
+        """Rule 1 over untouched nodes: whole nodes while ``need`` spans one, then one node."""
+        nodeq, k = self.nodeq, self.node_size
+        if k:
+            whole, need = divmod(need, k)
+            if whole:
+                # Whole nodes by the time all of them is free: with equal nodes that order is
+                # rule 1's too, and the last node taken waits longest.
+                for p in self.full_rank():
+                    if not used >> p & 1:
+                        used |= 1 << p
+                        whole -= 1
+                        if not whole:
+                            break
+                if whole:
+                    raise ValueError("pool has too few instances for the requested SP size")
+                last = nodeq[p][-1]
+                if last > mq:
+                    mq = last
+        while need:
+            for p in self.rank(need):
+                if not used >> p & 1:
+                    # The node whose need-th shortest queue is smallest starts the soonest.
+                    q = nodeq[p]
+                    last = q[need - 1]
+                    if last > mq:
+                        mq = last
+                    used |= 1 << p
+                    if need < len(q):
+                        return self._intern(s, mq, used, p, need)
+                    return self._intern(s, mq, used, -1, 0)
+            p = next((p for p in self.full_rank() if not used >> p & 1), -1)
+            if p < 0:
+                raise ValueError("pool has too few instances for the requested SP size")
+            used |= 1 << p
+            last = nodeq[p][-1]
+            if last > mq:
+                mq = last
+            need -= len(nodeq[p])
+        return self._intern(s, mq, used, -1, 0)
+
+    def _intern(self, s: int, mq: float, used: int, part: int, cnt: int) -> Group:
+        """The one ``Group`` of this instance set: its extensions are shared by every chain."""
+        key = (used, part, cnt)
+        g = self._groups.get(key)
+        if g is None:
+            g = self._groups[key] = Group(s, mq, used, part, cnt)
+        return g
 
     def rank(self, r: int) -> list[int]:
         """Nodes with at least ``r`` instances, by their ``r``-th shortest queue, then index."""
         nodes = self._rank.get(r)
         if nodes is None:
-            q = self.queue
-            nodes = [n for _, n in sorted([(q[bn[r - 1]], n) for n, bn in self.by_node.items()
-                                           if len(bn) >= r])]
+            nq = self.nodeq
+            # A stable sort over positions in node-index order breaks ties on the index.
+            nodes = sorted([p for p in range(len(nq)) if len(nq[p]) >= r],
+                           key=lambda p: nq[p][r - 1])
             self._rank[r] = nodes
         return nodes
 
     def full_rank(self) -> list[int]:
         """Nodes by the time all of them is free; larger nodes first on ties."""
         if self._full_rank is None:
-            q = self.queue
-            self._full_rank = [n for *_, n in sorted(
-                [(q[bn[-1]], -len(bn), n) for n, bn in self.by_node.items()])]
+            nq = self.nodeq
+            if self.node_size:
+                self._full_rank = self.rank(self.node_size)
+            else:
+                self._full_rank = sorted(range(len(nq)), key=lambda p: (nq[p][-1], -len(nq[p])))
         return self._full_rank
 
-    def _fill_from_untouched(self, need: int, counts: dict[int, int],
-                             takes: dict[int, int]) -> None:
-        """Rule 1 over untouched nodes: whole nodes while ``need`` spans one, then one node."""
-        by_node, k = self.by_node, self.node_size
-        if k:
-            whole, rem = divmod(need, k)
-            if whole:
-                # With equal nodes the full-node order is rank(k): whole nodes go first.
-                for n in self.full_rank():
-                    if n not in counts and n not in takes:
-                        takes[n] = k
-                        whole -= 1
-                        if not whole:
-                            break
-                if whole:
-                    raise ValueError("pool has too few instances for the requested SP size")
-            need = rem
-        while need:
-            for n in self.rank(need):
-                if n not in counts and n not in takes:
-                    # The node whose need-th shortest queue is smallest starts the soonest.
-                    takes[n] = need
-                    return
-            n = next((n for n in self.full_rank() if n not in counts and n not in takes), None)
-            if n is None:
-                raise ValueError("pool has too few instances for the requested SP size")
-            takes[n] = len(by_node[n])
-            need -= len(by_node[n])
+    # ---- ring order (only for the groups of a chosen plan) ----------------------------------
+
+    def count(self, g: Group, p: int) -> int:
+        """How many instances of node position ``p`` the group holds."""
+        if not g.used >> p & 1:
+            return 0
+        return g.cnt if p == g.part else len(self.nodeq[p])
+
+    def ring(self, chain: Sequence[Group]) -> list[tuple[int, ...]]:
+        """Members in ring order of each group of a chain grown from empty: a group keeps its
+        predecessor's members in place and appends the added ones node by node, by index."""
+        out: list[tuple[int, ...]] = []
+        prev, members = self.root, ()
+        for g in chain:
+            added: list[int] = []
+            grown = g.used
+            while grown:
+                low = grown & -grown
+                p = low.bit_length() - 1
+                grown ^= low
+                c0, c1 = self.count(prev, p), self.count(g, p)
+                if c1 > c0:
+                    added.extend(sorted(self.by_node(p)[c0:c1]))
+            members = members + tuple(added)
+            out.append(members)
+            prev = g
+        return out
+
+    def by_node(self, p: int) -> list[int]:
+        """Node position ``p``'s instances by queue time (a stable sort: ties by index)."""
+        inst = self._by_node.get(p)
+        if inst is None:
+            inst = self._by_node[p] = sorted(self.topology[p][1], key=self.queue.__getitem__)
+        return inst
