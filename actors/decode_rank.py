@@ -264,7 +264,7 @@ class DecodeRank:
             with self.pump.locked() as manager:
                 receiving = sorted(manager.requests)
                 backends = [b.backend_id for b in manager.backends
-                            if b.holder is not None or b.credit is not None]
+                            if b.holder is not None or b.credits]
         return RankHeld(engine_requests=s.running + s.waiting + s.ready + s.receiving,
                         receiving=receiving, backends_held=backends, free_blocks=s.free_blocks,
                         total_blocks=s.total_blocks)

@@ -92,7 +92,9 @@ class LayersReady(msgspec.Struct, frozen=True, tag=True):
 
 
 class Grant(msgspec.Struct, frozen=True, tag=True):
-    """Receiver -> sender (SPEC 7 step 3): one credit to write one piece into ``region``."""
+    """Receiver -> sender (SPEC 7 step 3): one credit to write one piece of at most
+    ``max_piece_bytes`` into ``region`` at ``offset`` (slot ``slot`` of the backend's buffer).
+    A shard may hold several credits at once (one per slot), used in the order they came."""
 
     request_id: str
     sender_id: int
@@ -101,11 +103,14 @@ class Grant(msgspec.Struct, frozen=True, tag=True):
     region: RegionDesc
     max_piece_bytes: int
     receiver_id: int = -1   # the granting receiver: a chunk may stream to several (TP ranks)
+    slot: int = 0
+    offset: int = 0
 
 
 class PieceNotice(msgspec.Struct, frozen=True, tag=True):
     """Sender -> receiver with the data: tokens ``[token_offset, +num_tokens)`` of the shard
-    (in its packed order) for ``layer`` now lie at the start of backend ``backend_id``'s region."""
+    (in its packed order) for ``layer`` now lie at the start of slot ``slot`` of backend
+    ``backend_id``'s region (the grant's ``offset``)."""
 
     request_id: str
     sender_id: int
@@ -116,6 +121,7 @@ class PieceNotice(msgspec.Struct, frozen=True, tag=True):
     num_tokens: int
     nbytes: int
     dtype: str
+    slot: int = 0
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True):

@@ -6,7 +6,9 @@ Lifecycle of one request whose KV lies on several prefill instances:
    positions it computes) to its ``SendManager.add_shard`` while compute starts.
 2. The send manager sends a ``Handshake`` to the decode instance's ``ReceiveManager``. The first
    handshake of a request stamps its order and allocates its KV blocks (unless ``reserve`` did).
-3. The receive manager grants receive backends (staging buffers), one ``Grant`` = one piece:
+3. The receive manager grants receive backends (staging buffers), one ``Grant`` = one piece
+   into one slot of a backend's buffer (``backend_slots`` per backend, so a shard may hold
+   several credits and stream without waiting a control round trip per piece):
    - dedicated mode (``num_backends >= pool_size``, the "enough backends" case): backend ``i``
      belongs to prefill instance ``i`` and serves its shards, oldest request first;
    - ordered mode (scarce backends): a free backend goes to the active request with the
@@ -61,24 +63,38 @@ def shard_positions(handshake: Handshake) -> np.ndarray:
 
 
 class IncomingShard:
-    def __init__(self, handshake: Handshake, positions: np.ndarray, seq: int) -> None:
+    def __init__(self, handshake: Handshake, positions: np.ndarray, seq: int, piece_tokens: int) -> None:
         self.handshake = handshake
         self.key: ShardKey = (handshake.sender_id, handshake.chunk_index)
         self.positions = positions
         self.positions_t = torch.from_numpy(positions)
         self.received = np.zeros((handshake.num_layers, positions.size), dtype=bool)
+        self.received_tokens = np.zeros(handshake.num_layers, dtype=np.int64)   # per layer
         self.seq = seq   # arrival order of this shard's own handshake
         self.ready_layers = 0   # layers [0, ready_layers) are computed on the sender
+        # The most tokens one piece can carry (a slot's bytes); a sender may cut smaller pieces,
+        # which only makes ``pieces_wanted`` an underestimate: a credit is never granted idle.
+        self.piece_tokens = max(1, piece_tokens)
+        self.outstanding = 0    # credits granted and not yet used
+
+    def mark_received(self, layer: int, token_offset: int, num_tokens: int) -> None:
+        self.received[layer, token_offset:token_offset + num_tokens] = True
+        self.received_tokens[layer] += num_tokens
 
     @property
     def done(self) -> bool:
-        return bool(self.received.all())
+        return bool((self.received_tokens == self.positions.size).all())
+
+    @property
+    def pieces_wanted(self) -> int:
+        """Pieces of computed layers not yet arrived: how many credits could be used now."""
+        pending = self.positions.size - self.received_tokens[:self.ready_layers]
+        return int(((pending + self.piece_tokens - 1) // self.piece_tokens).sum())
 
     @property
     def has_data(self) -> bool:
-        """Its next piece is computed: a credit would be used at once."""
-        pending = ~self.received.all(axis=1)
-        return bool(pending.any()) and int(pending.argmax()) < self.ready_layers
+        """A computed piece has no credit yet: one more credit would be used at once."""
+        return self.pieces_wanted > self.outstanding
 
 
 class IncomingRequest:
@@ -107,17 +123,30 @@ class IncomingRequest:
 
 
 class ReceiveBackend:
-    """One staging buffer and who may write into it."""
+    """One staging buffer, cut into ``num_slots`` slots, and who may write into each."""
 
-    def __init__(self, backend_id: int, buffer: torch.Tensor, region: RegionDesc) -> None:
+    def __init__(self, backend_id: int, buffer: torch.Tensor, region: RegionDesc, num_slots: int = 1) -> None:
         self.backend_id = backend_id
         self.buffer = buffer               # uint8 [backend_buffer_bytes]
         self.region = region
+        self.num_slots = num_slots
+        self.slot_bytes = buffer.numel() // num_slots
         self.holder: str | None = None     # ordered mode: request id; per-chunk: request id of holder_shard
         self.holder_shard: ShardKey | None = None
-        self.credit: tuple[str, ShardKey] | None = None   # the one piece it may receive next
+        self.credits: dict[int, tuple[str, ShardKey]] = {}   # slot -> the piece it may receive next
         self.last_served: ShardKey | None = None
-        self.fenced_until: float | None = None   # after an abort with a piece possibly in flight
+        # slot -> until when it stays unused: after an abort, a piece may still be on the wire
+        self.fenced: dict[int, float] = {}
+
+    def slot_view(self, slot: int, nbytes: int) -> torch.Tensor:
+        start = slot * self.slot_bytes
+        return self.buffer[start:start + nbytes]
+
+    def free_slots(self, now: float) -> list[int]:
+        for slot, until in sorted(self.fenced.items()):
+            if now >= until:
+                del self.fenced[slot]
+        return [i for i in range(self.num_slots) if i not in self.credits and i not in self.fenced]
 
     def free(self) -> None:
         self.holder = None
@@ -186,9 +215,10 @@ def _per_chunk_fcfs(backend: ReceiveBackend, live: list[IncomingRequest],
     return (req, shard) if shard.has_data else None
 
 
-def assign_backends(backends: list[ReceiveBackend], requests: dict[str, IncomingRequest],
-                    config: TransferConfig, now: float) -> list[tuple[ReceiveBackend, IncomingRequest, IncomingShard]]:
-    """Credits to hand out now: ``(backend, request, shard)`` for each idle, unfenced backend."""
+def assign_backends(backends: list[ReceiveBackend], requests: dict[str, IncomingRequest], config: TransferConfig,
+                    now: float) -> list[tuple[ReceiveBackend, int, IncomingRequest, IncomingShard]]:
+    """Credits to hand out now, ``(backend, slot, request, shard)``, one per idle, unfenced slot
+    that a computed piece can use; they are recorded on the backend and the shard."""
     live = _active(requests)
     live_ids = {r.request_id for r in live}
     for b in backends:
@@ -200,15 +230,18 @@ def assign_backends(backends: list[ReceiveBackend], requests: dict[str, Incoming
         held = {b.holder for b in backends if b.holder is not None}
     grants = []
     for b in backends:
-        if b.credit is not None or (b.fenced_until is not None and now < b.fenced_until):
-            continue
-        b.fenced_until = None
-        if config.policy == "per_chunk_fcfs":
-            pick = _per_chunk_fcfs(b, live, held)
-        elif config.dedicated_backends:
-            pick = _dedicated(b, live)
-        else:
-            pick = _ordered(b, live, held)
-        if pick is not None:
-            grants.append((b, *pick))
+        for slot in b.free_slots(now):
+            if config.policy == "per_chunk_fcfs":
+                pick = _per_chunk_fcfs(b, live, held)
+            elif config.dedicated_backends:
+                pick = _dedicated(b, live)
+            else:
+                pick = _ordered(b, live, held)
+            if pick is None:
+                break
+            req, shard = pick
+            b.credits[slot] = (req.request_id, shard.key)
+            b.last_served = shard.key
+            shard.outstanding += 1
+            grants.append((b, slot, req, shard))
     return grants

@@ -87,7 +87,8 @@ class ReceiveManager:
         self.backends = []
         for i in range(config.num_backends):
             buf = torch.zeros(config.backend_buffer_bytes, dtype=torch.uint8, device=k0.device)
-            self.backends.append(ReceiveBackend(i, buf, agent.register(buf)))
+            self.backends.append(ReceiveBackend(i, buf, agent.register(buf), config.backend_slots))
+        self.piece_tokens = config.slot_bytes // self.bytes_per_token
         self.requests: dict[str, IncomingRequest] = {}
         self._closed: dict[str, str] = {}      # finished request id -> "done" / failure reason
         self._sender_agents: dict[int, str] = {}
@@ -133,7 +134,7 @@ class ReceiveManager:
     def poll(self, now: float) -> list[TransferEvent]:
         for peer, raw in self.agent.notifications():
             self._on_notice(peer, raw, now)
-        served = {b.holder for b in self.backends} | {b.credit[0] for b in self.backends if b.credit}
+        served = {b.holder for b in self.backends} | {c[0] for b in self.backends for c in b.credits.values()}
         for req in sorted(self.requests.values(), key=lambda r: r.request_id):
             if req.first_seq is None or req.request_id not in served:
                 # reserved before its prefill started, or queued for a backend: waiting in
@@ -141,15 +142,13 @@ class ReceiveManager:
                 req.last_progress = now
             elif now - req.last_progress > self.config.timeout_s:
                 self._fail(req, f"timed out after {self.config.timeout_s:g}s without progress", now)
-        for backend, req, shard in assign_backends(self.backends, self.requests, self.config, now):
-            backend.credit = (req.request_id, shard.key)
-            backend.last_served = shard.key
+        for backend, slot, req, shard in assign_backends(self.backends, self.requests, self.config, now):
             req.state = TransferState.TRANSFERRING
             self._send(shard.key[0], Grant(request_id=req.request_id, sender_id=shard.key[0],
                                            chunk_index=shard.key[1], backend_id=backend.backend_id,
-                                           region=backend.region,
-                                           max_piece_bytes=self.config.backend_buffer_bytes,
-                                           receiver_id=self.receiver_id))
+                                           region=backend.region, max_piece_bytes=backend.slot_bytes,
+                                           receiver_id=self.receiver_id, slot=slot,
+                                           offset=slot * backend.slot_bytes))
         events, self._events = self._events, []
         return events
 
@@ -213,7 +212,7 @@ class ReceiveManager:
         if reason is not None:
             self._reject(hs.request_id, hs.sender_id, hs.chunk_index, reason)
             return
-        shard = IncomingShard(hs, positions, next(self._seq))
+        shard = IncomingShard(hs, positions, next(self._seq), self.piece_tokens)
         req.shards[shard.key] = shard
         req.claimed[positions] = True
         req.chunks.setdefault(hs.chunk_index, (hs.chunk_start, hs.chunk_end))
@@ -225,8 +224,8 @@ class ReceiveManager:
 
     # ---- pieces ----------------------------------------------------------------------------
     def _check_piece(self, peer: str, n: PieceNotice) -> tuple[str | None, IncomingShard | None]:
-        if not 0 <= n.backend_id < len(self.backends):
-            return f"no receive backend {n.backend_id}", None
+        if not 0 <= n.backend_id < len(self.backends) or not 0 <= n.slot < self.config.backend_slots:
+            return f"no receive backend {n.backend_id} slot {n.slot}", None
         req = self.requests.get(n.request_id)
         if req is None:
             return "unknown request", None
@@ -235,14 +234,14 @@ class ReceiveManager:
             return f"no handshake for chunk {n.chunk_index} from sender {n.sender_id}", None
         if self._sender_agents.get(n.sender_id) != peer:
             return f"piece from agent {peer!r}, sender {n.sender_id} handshook as another agent", None
-        if self.backends[n.backend_id].credit != (n.request_id, shard.key):
-            return f"backend {n.backend_id} was not granted to this shard", None
+        if self.backends[n.backend_id].credits.get(n.slot) != (n.request_id, shard.key):
+            return f"backend {n.backend_id} slot {n.slot} was not granted to this shard", None
         if n.dtype != _dtype_name(self.dtype):
             return f"dtype {n.dtype} differs from the cache's {_dtype_name(self.dtype)}", shard
         if not (0 <= n.layer < self.num_layers and n.num_tokens > 0 and n.token_offset >= 0
                 and n.token_offset + n.num_tokens <= shard.positions.size):
             return f"layer {n.layer} tokens [{n.token_offset}, +{n.num_tokens}) outside the shard", shard
-        if n.nbytes != n.num_tokens * self.bytes_per_token or n.nbytes > self.config.backend_buffer_bytes:
+        if n.nbytes != n.num_tokens * self.bytes_per_token or n.nbytes > self.config.slot_bytes:
             return f"{n.nbytes} bytes for {n.num_tokens} tokens (want {n.num_tokens * self.bytes_per_token})", shard
         if shard.received[n.layer, n.token_offset:n.token_offset + n.num_tokens].any():
             return f"duplicate piece: layer {n.layer} tokens from {n.token_offset} already arrived", shard
@@ -255,29 +254,35 @@ class ReceiveManager:
             self._emit(MessageRejected(request_id="", sender_id=-1, reason=f"malformed notice: {exc}"))
             return
         backend = self.backends[n.backend_id] if 0 <= n.backend_id < len(self.backends) else None
-        if backend is not None and backend.fenced_until is not None and backend.credit is None:
-            backend.fenced_until = None   # the straggler of an aborted request has landed
+        if backend is not None and n.slot in backend.fenced and n.slot not in backend.credits:
+            del backend.fenced[n.slot]   # the straggler of an aborted request has landed
         reason, shard = self._check_piece(peer, n)
         if reason is not None:
-            if shard is not None:
-                backend.credit = None     # the credit was spent on a bad piece; grant again
+            if shard is not None:         # the credit was spent on a bad piece; grant again
+                self._spend(backend, n.slot, shard)
             self._reject(n.request_id, n.sender_id, n.chunk_index, reason)
             return
         req = self.requests[n.request_id]
         self._place(req, shard, n, backend)
-        backend.credit = None
+        self._spend(backend, n.slot, shard)
         req.last_progress = now
         self._check_complete(req, shard, n.layer)
 
     def _place(self, req: IncomingRequest, shard: IncomingShard, n: PieceNotice, backend: ReceiveBackend) -> None:
         # staging bytes -> [num_tokens, 2, Hkv, D] -> paged cache slots of their absolute positions
-        packed = backend.buffer[:n.nbytes].view(self.dtype).view(n.num_tokens, 2, self.kv_heads, self.head_dim)
+        packed = backend.slot_view(n.slot, n.nbytes).view(self.dtype).view(n.num_tokens, 2, self.kv_heads,
+                                                                           self.head_dim)
         positions = shard.positions_t[n.token_offset:n.token_offset + n.num_tokens]
         slots = positions_to_slots(req.block_table, positions, self.block_size)
         k_cache, v_cache = self.kv_caches[n.layer]
         scatter_kv(k_cache, v_cache, slots, packed)
-        shard.received[n.layer, n.token_offset:n.token_offset + n.num_tokens] = True
+        shard.mark_received(n.layer, n.token_offset, n.num_tokens)
         req.coverage[n.layer, shard.positions[n.token_offset:n.token_offset + n.num_tokens]] = True
+
+    @staticmethod
+    def _spend(backend: ReceiveBackend, slot: int, shard: IncomingShard) -> None:
+        del backend.credits[slot]
+        shard.outstanding -= 1
 
     def _check_complete(self, req: IncomingRequest, shard: IncomingShard, layer: int) -> None:
         chunk = shard.key[1]
@@ -296,10 +301,10 @@ class ReceiveManager:
     def _fail(self, req: IncomingRequest, reason: str, now: float, notify: int | None = None) -> None:
         req.state = TransferState.FAILED
         for b in self.backends:
-            if b.credit is not None and b.credit[0] == req.request_id:
-                # a piece may still be on the wire into this buffer: keep it out of use a while
-                b.credit = None
-                b.fenced_until = now + self.config.abort_grace_s
+            for slot in [s for s, c in sorted(b.credits.items()) if c[0] == req.request_id]:
+                # a piece may still be on the wire into this slot: keep it out of use a while
+                del b.credits[slot]
+                b.fenced[slot] = now + self.config.abort_grace_s
             if b.holder == req.request_id:
                 b.free()
         self.allocator.free(req.blocks)

@@ -18,6 +18,7 @@ owner's activation sends (``submit_activation``), which go first at every piece 
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -40,7 +41,7 @@ class _OutgoingShard:
         self.handshake = handshake
         self.num_tokens = num_tokens
         self.layers: dict[int, torch.Tensor] = {}   # layer -> [num_tokens, 2, Hkv, D]
-        self.grant: Grant | None = None
+        self.grants: deque[Grant] = deque()   # credits in the order they came, one piece each
         self.layer = 0           # cursor: next piece starts at (layer, offset)
         self.offset = 0
         self.queued = False      # its next piece waits on the link
@@ -121,9 +122,10 @@ class SendManager:
             shard = self._find(msg.request_id, msg.chunk_index, msg.receiver_id)
             if shard is None or shard.state.finished or msg.sender_id != self.sender_id:
                 return   # a grant for a shard this side already dropped: the receiver times it out
-            shard.grant = msg
-            shard.state = TransferState.WAITING
-            shard.last_progress = now
+            shard.grants.append(msg)
+            if shard.state != TransferState.TRANSFERRING:
+                shard.state = TransferState.WAITING
+                shard.last_progress = now
         elif isinstance(msg, Abort):
             # The request is gone for the aborting receiver; its other receivers (the other TP
             # ranks of that decode instance) cannot use a partial request either, so they are told.
@@ -220,7 +222,7 @@ class SendManager:
     def _piece_tokens(self, shard: _OutgoingShard) -> int:
         hs = shard.handshake
         per_token = packed_bytes_per_token(hs.kv_heads, hs.head_dim, shard.layers[shard.layer].dtype)
-        limit = min(shard.grant.max_piece_bytes, self.link.bulk_chunk_bytes)
+        limit = min(shard.grants[0].max_piece_bytes, self.link.bulk_chunk_bytes)
         tokens = limit // per_token
         if tokens == 0:
             raise ValueError(f"one token ({per_token} B) does not fit a {limit} B piece")
@@ -229,7 +231,7 @@ class SendManager:
     def _queue_ready_pieces(self) -> None:
         for key in sorted(self.shards):
             shard = self.shards[key]
-            if shard.state.finished or shard.queued or shard.grant is None or shard.layer not in shard.layers:
+            if shard.state.finished or shard.queued or not shard.grants or shard.layer not in shard.layers:
                 continue
             per_token = packed_bytes_per_token(shard.handshake.kv_heads, shard.handshake.head_dim,
                                                shard.layers[shard.layer].dtype)
@@ -248,17 +250,16 @@ class SendManager:
         src = shard.layers[shard.layer][shard.offset:shard.offset + num].reshape(-1).view(torch.uint8)
         staging = self._staging[:src.numel()]
         staging.copy_(src)
-        g = shard.grant
+        g = shard.grants.popleft()
         notice = PieceNotice(request_id=g.request_id, sender_id=self.sender_id, chunk_index=g.chunk_index,
                              backend_id=g.backend_id, layer=shard.layer, token_offset=shard.offset,
-                             num_tokens=num, nbytes=src.numel(), dtype=shard.handshake.dtype)
+                             num_tokens=num, nbytes=src.numel(), dtype=shard.handshake.dtype, slot=g.slot)
         try:
-            handle = self.agent.write(staging, g.region, 0, encode_notice(notice))
+            handle = self.agent.write(staging, g.region, g.offset, encode_notice(notice))
         except (RuntimeError, ValueError) as exc:
             self.link.finish(chunk)
             self._fail(shard, f"write failed: {exc}", tell_receiver=True)
             return
-        shard.grant = None
         shard.state = TransferState.TRANSFERRING
         shard.last_progress = now
         self._in_flight = (chunk, shard, notice, handle)
@@ -295,7 +296,7 @@ class SendManager:
             return
         shard.state = TransferState.FAILED
         shard.layers.clear()
-        shard.grant = None
+        shard.grants.clear()
         if shard.queued and (self._in_flight is None or self._in_flight[1] is not shard):
             self.link.cancel(shard.tag)
             shard.queued = False

@@ -51,6 +51,10 @@ class TransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_backends: int = 4
     pool_size: int = 4
     backend_buffer_bytes: int = 4 << 20
+    # Each backend's buffer is cut into this many slots, one credit (one piece in flight) each:
+    # a sender holding several credits writes its next piece without waiting for a grant, so
+    # streaming is not bound by one control round trip per piece.
+    backend_slots: int = 4
     send_buffer_bytes: int = 4 << 20
     bulk_chunk_bytes: int = 1 << 20
     timeout_s: float = 30.0
@@ -64,15 +68,23 @@ class TransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     emulated_bytes_per_wire_byte: float = 128.0
 
     def __post_init__(self) -> None:
-        for key in ("num_backends", "pool_size", "backend_buffer_bytes", "send_buffer_bytes",
-                    "bulk_chunk_bytes"):
+        for key in ("num_backends", "pool_size", "backend_buffer_bytes", "backend_slots",
+                    "send_buffer_bytes", "bulk_chunk_bytes"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"transfer.{key} must be positive, got {getattr(self, key)}")
+        if self.backend_slots > self.backend_buffer_bytes:
+            raise ValueError(f"transfer.backend_slots ({self.backend_slots}) exceeds the "
+                             f"{self.backend_buffer_bytes} bytes of a backend buffer")
         if self.emulated_link_bandwidth <= 0 or self.emulated_bytes_per_wire_byte <= 0:
             raise ValueError("transfer.emulated_link_bandwidth and emulated_bytes_per_wire_byte "
                              "must be positive")
         if self.timeout_s <= 0 or self.abort_grace_s < 0:
             raise ValueError("transfer.timeout_s must be positive and abort_grace_s non-negative")
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot: the largest piece a grant allows."""
+        return self.backend_buffer_bytes // self.backend_slots
 
     @property
     def dedicated_backends(self) -> bool:

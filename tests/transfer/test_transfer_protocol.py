@@ -83,8 +83,8 @@ def test_dedicated_backends_serve_each_sender_without_ordering():
     for s in range(3):
         _add(c, s, "r", 0, (0, 30), [(10 * s, 10 * s + 10)], 30, kv=kv, layers=range(LAYERS))
     c.step()
-    holders = {b.backend_id: b.credit for b in c.receiver.backends}
-    assert holders == {0: ("r", (0, 0)), 1: ("r", (1, 0)), 2: ("r", (2, 0))}
+    holders = {b.backend_id: set(b.credits.values()) for b in c.receiver.backends}
+    assert holders == {0: {("r", (0, 0))}, 1: {("r", (1, 0))}, 2: {("r", (2, 0))}}
     _run_until(c, lambda ev: any(isinstance(e, RequestReady) for e in ev))
 
 
@@ -178,7 +178,7 @@ def test_sender_abort_mid_transfer_frees_blocks_and_backends():
     # the other sender is told, and its shard fails too
     c.step()
     assert c.senders[1].state("a", 0) == TransferState.FAILED
-    assert all(b.holder is None and b.credit is None for b in c.receiver.backends)
+    assert all(b.holder is None and not b.credits for b in c.receiver.backends)
     # a late handshake of the aborted request is refused, not allocated
     _add(c, 0, "a", 1, (0, 40), [(0, 5)], 40, kv=kv)
     events = c.step()
@@ -212,3 +212,79 @@ def test_receiver_timeout_and_lost_sender_free_everything():
     assert c.allocator.num_free == 64
     # the sender learns of it through the Abort the receiver sent
     assert c.senders[0].state("slow", 0) == TransferState.FAILED
+
+
+def _grants(envelopes):
+    return [env.msg for env in envelopes if isinstance(env.msg, Grant)]
+
+
+def test_credit_window_streams_several_pieces_per_control_round_trip():
+    # 128 B per token (2 x Hkv 2 x D 8 x fp32); 4 slots of 256 B: 2 tokens per piece, so a
+    # 16-token layer is 8 pieces and the receiver may hand out all 4 slots at once.
+    cfg = TransferConfig(num_backends=1, pool_size=1, backend_buffer_bytes=1024, backend_slots=4,
+                         send_buffer_bytes=1024, bulk_chunk_bytes=1024)
+    c = Cluster(1, cfg)
+    kv = source_kv(16, seed=6)
+    _add(c, 0, "r", 0, (0, 16), [(0, 16)], 16, kv=kv, layers=[0])
+    for env in c.senders[0].drain_outbox():
+        c.receiver.deliver(env.msg, c.now)
+    c.receiver.poll(c.now)
+    grants = _grants(c.receiver.drain_outbox())
+    assert sorted(g.slot for g in grants) == [0, 1, 2, 3]
+    assert sorted(g.offset for g in grants) == [0, 256, 512, 768]
+    assert all(g.max_piece_bytes == 256 for g in grants)
+    for g in grants:
+        c.senders[0].deliver(g, c.now)
+    # No further grant reaches the sender: it still writes four pieces, one per credit.
+    for _ in range(8):
+        c.senders[0].poll(c.now)
+        c.receiver.poll(c.now)
+    req = c.receiver.requests["r"]
+    assert int(req.coverage[0].sum()) == 8 and not req.coverage[1].any()
+    # the receiver grants the used slots again: the rest of layer 0 (8 tokens = 4 pieces)
+    assert sorted(g.slot for g in _grants(c.receiver.drain_outbox())) == [0, 1, 2, 3]
+    assert c.receiver.requests["r"].shards[(0, 0)].outstanding == 4
+
+
+def test_credits_never_exceed_the_computed_pieces():
+    # 2-token shard: one piece per layer; with only layer 0 computed, one credit of four slots.
+    cfg = TransferConfig(num_backends=1, pool_size=1, backend_buffer_bytes=1024, backend_slots=4,
+                         send_buffer_bytes=1024, bulk_chunk_bytes=1024)
+    c = Cluster(1, cfg)
+    kv = source_kv(2, seed=7)
+    pos = _add(c, 0, "r", 0, (0, 2), [(0, 2)], 2, kv=kv, layers=[0])
+    for env in c.senders[0].drain_outbox():
+        c.receiver.deliver(env.msg, c.now)
+    c.receiver.poll(c.now)
+    assert len(_grants(c.receiver.drain_outbox())) == 1
+    c.receiver.poll(c.now)
+    assert _grants(c.receiver.drain_outbox()) == []
+    c.senders[0].layer_ready("r", 0, 1, kv[1][pos])
+    for env in c.senders[0].drain_outbox():
+        c.receiver.deliver(env.msg, c.now)
+    c.receiver.poll(c.now)
+    assert len(_grants(c.receiver.drain_outbox())) == 1
+
+
+def test_abort_fences_only_the_slots_that_had_credits():
+    cfg = TransferConfig(num_backends=1, pool_size=1, backend_buffer_bytes=1024, backend_slots=4,
+                         send_buffer_bytes=1024, bulk_chunk_bytes=1024, abort_grace_s=0.5)
+    c = Cluster(1, cfg)
+    kv = source_kv(4, seed=8)
+    _add(c, 0, "r", 0, (0, 4), [(0, 4)], 4, kv=kv, layers=[0])   # 2 pieces computed: 2 credits
+    for env in c.senders[0].drain_outbox():
+        c.receiver.deliver(env.msg, c.now)
+    c.receiver.poll(c.now)
+    backend = c.receiver.backends[0]
+    assert sorted(backend.credits) == [0, 1]
+    c.receiver.abort("r", "client gone", c.now)
+    assert backend.credits == {} and sorted(backend.fenced) == [0, 1]
+    assert backend.free_slots(c.now) == [2, 3]
+    assert backend.free_slots(c.now + 0.5) == [0, 1, 2, 3] and backend.fenced == {}
+
+
+def test_backend_slots_are_validated():
+    with pytest.raises(ValueError, match="backend_slots"):
+        TransferConfig(backend_slots=0)
+    with pytest.raises(ValueError, match="exceeds"):
+        TransferConfig(backend_buffer_bytes=2, backend_slots=4)
