@@ -1,0 +1,314 @@
+"""``tetris bench policies``: the prefill policies compared live (emulated) and simulated.
+
+EMULATION. For every policy (Tetris CDSP and the disaggregated baselines of SPEC §8) and every
+arrival rate, one seeded trace runs through
+
+(a) the simulator: ``tetris.bench_fidelity.simulate`` on the deployment with
+    ``scheduler.policy`` replaced, and
+(b) the live emulated Serve app of that same deployment (``LiveCluster``: one app per policy,
+    since the dispatcher builds its policy from the config at start), requests open-loop.
+
+The question is the paper's claim as the simulator reproduces it: does the live system rank the
+policies the way the simulator does? Per rate, policies are ordered by TTFT P50 and by P99 in
+each run; the orders agree when every pair the simulator separates by more than the tie
+tolerance keeps its order live (pairs the simulator calls a tie are not judged: a 2% gap in 30
+requests says nothing). Live TTFT adds the ingress hops and the KV hand-off to the emulated
+compute; an offset common to all policies leaves the order unchanged, which is why the order
+and not the absolute value is compared (``tetris bench fidelity`` measures the values).
+
+Default rates 1, 3, 5 req/s (Short): the simulator's critical rate of the best baseline
+(fixed-sp-8) on the 8B cluster is 4.34 req/s (docs/figures/capacity_8b.md), so the three are
+light load (0.23×), below the knee (0.7×) and just past it (1.15×). On a 30-request trace the
+simulator ranks them differently at 1 req/s (LoongServe-disagg's θ = 0 takes the largest SP
+group and wins an idle pool) than at 3 and 5 (Tetris's chunks fill queue gaps and win).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from tetris.bench_fidelity import EMULATION_LABEL, _pcts, scale_deployment, simulate, trace_for
+from tetris.config import DeploymentConfig, load_deployment
+
+__all__ = ["add_args", "run", "show", "run_policies", "policy_deployment", "order",
+           "compare_orders", "plot"]
+
+DEFAULT_POLICIES = ("tetris", "fixed-sp-8", "loongserve-disagg")
+DEFAULT_RATES = (1.0, 3.0, 5.0)
+# Two policies whose simulated TTFTs lie within 5% are a tie: a 30-request percentile moves
+# that much when one request changes place.
+DEFAULT_TIE = 0.05
+METRICS = ("p50", "p99")
+
+
+# -- the CLI trio (wired by tetris/cli/bench.py) ---------------------------------------------
+def add_args(p: argparse.ArgumentParser) -> None:
+    from tetris.cli.args import positive_int, positive_list
+
+    p.add_argument("--config", default="paper-llama3-8b-emulated.toml",
+                   help="an emulated deployment (default: the paper's 8B cluster, emulated)")
+    p.add_argument("--policies", type=_policy_list, default=list(DEFAULT_POLICIES),
+                   help=f"comma-separated disaggregated policies (default {','.join(DEFAULT_POLICIES)})")
+    p.add_argument("--workload", default="short", help="short, medium, long or a trace file")
+    p.add_argument("--rate", type=positive_list(float, "rates in req/s"), default=list(DEFAULT_RATES),
+                   help="arrival rates in req/s of paper time (default 1,3,5: light, 0.7x and "
+                        "1.15x the simulated capacity of fixed-sp-8 on Short)")
+    p.add_argument("--requests", type=positive_int, default=30, help="requests per (policy, rate)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-scale", type=float, default=10.0,
+                   help="slow all emulated time by this factor (default 10, as for fidelity)")
+    p.add_argument("--max-output", type=positive_int, default=16,
+                   help="cap on output tokens, for both runs (TTFT does not depend on it)")
+    p.add_argument("--tie", type=float, default=DEFAULT_TIE,
+                   help="relative gap under which the simulator's TTFTs count as a tie (default 0.05)")
+    p.add_argument("--sim-only", action="store_true",
+                   help="run the simulator alone (the predicted orders, in seconds)")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="write TTFT P50/P99 vs rate (solid: live, dashed: simulator) to PATH")
+
+
+def run(args: argparse.Namespace) -> dict:
+    from tqdm import tqdm
+
+    if args.time_scale <= 0:
+        raise SystemExit("tetris bench policies: --time-scale must be positive")
+    if not 0 <= args.tie < 1:
+        raise SystemExit("tetris bench policies: --tie must be in [0, 1)")
+    total = 0 if args.sim_only else len(args.policies) * len(args.rate) * args.requests
+    # Ray's driver prints raylet warnings on stdout; --json must print one object there only.
+    with contextlib.redirect_stdout(sys.stderr), tqdm(
+            total=total, desc="bench policies (EMULATION)", file=sys.stderr,
+            disable=getattr(args, "json", False) or args.sim_only) as bar:
+        out = run_policies(args.config, policies=args.policies, rates=args.rate,
+                           workload=args.workload, requests=args.requests, seed=args.seed,
+                           time_scale=args.time_scale, max_output=args.max_output, tie=args.tie,
+                           live=not args.sim_only, tick=bar.update)
+    if args.plot:
+        plot(out, args.plot)
+        out["plot"] = str(args.plot)
+    return out
+
+
+def show(out: dict) -> None:
+    print(f"{out['label']}; time scale {out['time_scale']:g}, {out['workload']} workload, "
+          f"{out['requests']} requests per (policy, rate); TTFT in paper seconds")
+    live = out["emulation"]
+    print(f"{'policy':<18} {'rate':>5} {'sim P50':>8} {'sim P99':>8}" + (
+        f" {'live P50':>9} {'live P99':>9} {'failed':>6} {'chunks':>6} {'mean SP':>7}" if live else ""))
+    for r in out["results"]:
+        line = f"{r['policy']:<18} {r['rate']:>5g} {r['sim_ttft_s']['p50']:>8.3f} {r['sim_ttft_s']['p99']:>8.3f}"
+        if live:
+            lt, pl = r["live_ttft_s"], r["live_plans"]
+            line += (f" {lt['p50']:>9.3f} {lt['p99']:>9.3f} {r['failed']:>6} "
+                     f"{pl['chunks_mean']:>6.2f} {pl['sp_mean']:>7.2f}")
+        print(line)
+    for o in out["orders"]:
+        for m in METRICS:
+            c = o[m]
+            ties = "".join(f" ({a} ~ {b} in sim)" for a, b in c["sim_ties"])
+            line = f"rate {o['rate']:g} {m.upper()}: sim {' < '.join(c['sim'])}{ties}"
+            if c["agree"] is not None:
+                verdict = "agree" if c["agree"] else f"DISAGREE on {c['discordant']}"
+                line += f" | live {' < '.join(c['live'])}: {verdict}"
+            print(line)
+    if out["orders_agree"] is not None:
+        print(f"orders agree at every rate: {out['orders_agree']} "
+              f"(P50 alone: {out['orders_agree_p50']})")
+
+
+def _policy_list(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated policy names, got {text!r}")
+    return names
+
+
+# -- the runs -------------------------------------------------------------------------------
+def policy_deployment(base: DeploymentConfig, name: str) -> DeploymentConfig:
+    """``base`` planning with policy ``name``; checked by planning one request on an idle pool,
+    so that a policy that cannot run on this pool fails before any app starts."""
+    from tetris.bench_fidelity import _cluster
+    from tetris.scheduler.policies import PolicyError, policy_from_config
+    from tetris.scheduler.pool import PoolState
+
+    if name == "loongserve":
+        raise ValueError("loongserve (unified) shares its instances between prefill and decode: "
+                         "it is not a policy of a disaggregated deployment (use loongserve-disagg)")
+    cfg = msgspec.structs.replace(base, scheduler=msgspec.structs.replace(base.scheduler, policy=name))
+    cluster, _spec = _cluster(cfg)
+    try:
+        policy_from_config(cfg.scheduler).plan(
+            "check", 1024, 0.0, PoolState([0.0] * cluster.prefill_instances, cluster.node_of()))
+    except PolicyError as e:
+        raise ValueError(f"policy {name!r} on {base.source_path}: {e}") from None
+    return cfg
+
+
+def run_policies(config: str | Path | None, *, policies: list[str], rates: list[float],
+                 workload: str = "short", requests: int = 30, seed: int = 0,
+                 time_scale: float = 10.0, max_output: int = 16, tie: float = DEFAULT_TIE,
+                 live: bool = True, tick: Callable[[int], None] | None = None) -> dict:
+    """Simulated (and unless ``live`` is false, live) TTFT per (policy, rate), and the orders."""
+    base = load_deployment(config or "paper-llama3-8b-emulated.toml")
+    if live and (base.prefill.executor != "emulated" or base.decode.executor != "emulated"):
+        raise ValueError("the policy comparison needs an emulated deployment "
+                         "(prefill.executor = decode.executor = \"emulated\")")
+    if len(set(policies)) != len(policies) or len(set(rates)) != len(rates):
+        raise ValueError(f"policies and rates must not repeat: {policies}, {rates}")
+    cfgs = {name: policy_deployment(base, name) for name in policies}
+    traces = {rate: trace_for(workload, rate, requests, seed, max_output) for rate in rates}
+    t_start = time.perf_counter()
+    results: list[dict] = []
+    startup: dict[str, float] = {}
+    for name in policies:
+        sims = {rate: simulate(cfgs[name], traces[rate]) for rate in rates}
+        lives = _live_runs(cfgs[name], traces, time_scale, tick, startup, name) if live else {}
+        results += [_row(name, rate, len(traces[rate]), sims[rate], lives.get(rate))
+                    for rate in rates]
+    orders = [_orders_at(rate, results, policies, tie) for rate in rates]
+    judged = [o for o in orders if o["agree"] is not None]
+    return {"emulation": live, "label": EMULATION_LABEL if live else "SIMULATION only",
+            "config": base.source_path, "workload": workload, "requests": requests, "seed": seed,
+            "time_scale": time_scale, "max_output_tokens": max_output, "tie_tolerance": tie,
+            "policies": list(policies), "rates": list(rates), "app_startup_s": startup,
+            "results": results, "orders": orders,
+            "orders_agree": all(o["agree"] for o in judged) if judged else None,
+            "orders_agree_p50": all(o["p50"]["agree"] for o in judged) if judged else None,
+            "wall_s": time.perf_counter() - t_start}
+
+
+def _live_runs(cfg: DeploymentConfig, traces: dict, time_scale: float, tick, startup: dict,
+               name: str) -> dict[float, dict]:
+    from tetris.bench_fidelity_live import LiveCluster
+
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="tetris-policies-") as tmp:
+        with LiveCluster(scale_deployment(cfg, time_scale, Path(tmp))) as cluster:
+            startup[name] = cluster.startup_s
+            for rate, trace in traces.items():
+                got = asyncio.run(cluster.run_trace(trace, time_scale, tick=tick))
+                timelines = cluster.dispatcher.timelines.remote(len(trace) + 64).result(timeout_s=60)
+                got["plans"] = plan_shapes(_this_run(timelines, len(trace)))
+                out[rate] = got
+    return out
+
+
+def _this_run(timelines: list[dict], n: int) -> list[dict]:
+    """The timelines of the last ``run_trace``: its request ids share one suffix (its start in
+    ms), and a timeline is kept when its request ends, so the newest one belongs to it."""
+    if not timelines:
+        return []
+    suffix = timelines[-1]["request_id"].rsplit("-", 1)[-1]
+    return [t for t in timelines if t["request_id"].rsplit("-", 1)[-1] == suffix][-n:]
+
+
+def plan_shapes(timelines: list[dict]) -> dict:
+    """What the live dispatcher planned: chunks per request and the SP sizes of the chunks."""
+    sizes = [tuple(t["sp_sizes"]) for t in timelines]
+    flat = [s for ss in sizes for s in ss]
+    counts: dict[str, int] = {}
+    for s in sorted(flat):
+        counts[str(s)] = counts.get(str(s), 0) + 1
+    return {"requests": len(sizes),
+            "chunks_mean": sum(map(len, sizes)) / len(sizes) if sizes else math.nan,
+            "chunks_max": max(map(len, sizes), default=0),
+            "sp_mean": sum(flat) / len(flat) if flat else math.nan,
+            "sp_size_chunks": counts,
+            "sp_sizes": [list(ss) for ss in sizes]}
+
+
+def _row(policy: str, rate: float, n: int, sim: dict, live: dict | None) -> dict:
+    row = {"policy": policy, "rate": rate, "requests": n, "sim_ttft_s": _pcts(sim["ttft_s"])}
+    if live is not None:
+        row |= {"live_ttft_s": _pcts(live["ttft_s"]),
+                "live_prefill_end_ttft_s": _pcts(live["prefill_ttft_s"]),
+                "failed": live["failed"], "errors": live["errors"], "live_plans": live["plans"],
+                "arrival_lag_ms_p99": _p99_ms(live["lag_s"])}
+    return row
+
+
+def _p99_ms(xs: list[float]) -> float:
+    import numpy as np
+
+    return float(np.percentile(xs, 99) * 1e3) if xs else 0.0
+
+
+# -- orders ---------------------------------------------------------------------------------
+def order(values: dict[str, float]) -> list[str]:
+    """Names from the lowest value up (ties by name); NaN (no measurement) last."""
+    return sorted(values, key=lambda k: (math.isnan(values[k]), values[k], k))
+
+
+def compare_orders(sim: dict[str, float], live: dict[str, float], tie: float = DEFAULT_TIE) -> dict:
+    """Whether ``live`` ranks every pair the way ``sim`` does, pairs within ``tie`` (relative)
+    of each other in ``sim`` excepted. A NaN on either side is a disagreement: a policy whose
+    requests failed has no rank."""
+    if sorted(sim) != sorted(live):
+        raise ValueError(f"different policies: {sorted(sim)} vs {sorted(live)}")
+    discordant, ties = [], []
+    for a, b in itertools.combinations(sorted(sim), 2):
+        sa, sb, la, lb = sim[a], sim[b], live[a], live[b]
+        if any(math.isnan(x) for x in (sa, sb, la, lb)):
+            discordant.append([a, b])
+        elif abs(sa - sb) <= tie * min(sa, sb):
+            ties.append([a, b])
+        elif (sa < sb) != (la < lb):
+            discordant.append([a, b])
+    return {"sim": order(sim), "live": order(live), "agree": not discordant,
+            "discordant": discordant, "sim_ties": ties}
+
+
+def _orders_at(rate: float, results: list[dict], policies: list[str], tie: float) -> dict:
+    rows = {r["policy"]: r for r in results if r["rate"] == rate}
+    out: dict = {"rate": rate}
+    for m in METRICS:
+        sim = {p: rows[p]["sim_ttft_s"][m] for p in policies}
+        if "live_ttft_s" in rows[policies[0]]:
+            out[m] = compare_orders(sim, {p: rows[p]["live_ttft_s"][m] for p in policies}, tie)
+        else:
+            out[m] = compare_orders(sim, sim, tie) | {"live": [], "agree": None}
+    out["agree"] = None if out["p50"]["agree"] is None else out["p50"]["agree"] and out["p99"]["agree"]
+    return out
+
+
+# -- plot -----------------------------------------------------------------------------------
+def plot(out: dict, path: str | Path) -> None:
+    """TTFT P50 and P99 against rate, one colour per policy; solid live, dashed simulator."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
+    colours = plt.get_cmap("tab10")
+    for ax, m in zip(axes, METRICS):
+        for i, name in enumerate(out["policies"]):
+            rows = sorted((r for r in out["results"] if r["policy"] == name), key=lambda r: r["rate"])
+            rates = [r["rate"] for r in rows]
+            ax.plot(rates, [r["sim_ttft_s"][m] for r in rows], "--", color=colours(i),
+                    marker="x", label=f"{name} (sim)")
+            if all("live_ttft_s" in r for r in rows):
+                ax.plot(rates, [r["live_ttft_s"][m] for r in rows], "-", color=colours(i),
+                        marker="o", label=f"{name} (live)")
+        ax.set_xlabel("arrival rate (req/s)")
+        ax.set_ylabel(f"TTFT {m.upper()} (s)")
+        ax.set_title(f"TTFT {m.upper()}")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    what = "EMULATION" if out["emulation"] else "SIMULATION"
+    fig.suptitle(f"{what}: {out['workload']} workload, {out['requests']} requests per point, "
+                 f"time scale {out['time_scale']:g}", fontsize=10)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
