@@ -1,0 +1,142 @@
+"""``tetris bench soak``: the pure parts on real values, and one short EMULATION soak."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from tetris.bench_soak import (add_args, deployment_capacity, held_is_zero, run, soak_arrivals,
+                               soak_rates, verdict)
+from tetris.bench_soak_memory import rss_growth
+from tetris.config import load_deployment
+
+
+def _reduced(tmp_path) -> str:
+    """The paper's emulated 8B cluster cut to 4 prefill instances and one TP-2 decode instance."""
+    src = open(load_deployment("paper-llama3-8b-emulated.toml").source_path).read()
+    path = tmp_path / "reduced.toml"
+    path.write_text(src.replace("num_instances = 16", "num_instances = 4")
+                    .replace("node_size = 8", "node_size = 2")
+                    .replace("sp_candidates = [1, 2, 4, 8, 16]", "sp_candidates = [1, 2, 4]")
+                    .replace("num_instances = 2\ntp_size = 8", "num_instances = 1\ntp_size = 2")
+                    .replace("num_backends = 16", "num_backends = 4")
+                    .replace("pool_size = 16", "pool_size = 4"))
+    return str(path)
+
+
+def test_soak_rate_is_load_times_capacity_stretched_by_the_time_scale():
+    assert soak_rates(4.0, 0.7, 1.0) == pytest.approx((2.8, 2.8))
+    assert soak_rates(4.0, 0.7, 10.0) == pytest.approx((2.8, 0.28))
+    with pytest.raises(ValueError, match="positive"):
+        soak_rates(4.0, 0.7, 0.0)
+
+
+def test_growth_is_the_tail_mean_over_the_first_sample_after_warm_up():
+    mib = 2 ** 20
+    samples = [(0.0, 100 * mib), (2.0, 150 * mib), (3.0, 200 * mib), (5.0, 210 * mib),
+               (7.0, 205 * mib), (9.0, 212 * mib)]
+    # Before warm-up the 100 and 150 MiB samples do not count; (210+205+212)/3 / 200 - 1.
+    assert rss_growth(samples, 3.0) == pytest.approx(209 / 200 - 1)
+    assert rss_growth(samples, 3.0, tail=1) == pytest.approx(212 / 200 - 1)
+    assert rss_growth(samples, 0.0) == pytest.approx(209 / 100 - 1)
+    assert rss_growth(samples, 8.0) is None          # one sample after warm-up: no baseline pair
+
+
+def _actor(label, growth, lost=False, restarts=0):
+    return {"label": label, "growth": growth, "lost": lost, "restarts": restarts}
+
+
+def test_verdict_needs_zero_failures_and_every_actor_within_five_percent():
+    ok = [_actor("Ingress", 0.01), _actor("PrefillWorker[0]", 0.049), _actor("DecodeRank[0]", -0.02)]
+    v = verdict(0, ok)
+    assert v["passed"] and v["zero_failed"] and v["memory_growth_ok"]
+    assert v["max_growth"] == pytest.approx(0.049)
+    assert not verdict(1, ok)["passed"] and verdict(1, ok)["memory_growth_ok"]
+    grown = verdict(0, ok + [_actor("DecodeRank[1]", 0.051)])
+    assert not grown["memory_growth_ok"] and grown["max_growth"] == pytest.approx(0.051)
+    lost = verdict(0, ok + [_actor("PrefillWorker[1]", 0.0, lost=True)])
+    assert not lost["passed"] and lost["actors_without_verdict"] == ["PrefillWorker[1]"]
+    assert not verdict(0, ok + [_actor("Ingress", 0.0, restarts=1)])["memory_growth_ok"]
+    assert not verdict(0, ok + [_actor("ProxyActor", None)])["memory_growth_ok"]
+
+
+def test_held_is_zero_only_when_nothing_is_left_anywhere():
+    def held(inflight=0, prefill=(), receiving=(), free=64):
+        rank = {"engine_requests": 0, "receiving": list(receiving), "backends_held": [],
+                "free_blocks": free, "total_blocks": 64}
+        rank["empty"] = not receiving and free == 64
+        return {"dispatcher": {"inflight": inflight, "queue_bookings": 0, "virtual_usage": 0,
+                               "virtual_requests": 0},
+                "prefill": {0: [], 1: list(prefill)}, "decode": [{"ranks": [rank]}]}
+
+    assert held_is_zero(held())
+    assert not held_is_zero(held(inflight=1))
+    assert not held_is_zero(held(prefill=["r3"]))
+    assert not held_is_zero(held(receiving=["r3"], free=60))
+
+
+def test_arrivals_are_lazy_seeded_poisson_with_capped_outputs():
+    first = list(itertools.islice(soak_arrivals("short", 2.0, 5, 16), 2000))
+    assert first[:50] == list(itertools.islice(soak_arrivals("short", 2.0, 5, 16), 50))
+    assert first[:50] != list(itertools.islice(soak_arrivals("short", 2.0, 6, 16), 50))
+    t = np.array([r.arrival_time for r in first])
+    assert np.all(np.diff(t) > 0)
+    assert 2000 / t[-1] == pytest.approx(2.0, rel=0.08)       # mean rate over 2000 arrivals
+    assert all(r.output_tokens == 16 for r in first)           # outputs start at 32, capped to 16
+    prompts = [r.prompt_tokens for r in first]
+    assert 4000 <= min(prompts) and max(prompts) <= 95000
+    assert np.mean(prompts) == pytest.approx(23600, rel=0.08)
+    with pytest.raises(ValueError, match="named workload"):
+        next(soak_arrivals("trace.csv", 2.0, 0, 16))
+
+
+def test_capacity_search_brackets_the_25x_criterion(tmp_path):
+    cfg = load_deployment(_reduced(tmp_path))
+    small = deployment_capacity(cfg, "short", requests=150, tol=0.05)
+    cap = small["capacity_rps"]
+    probes = {rate: good for rate, _p50, _p99, good in small["probes"]}
+    assert probes[cap] is True
+    # The rate just above the answer (within tol) was probed and broke the SLO.
+    above = [r for r, good in probes.items() if r > cap and not good]
+    assert above and min(above) - cap <= 0.05 + 1e-9
+    for rate, p50, p99, good in small["probes"]:
+        assert good == (p50 <= 25 * small["light_p50_s"] and p99 <= 25 * small["light_p99_s"])
+    # Four times the prefill instances sustain a clearly higher rate.
+    full = deployment_capacity(load_deployment("paper-llama3-8b-emulated.toml"), "short",
+                               requests=150, tol=0.05)
+    assert full["capacity_rps"] > 2 * cap
+
+
+@pytest.mark.timeout(300)
+def test_short_soak_has_no_failures_samples_every_actor_and_releases_all(serve_http, tmp_path):
+    p = argparse.ArgumentParser()
+    add_args(p)
+    p.add_argument("--json", action="store_true")
+    png = tmp_path / "rss.png"
+    args = p.parse_args(["--config", _reduced(tmp_path), "--capacity", "1.0", "--load", "0.7",
+                         "--duration", "10", "--warmup", "3", "--sample-every", "2",
+                         "--max-output", "4", "--drain-timeout", "60", "--plot", str(png),
+                         "--json"])
+    out = json.loads(json.dumps(run(args)))
+    assert out["emulation"] is True and "EMULATION" in out["label"]
+    assert out["rate_rps"] == pytest.approx(0.7) and out["capacity"]["source"] == "given"
+    req = out["requests"]
+    assert req["failed"] == 0, req["errors"]
+    assert req["sent"] >= 2 and req["completed"] == req["sent"]
+    assert out["ttft_s"]["p50"] > 0
+    labels = {a["label"]: a for a in out["memory"]["actors"]}
+    for name in ["PrefillWorker[0]", "PrefillWorker[1]", "PrefillWorker[2]", "PrefillWorker[3]",
+                 "DecodeRank[0]", "Ingress", "DispatcherServer", "PrefillPoolServer",
+                 "DecodePoolServer"]:
+        a = labels[name]
+        assert a["samples"] >= 6 and not a["lost"] and a["restarts"] == 0, name
+        assert a["rss_warm_mib"] > 10 and a["growth"] is not None
+    assert out["verdict"]["zero_failed"]
+    assert out["verdict"]["max_growth"] == pytest.approx(
+        max(a["growth"] for a in out["memory"]["actors"]))
+    assert out["held_zero"] is True
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
