@@ -125,7 +125,7 @@ class CdspSearch:
         if k_max == lo:  # one candidate left up to s_max: no pair to chunk with
             return best_ttft, best
         sizes, coeffs, child = self.sizes, self.coeffs, self.groups.child
-        min_chunk, align = self.min_chunk, self.align
+        min_chunk, align, last = self.min_chunk, self.align, len(sizes) - 1
         for i in range(lo, k_max):
             s_cur = sizes[i]
             g_cur = g_prev.children.get(s_cur) or child(g_prev, s_cur)
@@ -136,7 +136,8 @@ class CdspSearch:
             for j in range(i + 1, k_max + 1):
                 # Algorithm 3: the budget is the wait until the larger group is free.
                 s_next = sizes[j]
-                mq_next = (g_cur.children.get(s_next) or child(g_cur, s_next)).max_queue
+                g_next = g_cur.children.get(s_next) or child(g_cur, s_next)
+                mq_next = g_next.max_queue
                 budget = (t_prev if t_prev > mq_next else mq_next) - start_cur - a
                 if budget <= 0.0:
                     continue
@@ -148,9 +149,21 @@ class CdspSearch:
                 cut = bound if bound < best_ttft else best_ttft
                 if end >= cut:
                     continue
+                rest_tokens, rest_history = remaining - tokens, history + tokens
+                if j == last:
+                    # The rest can only be one chunk on G_next: Algorithm 2 with one candidate,
+                    # evaluated here as the recursion would (same operations, same floats).
+                    a2, b2, g2, d2 = coeffs[s_next]
+                    start2 = end if end > mq_next else mq_next
+                    rest_ttft = start2 + a2 + rest_tokens * (b2 + g2 * rest_history
+                                                             + d2 * rest_tokens)
+                    if rest_ttft < best_ttft:
+                        best_ttft = rest_ttft
+                        best = (tokens, g_cur, start_cur, end,
+                                (rest_tokens, g_next, start2, rest_ttft, None))
+                    continue
                 # Eq. 2: every member of G_cur is busy until this chunk's end.
-                rest_ttft, rest = self._cdsp(remaining - tokens, history + tokens, g_cur,
-                                             end, j, cut)
+                rest_ttft, rest = self._cdsp(rest_tokens, rest_history, g_cur, end, j, cut)
                 if rest_ttft < best_ttft:
                     best_ttft = rest_ttft
                     best = (tokens, g_cur, start_cur, end, rest)

@@ -213,9 +213,13 @@ class GroupBuilder:
         nodes = self._rank.get(r)
         if nodes is None:
             nq = self.nodeq
-            # A stable sort over positions in node-index order breaks ties on the index.
-            nodes = sorted([p for p in range(len(nq)) if len(nq[p]) >= r],
-                           key=lambda p: nq[p][r - 1])
+            if self.node_size:
+                col = [q[r - 1] for q in nq]
+                # A stable sort over positions in node-index order breaks ties on the index.
+                nodes = sorted(range(len(nq)), key=col.__getitem__)
+            else:
+                nodes = sorted([p for p in range(len(nq)) if len(nq[p]) >= r],
+                               key=lambda p: nq[p][r - 1])
             self._rank[r] = nodes
         return nodes
 
@@ -231,12 +235,6 @@ class GroupBuilder:
 
     # ---- ring order (only for the groups of a chosen plan) ----------------------------------
 
-    def count(self, g: Group, p: int) -> int:
-        """How many instances of node position ``p`` the group holds."""
-        if not g.used >> p & 1:
-            return 0
-        return g.cnt if p == g.part else len(self.nodeq[p])
-
     def ring(self, chain: Sequence[Group]) -> list[tuple[int, ...]]:
         """Members in ring order of each group of a chain grown from empty: a group keeps its
         predecessor's members in place and appends the added ones node by node, by index."""
@@ -249,7 +247,9 @@ class GroupBuilder:
                 low = grown & -grown
                 p = low.bit_length() - 1
                 grown ^= low
-                c0, c1 = self.count(prev, p), self.count(g, p)
+                c0 = (prev.cnt if p == prev.part else len(self.nodeq[p])) \
+                    if prev.used >> p & 1 else 0
+                c1 = g.cnt if p == g.part else len(self.nodeq[p])
                 if c1 > c0:
                     added.extend(sorted(self.by_node(p)[c0:c1]))
             members = members + tuple(added)
