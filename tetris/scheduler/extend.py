@@ -142,32 +142,42 @@ class GroupBuilder:
         if s > self.topology.num_instances:
             raise ValueError(
                 f"SP size {s} exceeds the pool of {self.topology.num_instances} instances")
-        used, part, mq = g.used, g.part, g.max_queue
+        used, part, cnt, mq = g.used, g.part, 0, g.max_queue
+        nodeq = self.nodeq
         if part >= 0:
             # Rule 2: the one partly used node first, shortest queues first.
-            q = self.nodeq[part]
+            q = nodeq[part]
             c = g.cnt + need
             if c < len(q):
                 last = q[c - 1]
-                return self._intern(s, last if last > mq else mq, used, part, c)
-            last = q[-1]
+                cnt, need = c, 0
+            else:
+                last = q[-1]
+                need = c - len(q)
+                part = -1
             if last > mq:
                 mq = last
-            need = c - len(q)
-            part = -1
-            if not need:
-                return self._intern(s, mq, used, -1, 0)
-        return self._fill_from_untouched(s, need, mq, used)
+        if need:
+            # Rule 1 over the untouched nodes.
+            used, part, cnt, mq = self._fill_from_untouched(need, used, mq)
+        # One Group per instance set: its extensions are shared by every chain reaching it.
+        key = (used, part, cnt)
+        found = self._groups.get(key)
+        if found is None:
+            found = self._groups[key] = Group(s, mq, used, part, cnt)
+        return found
 
-    def _fill_from_untouched(self, s: int, need: int, mq: float, used: int) -> Group:
-        """Rule 1 over untouched nodes: whole nodes while ``need`` spans one, then one node."""
+    def _fill_from_untouched(self, need: int, used: int, mq: float
+                             ) -> tuple[int, int, int, float]:
+        """Rule 1: whole nodes while ``need`` spans one, then one node; returns the new
+        ``(used, partial node, its count, max queue)``."""
         nodeq, k = self.nodeq, self.node_size
         if k:
             whole, need = divmod(need, k)
             if whole:
                 # Whole nodes by the time all of them is free: with equal nodes that order is
                 # rule 1's too, and the last node taken waits longest.
-                for p in self.full_rank():
+                for p in self._full_rank or self.full_rank():
                     if not used >> p & 1:
                         used |= 1 << p
                         whole -= 1
@@ -179,7 +189,7 @@ class GroupBuilder:
                 if last > mq:
                     mq = last
         while need:
-            for p in self.rank(need):
+            for p in self._rank.get(need) or self.rank(need):
                 if not used >> p & 1:
                     # The node whose need-th shortest queue is smallest starts the soonest.
                     q = nodeq[p]
@@ -188,8 +198,8 @@ class GroupBuilder:
                         mq = last
                     used |= 1 << p
                     if need < len(q):
-                        return self._intern(s, mq, used, p, need)
-                    return self._intern(s, mq, used, -1, 0)
+                        return used, p, need, mq
+                    return used, -1, 0, mq
             p = next((p for p in self.full_rank() if not used >> p & 1), -1)
             if p < 0:
                 raise ValueError("pool has too few instances for the requested SP size")
@@ -198,15 +208,7 @@ class GroupBuilder:
             if last > mq:
                 mq = last
             need -= len(nodeq[p])
-        return self._intern(s, mq, used, -1, 0)
-
-    def _intern(self, s: int, mq: float, used: int, part: int, cnt: int) -> Group:
-        """The one ``Group`` of this instance set: its extensions are shared by every chain."""
-        key = (used, part, cnt)
-        g = self._groups.get(key)
-        if g is None:
-            g = self._groups[key] = Group(s, mq, used, part, cnt)
-        return g
+        return used, -1, 0, mq
 
     def rank(self, r: int) -> list[int]:
         """Nodes with at least ``r`` instances, by their ``r``-th shortest queue, then index."""
