@@ -72,3 +72,24 @@ def test_uneven_nodes_take_whole_nodes_then_one():
     g6 = b.group((6,))  # no node fits 6: whole node 0 (largest on ties), then a node of 2
     assert sorted(g6.members) == [0, 1, 2, 4, 5, 6]
     assert b.group((2, 6)).members[:2] == b.group((2,)).members
+
+
+def test_equal_instance_sets_share_one_group_but_keep_their_ring_order():
+    # node 0: queues 3,0,1,2 -> by queue: 1,2,3,0
+    b = _builder([3.0, 0.0, 1.0, 2.0, 9.0, 9.0, 9.0, 9.0], 4)
+    two_then_four, four = b.chain((2, 4))[-1], b.chain((4,))[-1]
+    assert two_then_four is four                      # one object: its extensions are shared
+    assert b.group((2, 4)).members == (1, 2, 0, 3)    # the SP-2 ring first, then the rest
+    assert b.group((4,)).members == (0, 1, 2, 3)      # built at once: by index
+    assert b.group((2, 4)).max_queue == b.group((4,)).max_queue == 3.0
+    with pytest.raises(ValueError):
+        b.extend(four, 2)                             # groups never shrink
+
+
+def test_topology_is_the_plain_node_list_with_its_layout():
+    top = node_members([0, 0, 1, 1])
+    assert top == [(0, [0, 1]), (1, [2, 3])]
+    assert top.spans == [(0, 2), (2, 4)] and top.node_size == 2 and top.num_instances == 4
+    mixed = node_members([1, 0, 1, 0, 0])
+    assert mixed == [(0, [1, 3, 4]), (1, [0, 2])]
+    assert mixed.spans is None and mixed.node_size == 0   # gathered, not sliced; uneven

@@ -5,9 +5,10 @@ import random
 import pytest
 
 from cdsp_reference import CdspSearch as RefSearch
+from cdsp_reference import GroupBuilder as RefBuilder
 from cdsp_reference import node_members as ref_node_members
 from tetris.scheduler.cdsp import CdspSearch
-from tetris.scheduler.extend import node_members
+from tetris.scheduler.extend import GroupBuilder, node_members
 from tetris.scheduler.latency import PrefillLatencyModel, SpCoefficients, load_profile
 
 
@@ -23,14 +24,14 @@ def _profile_to(max_sp: int) -> PrefillLatencyModel:
     return PrefillLatencyModel(coeffs, name="extended")
 
 
-PROF = _profile_to(64)
+PROF = _profile_to(128)
 
 
 def _case(rng: random.Random):
     layout = rng.choice(["uniform", "uniform", "uniform", "uneven"])
     if layout == "uniform":
         node_size = rng.choice([2, 4, 8])
-        n = rng.choice([8, 16, 32, 64])
+        n = rng.choice([8, 16, 32, 64, 128])
         node_of = [i // node_size for i in range(n)]
     else:  # nodes of different sizes, numbered out of order
         sizes = [rng.choice([2, 4, 6, 8]) for _ in range(rng.randint(2, 5))]
@@ -66,11 +67,34 @@ def _plans(search_cls, nm, case):
 @pytest.mark.parametrize("block", range(4))
 def test_fast_search_matches_reference_on_random_pools(block):
     rng = random.Random(1000 + block)
-    chunked = 0
+    chunked = inline_tail = 0
     for _ in range(100):
         case = _case(rng)
         got = _plans(CdspSearch, node_members, case)
         want = _plans(RefSearch, ref_node_members, case)
         assert got == want, case     # same chunks, members in ring order, times to the bit
         chunked += len(got[0][1]) > 1
+        # a rest on the largest candidate is evaluated inline rather than by recursion
+        last_size = max(s for s in PROF.sp_sizes if s <= len(case[1]))
+        inline_tail += len(got[0][1]) > 1 and len(got[0][1][-1][1]) == last_size
     assert chunked >= 10             # the cases exercise the chunked search, not only one chunk
+    assert inline_tail >= 3
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_groups_match_reference_for_any_chain(seed):
+    """``extend`` alone, on chains of arbitrary sizes (not only powers of two), uneven and
+    out-of-order nodes, ties: members in ring order and max queue equal the reference's."""
+    rng = random.Random(seed)
+    for _ in range(150):
+        q, node_of, *_ = _case(rng)
+        n = len(node_of)
+        chain = tuple(sorted(rng.sample(range(1, n + 1), rng.randint(1, min(5, n)))))
+        got = GroupBuilder(q, node_members(node_of))
+        want = RefBuilder(q, ref_node_members(node_of))
+        for k in range(1, len(chain) + 1):
+            g, w = got.group(chain[:k]), want.group(chain[:k])
+            assert (g.members, g.max_queue) == (w.members, w.max_queue), (q, node_of, chain)
+        # a plain list topology (as callers built before Topology) gives the same groups
+        plain = GroupBuilder(q, [(nd, list(m)) for nd, m in node_members(node_of)])
+        assert plain.group(chain).members == got.group(chain).members
