@@ -136,3 +136,33 @@ def test_rate_monitor_without_start_time_starts_at_its_first_call():
     assert mon.maybe_update(t0 + 20.0) == 0.1      # 41 arrivals over 20 s: nearer 1 req/s
     with pytest.raises(RateTableError):
         RateMonitor(window_s=10.0, update_interval_s=20.0, table=table)
+
+
+def test_rate_monitor_min_arrivals_stretches_a_sparse_window():
+    # 0.5 req/s for 300 s, then 0.33 req/s for the last 60 s: the 60 s window alone reads
+    # 20/60 and lands on the 0.375 row; stretched to the 100 most recent arrivals it reads
+    # 99 gaps over their span, about 0.45 req/s, the 0.5 row.
+    table = ImprovementRateTable([0.375, 0.5], [0.15, 0.55])
+    arrivals = [2.0 * k for k in range(150)] + [300.0 + 3.0 * k for k in range(1, 21)]
+    plain = RateMonitor(60.0, 30.0, table, start_time=0.0)
+    wide = RateMonitor(60.0, 30.0, table, start_time=0.0, min_arrivals=100)
+    for t in arrivals:
+        plain.observe_arrival(t)
+        wide.observe_arrival(t)
+    now = arrivals[-1]
+    assert plain.current_rate(now) == pytest.approx(20 / 60.0)
+    oldest = arrivals[-100]
+    assert wide.current_rate(now) == pytest.approx(99 / (now - oldest))
+    assert plain.maybe_update(now) == 0.15 and wide.maybe_update(now) == 0.55
+    # A window that already holds enough arrivals is not stretched.
+    dense = RateMonitor(60.0, 30.0, table, start_time=0.0, min_arrivals=100)
+    for k in range(400):
+        dense.observe_arrival(0.25 * k)
+    assert dense.current_rate(100.0) == pytest.approx(239 / 60.0)   # (40, 100]
+    # Before one window has passed the span is the elapsed time, as without min_arrivals.
+    early = RateMonitor(60.0, 30.0, table, start_time=0.0, min_arrivals=100)
+    for k in range(10):
+        early.observe_arrival(4.0 * k)
+    assert early.current_rate(40.0) == pytest.approx(10 / 40.0)
+    with pytest.raises(RateTableError):
+        RateMonitor(60.0, 30.0, table, min_arrivals=-1)

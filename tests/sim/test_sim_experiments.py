@@ -135,3 +135,25 @@ def test_profiled_table_does_not_depend_on_the_output_mean():
     assert [(r.arrival_time, r.prompt_tokens) for r in r384] == \
         [(r.arrival_time, r.prompt_tokens) for r in r2048]
     assert np.mean([r.output_tokens for r in r2048]) > 3 * np.mean([r.output_tokens for r in r384])
+
+
+def test_throughput_ceiling_bounds_fixed_sp_and_orders_policies():
+    from tetris.sim.experiments import policy_sp_sizes, throughput_ceiling
+    assert policy_sp_sizes("8b", "fixed-sp-8") == (8,)
+    assert policy_sp_sizes("8b", "tetris") == (1, 2, 4, 8, 16)
+    assert policy_sp_sizes("70b", "tetris") == (1, 2, 4, 8)
+    assert policy_sp_sizes("8b", "loongserve") is None
+    c8 = throughput_ceiling("8b", "long", (8,), n=2000)
+    c1 = throughput_ceiling("8b", "long", (1,), n=2000)
+    call = throughput_ceiling("8b", "long", (1, 2, 4, 8, 16), n=2000)
+    # The best size per request is at least as good as any single one; SP 1 is close to it.
+    assert call >= c1 > c8 and call < 1.01 * c1
+    # Fixed SP 8 below its ceiling keeps up; well above it the backlog, hence TTFT, grows.
+    under = run_one(RunSpec(model="8b", workload="long", policy="fixed-sp-8", rate=0.8 * c8,
+                            requests=300, decode=False))[0].ttft_s
+    over = run_one(RunSpec(model="8b", workload="long", policy="fixed-sp-8", rate=1.3 * c8,
+                           requests=300, decode=False))[0].ttft_s
+    assert np.mean(under[-100:]) < 2 * np.mean(under[:100])
+    assert np.mean(over[-100:]) > 3 * np.mean(over[:100])
+    with pytest.raises(ValueError):
+        throughput_ceiling("70b", "long", (16,))

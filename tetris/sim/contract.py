@@ -33,6 +33,7 @@ def write_rate_table(path: str | Path, rates: list[float], thetas: list[float], 
 
 
 def make_rate_monitor(window_s: float, update_interval_s: float,
-                      table: ImprovementRateTable) -> RateMonitor:
+                      table: ImprovementRateTable, min_arrivals: int = 0) -> RateMonitor:
     # The simulated clock starts at 0: the rate's span counts from there, not the first arrival.
-    return RateMonitor(window_s, update_interval_s, table, start_time=0.0)
+    return RateMonitor(window_s, update_interval_s, table, start_time=0.0,
+                       min_arrivals=min_arrivals)

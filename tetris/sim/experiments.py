@@ -26,7 +26,8 @@ from tetris.sim.workload import (OUTPUT_LENGTHS, SimRequest, WORKLOADS, load_tra
                                  output_lengths, poisson_workload, scale_to_rate)
 
 __all__ = ["RunSpec", "make_requests", "run_one", "sweep", "light_load", "capacity",
-           "Capacity", "SLO_FACTOR", "rate_table_path", "BASELINES"]
+           "Capacity", "SLO_FACTOR", "rate_table_path", "BASELINES", "throughput_ceiling",
+           "policy_sp_sizes"]
 
 SLO_FACTOR = 25.0
 BASELINES = ("fixed-sp-8", "fixed-sp-16", "loongserve-disagg", "loongserve")
@@ -49,6 +50,7 @@ class RunSpec(msgspec.Struct, frozen=True):
     min_chunk_tokens: int = 256
     rate_window_s: float = 60.0
     rate_update_interval_s: float = 30.0
+    rate_min_arrivals: int = 100       # RateMonitor.min_arrivals: a sparse window (70B) stretches
     output_mean: float = OUTPUT_LENGTHS.mean_tokens   # mean output tokens (named workloads only)
 
 
@@ -76,7 +78,8 @@ def _online_monitor(spec: RunSpec):
         raise ValueError(f"no improvement-rate table at {path}; run `tetris sim profile-rate "
                          f"--model {spec.model} --workload {spec.workload}` or pass a fixed θ")
     table = contract.load_rate_table(path)
-    return contract.make_rate_monitor(spec.rate_window_s, spec.rate_update_interval_s, table)
+    return contract.make_rate_monitor(spec.rate_window_s, spec.rate_update_interval_s, table,
+                                      spec.rate_min_arrivals)
 
 
 def _decode_side(cluster: ClusterSpec):
@@ -155,12 +158,47 @@ def light_load(model: str, workload: str, n: int = 2000, seed: int = 0) -> tuple
     return float(np.percentile(alone, 50)), float(np.percentile(alone, 99))
 
 
+def policy_sp_sizes(model: str, policy: str) -> tuple[int, ...] | None:
+    """SP sizes a disaggregated policy may run a request on; None for LoongServe (unified),
+    whose prefill pool shrinks and grows with decoding."""
+    if policy == "loongserve":
+        return None
+    if policy.startswith("fixed-sp-"):
+        return (int(policy.removeprefix("fixed-sp-")),)
+    cluster = cluster_by_name(model)
+    return tuple(s for s in cluster.sp_candidates if s <= cluster.prefill_instances)
+
+
+def throughput_ceiling(model: str, workload: str, sizes: Sequence[int], n: int = 20000,
+                       seed: int = 0) -> float:
+    """The arrival rate (req/s) at which the prefill pool is busy all the time even if every
+    request ran at its most efficient size in ``sizes``: ``instances / E[min_s s·T_s(0, L)]``.
+
+    Above it the backlog grows without bound under any schedule, so a capacity measured over
+    a finite run can exceed it only by the backlog the 25x criterion tolerates; the ratio of
+    two policies' ceilings bounds their capacity ratio in the long run.
+    """
+    cluster = cluster_by_name(model)
+    lat = _profile(cluster)
+    if not sizes or any(s > cluster.prefill_instances or s not in lat.table for s in sizes):
+        raise ValueError(f"SP sizes {list(sizes)} do not fit the {model} pool "
+                         f"({cluster.prefill_instances} instances, profile {list(lat.sp_sizes)})")
+    lengths = np.array([r.prompt_tokens for r in make_requests(workload, 1.0, n, seed)], float)
+    per_size = []
+    for s in sizes:
+        a, b, _, d = lat.table[s]
+        # Eq. 1 with h = 0, times the s instances the ring holds.
+        per_size.append(s * (a + lengths * (b + d * lengths)))
+    return cluster.prefill_instances / float(np.min(per_size, axis=0).mean())
+
+
 class Capacity(msgspec.Struct):
     policy: str
     capacity_rps: float
     light_p50: float
     light_p99: float
     probes: list[tuple[float, float, float, bool]]   # (rate, P50, P99, sustained)
+    ceiling_rps: float | None = None   # throughput_ceiling over the policy's SP sizes
 
 
 def capacity(base: RunSpec, seeds: Sequence[int] = (0,), lo: float = 0.25, hi: float = 16.0,
@@ -175,11 +213,13 @@ def capacity(base: RunSpec, seeds: Sequence[int] = (0,), lo: float = 0.25, hi: f
         probes.append((rate, row["ttft_p50"], row["ttft_p99"], good))
         return good
 
+    sizes = policy_sp_sizes(base.model, base.policy) if base.workload in WORKLOADS else None
+    ceiling = None if sizes is None else throughput_ceiling(base.model, base.workload, sizes)
     if not ok(lo):
-        return Capacity(base.policy, 0.0, l50, l99, probes)
+        return Capacity(base.policy, 0.0, l50, l99, probes, ceiling)
     while ok(hi):  # grow the bracket until it fails
         lo, hi = hi, hi * 2
     while hi - lo > tol:
         mid = 0.5 * (lo + hi)
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return Capacity(base.policy, lo, l50, l99, probes)
+    return Capacity(base.policy, lo, l50, l99, probes, ceiling)
