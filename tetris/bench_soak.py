@@ -142,6 +142,7 @@ class _Load:
         self.tasks: set[asyncio.Task] = set()
         self.records: list[dict] = []
         self.peak_inflight = 0
+        self.drain_s = 0.0
         self.stamp = int(time.time() * 1e3)
 
     async def one(self, r, due: float) -> None:
@@ -183,11 +184,13 @@ class _Load:
             self.peak_inflight = max(self.peak_inflight, len(self.tasks))
 
     async def drain(self, timeout_s: float) -> None:
+        t0 = time.perf_counter()
         if self.tasks:
             _done, pending = await asyncio.wait(set(self.tasks), timeout=timeout_s)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+        self.drain_s = time.perf_counter() - t0
 
 
 async def _every(period: float, t0: float, until: float, fn) -> None:
@@ -270,6 +273,7 @@ def run_soak(config: str | Path | None, *, workload: str = "short", capacity: fl
             memory = ActorMemory(live.app_name, pool_actor_labels(live))
             sent = asyncio.run(_drive(live, memory, arrivals, opts, tick))
             held = _settled_held(live)
+            startup_s = live.startup_s
     actors = memory.report(warmup_s)
     recs = sent.records
     failed = [r for r in recs if r["error"]]
@@ -286,7 +290,8 @@ def run_soak(config: str | Path | None, *, workload: str = "short", capacity: fl
            "arrival_lag_ms_p99": float(np.percentile(lags, 99) * 1e3) if lags else 0.0,
            "memory": {"samples": len(memory.times), "actors": actors},
            "held": held, "held_zero": held_is_zero(held),
-           "verdict": verdict(len(failed), actors), "wall_s": time.perf_counter() - t_start}
+           "verdict": verdict(len(failed), actors), "app_startup_s": startup_s,
+           "drain_s": sent.drain_s, "wall_s": time.perf_counter() - t_start}
     if plot:
         out["plot"] = str(plot_rss(actors, warmup_s, plot))
     return out
