@@ -16,8 +16,12 @@ keeps the search as wide as the paper's: every power of two up to the pool is a 
     OMP_NUM_THREADS=1 python benchmarks/bench_scheduler.py [--decisions 1000] [--json]
 
 ``--compare-reference`` times the search alone (``CdspSearch.plan``) against the pre-speed-up
-search kept in ``tests/scheduler/cdsp_reference.py``, interleaved on the same cases, so the
-ratio is measured side by side on whatever load the machine has.
+search kept in ``tests/scheduler/cdsp_reference.py`` and, with ``--baseline REV`` (repeatable),
+the search as committed at git revision REV; interleaved case by case, so the ratios are
+measured side by side on whatever load the machine has, and every search must return the same
+plan for every case.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_scheduler.py --compare-reference --baseline 77e3e68
 """
 
 from __future__ import annotations
