@@ -178,6 +178,9 @@ class _Load:
                 return
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
             await self.slots.acquire()
+            if time.perf_counter() >= stop:   # waited for a slot past the end of the load
+                self.slots.release()
+                return
             task = asyncio.create_task(self.one(r, due))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)

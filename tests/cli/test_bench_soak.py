@@ -15,16 +15,18 @@ from tetris.bench_soak_memory import rss_growth
 from tetris.config import load_deployment
 
 
-def _reduced(tmp_path) -> str:
-    """The paper's emulated 8B cluster cut to 4 prefill instances and one TP-2 decode instance."""
+def _reduced(tmp_path, prefill: int = 4) -> str:
+    """The paper's emulated 8B cluster cut to ``prefill`` instances (nodes of 2) and one TP-2
+    decode instance."""
     src = open(load_deployment("paper-llama3-8b-emulated.toml").source_path).read()
-    path = tmp_path / "reduced.toml"
-    path.write_text(src.replace("num_instances = 16", "num_instances = 4")
+    sizes = ", ".join(str(2 ** k) for k in range(prefill.bit_length()) if 2 ** k <= prefill)
+    path = tmp_path / f"reduced-{prefill}.toml"
+    path.write_text(src.replace("num_instances = 16", f"num_instances = {prefill}")
                     .replace("node_size = 8", "node_size = 2")
-                    .replace("sp_candidates = [1, 2, 4, 8, 16]", "sp_candidates = [1, 2, 4]")
+                    .replace("sp_candidates = [1, 2, 4, 8, 16]", f"sp_candidates = [{sizes}]")
                     .replace("num_instances = 2\ntp_size = 8", "num_instances = 1\ntp_size = 2")
-                    .replace("num_backends = 16", "num_backends = 4")
-                    .replace("pool_size = 16", "pool_size = 4"))
+                    .replace("num_backends = 16", f"num_backends = {prefill}")
+                    .replace("pool_size = 16", f"pool_size = {prefill}"))
     return str(path)
 
 
@@ -117,8 +119,9 @@ def test_short_soak_has_no_failures_samples_every_actor_and_releases_all(serve_h
     add_args(p)
     p.add_argument("--json", action="store_true")
     png = tmp_path / "rss.png"
-    args = p.parse_args(["--config", _reduced(tmp_path), "--capacity", "1.0", "--load", "0.7",
-                         "--duration", "10", "--warmup", "3", "--sample-every", "2",
+    # Two prefill workers: each actor is a process that imports torch, which dominates startup.
+    args = p.parse_args(["--config", _reduced(tmp_path, 2), "--capacity", "1.0", "--load", "0.7",
+                         "--duration", "8", "--warmup", "2", "--sample-every", "2",
                          "--max-output", "4", "--drain-timeout", "60", "--plot", str(png),
                          "--json"])
     out = json.loads(json.dumps(run(args)))
@@ -129,11 +132,11 @@ def test_short_soak_has_no_failures_samples_every_actor_and_releases_all(serve_h
     assert req["sent"] >= 2 and req["completed"] == req["sent"]
     assert out["ttft_s"]["p50"] > 0
     labels = {a["label"]: a for a in out["memory"]["actors"]}
-    for name in ["PrefillWorker[0]", "PrefillWorker[1]", "PrefillWorker[2]", "PrefillWorker[3]",
-                 "DecodeRank[0]", "Ingress", "DispatcherServer", "PrefillPoolServer",
+    assert "PrefillWorker[2]" not in labels
+    for name in ["PrefillWorker[0]", "PrefillWorker[1]", "DecodeRank[0]", "Ingress", "DispatcherServer", "PrefillPoolServer",
                  "DecodePoolServer"]:
         a = labels[name]
-        assert a["samples"] >= 6 and not a["lost"] and a["restarts"] == 0, name
+        assert a["samples"] >= 5 and not a["lost"] and a["restarts"] == 0, name
         assert a["rss_warm_mib"] > 10 and a["growth"] is not None
     assert out["verdict"]["zero_failed"]
     assert out["verdict"]["max_growth"] == pytest.approx(
