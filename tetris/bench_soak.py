@@ -256,6 +256,8 @@ def run_soak(config: str | Path | None, *, workload: str = "short", capacity: fl
     """The whole soak (module docstring); one JSON-ready dict."""
     from tetris.bench_fidelity_live import LiveCluster
 
+    if warmup_s < 0:
+        raise ValueError(f"warm-up must be >= 0 s, got {warmup_s}")
     if duration_s - warmup_s < 2 * sample_every_s:
         raise ValueError("the soak needs at least two memory samples after warm-up: "
                          "duration - warmup >= 2 x sample-every")

@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from tetris.bench_soak import (add_args, deployment_capacity, held_is_zero, run, soak_arrivals,
-                               soak_rates, verdict)
+from tetris.bench_soak import (add_args, deployment_capacity, held_is_zero, run, run_soak,
+                               soak_arrivals, soak_rates, verdict)
 from tetris.bench_soak_memory import rss_growth
 from tetris.config import load_deployment
 
@@ -111,6 +111,15 @@ def test_capacity_search_brackets_the_25x_criterion(tmp_path):
     full = deployment_capacity(load_deployment("paper-llama3-8b-emulated.toml"), "short",
                                requests=150, tol=0.05)
     assert full["capacity_rps"] > 2 * cap
+
+
+def test_soak_refuses_a_run_without_two_samples_after_warm_up_and_a_real_model(tmp_path):
+    with pytest.raises(ValueError, match="two memory samples"):
+        run_soak(_reduced(tmp_path), capacity=1.0, duration_s=30, warmup_s=15, sample_every_s=10)
+    with pytest.raises(ValueError, match="warm-up"):
+        run_soak(_reduced(tmp_path), capacity=1.0, duration_s=30, warmup_s=-1, sample_every_s=10)
+    with pytest.raises(ValueError, match="emulated deployment"):
+        run_soak("tiny-cpu.toml", capacity=1.0, duration_s=30, warmup_s=5, sample_every_s=10)
 
 
 @pytest.mark.timeout(300)
