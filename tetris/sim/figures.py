@@ -109,7 +109,8 @@ def _one_workload(args, workload: str, out: Path, bar) -> dict:
         for r in rows:
             r.pop("_ttfts", None)
     return {"workload": workload, "light_p50": light[0], "light_p99": light[1],
-            "capacity": {p: c.capacity_rps for p, c in caps.items()}, "best_baseline": best,
+            "capacity": {p: c.capacity_rps for p, c in caps.items()},
+            "ceiling": {p: c.ceiling_rps for p, c in caps.items()}, "best_baseline": best,
             "critical_rate": crit,
             "capacity_ratio": caps["tetris"].capacity_rps / crit if crit > 0 else float("inf"),
             "p50_ratio": base["ttft_p50"] / tetris["ttft_p50"],
