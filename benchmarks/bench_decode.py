@@ -10,10 +10,13 @@ engine, the steps that return the first and the last tokens. With N new tokens p
 
 Both run in this one process, one after the other for each batch size, so the ratio is taken
 side by side under the same machine load. ``--repeats`` keeps the fastest of several runs.
+``--baseline`` adds a third system, the engine with its CPU speed-ups off (``ENGINE_BASELINE``:
+unpacked weights), so before/after ratios come from the same run too.
 
     python benchmarks/bench_decode.py                 # table, the "small" shape
     python benchmarks/bench_decode.py --shape tiny    # per-step overhead dominates there
     python benchmarks/bench_decode.py --json          # one JSON object
+    python benchmarks/bench_decode.py --baseline      # also the engine without its speed-ups
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import json
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -33,6 +37,9 @@ SHAPES = {
     "small": dict(hidden=768, intermediate=2048, layers=6, heads=12, kv_heads=4, vocab=32000),
     "tiny": dict(hidden=256, intermediate=688, layers=4, heads=8, kv_heads=2, vocab=512),
 }
+
+# Engine options that turn its CPU decode speed-ups off: the "before" of --baseline.
+ENGINE_BASELINE = dict(packed_weights=False)
 
 BASE_MODEL = dict(max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=500000.0,
                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
@@ -97,7 +104,8 @@ def time_hf(model, prompts: torch.Tensor, new_tokens: int) -> tuple[float, list[
     return stamps.times[-1] - stamps.times[0], out[:, prompts.shape[1]:].tolist()
 
 
-def time_ours(model, prompts: torch.Tensor, new_tokens: int) -> tuple[float, list[list[int]]]:
+def time_ours(model, prompts: torch.Tensor, new_tokens: int,
+              engine_options: dict | None = None) -> tuple[float, list[list[int]]]:
     """Seconds from the step that samples the first tokens to the one sampling the last."""
     from tetris.engine.engine import LLMEngine
     from tetris.sampling_params import SamplingParams
@@ -107,7 +115,7 @@ def time_ours(model, prompts: torch.Tensor, new_tokens: int) -> tuple[float, lis
     blocks = b * -(-(length + new_tokens + 1) // block_size)
     # The token budget holds every prompt, so all first tokens come from one step.
     engine = LLMEngine(model, None, num_blocks=blocks, block_size=block_size, max_num_seqs=b,
-                       max_num_batched_tokens=b * length)
+                       max_num_batched_tokens=b * length, **(engine_options or {}))
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts.tolist()):
         engine.add_request(str(i), prompt, params)
@@ -143,6 +151,9 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = build_checkpoint(Path(args.checkpoint or tmp) / "bench-llama", config, args.seed)
         systems = {"hf": (time_hf, load_hf(path)), "tetris": (time_ours, load_ours(path))}
+        if args.baseline:  # its own model: packing is a property of the model object
+            systems["baseline"] = (partial(time_ours, engine_options=ENGINE_BASELINE),
+                                   load_ours(path))
         gen = torch.Generator().manual_seed(args.seed)
         rows = []
         for b in tqdm(args.batch_sizes, desc="batch sizes", file=sys.stderr):
@@ -152,17 +163,24 @@ def run(args) -> dict:
             times, tokens = measure(systems, prompts, args.new_tokens, args.repeats)
             decoded = b * (args.new_tokens - 1)
             same = sum(a == h for a, h in zip(tokens["tetris"], tokens["hf"], strict=True))
-            rows.append(dict(
+            row = dict(
                 batch=b,
                 hf_tokens_per_s=decoded / times["hf"],
                 tetris_tokens_per_s=decoded / times["tetris"],
                 speedup=times["hf"] / times["tetris"],
                 identical_sequences=f"{same}/{b}",
-            ))
+            )
+            if args.baseline:
+                same = sum(a == h for a, h in zip(tokens["baseline"], tokens["hf"], strict=True))
+                row.update(baseline_tokens_per_s=decoded / times["baseline"],
+                           baseline_speedup=times["hf"] / times["baseline"],
+                           baseline_identical_sequences=f"{same}/{b}")
+            rows.append(row)
     return dict(
         benchmark="decode", shape=args.shape, model=config, prompt_len=args.prompt_len,
         new_tokens=args.new_tokens, repeats=args.repeats, dtype="float32",
-        torch_threads=torch.get_num_threads(), rows=rows,
+        torch_threads=torch.get_num_threads(),
+        baseline_options=ENGINE_BASELINE if args.baseline else None, rows=rows,
     )
 
 
@@ -171,10 +189,18 @@ def print_table(result: dict) -> None:
     print(f"Llama {m['num_hidden_layers']}L h{m['hidden_size']} V{m['vocab_size']} fp32, "
           f"prompt {result['prompt_len']}, {result['new_tokens']} new tokens, "
           f"{result['torch_threads']} torch threads, best of {result['repeats']}")
-    print(f"{'batch':>5} {'hf tok/s':>10} {'tetris tok/s':>13} {'speedup':>8} {'identical':>10}")
+    base = result["baseline_options"] is not None
+    head = f"{'batch':>5} {'hf tok/s':>10} {'tetris tok/s':>13} {'speedup':>8} {'identical':>10}"
+    if base:
+        head += f" {'baseline tok/s':>15} {'speedup':>8} {'identical':>10}"
+    print(head)
     for r in result["rows"]:
-        print(f"{r['batch']:>5} {r['hf_tokens_per_s']:>10.1f} {r['tetris_tokens_per_s']:>13.1f} "
-              f"{r['speedup']:>7.2f}x {r['identical_sequences']:>10}")
+        line = (f"{r['batch']:>5} {r['hf_tokens_per_s']:>10.1f} {r['tetris_tokens_per_s']:>13.1f} "
+                f"{r['speedup']:>7.2f}x {r['identical_sequences']:>10}")
+        if base:
+            line += (f" {r['baseline_tokens_per_s']:>15.1f} {r['baseline_speedup']:>7.2f}x "
+                     f"{r['baseline_identical_sequences']:>10}")
+        print(line)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(f"--{name}", type=int, help="overrides the shape's value")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own)")
     p.add_argument("--checkpoint", help="folder to keep the checkpoint in (default: a temp dir)")
+    p.add_argument("--baseline", action="store_true",
+                   help="also time the engine with its CPU speed-ups off (ENGINE_BASELINE)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     for key, value in SHAPES[args.shape].items():

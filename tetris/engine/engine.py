@@ -47,13 +47,16 @@ class LLMEngine:
     ``cuda_graphs`` (None: on iff the model is on CUDA) replays captured decode steps for the
     batch sizes ``graph_batch_sizes`` (default: 1, 2, 4, 8, multiples of 16 up to
     ``max_num_seqs``); it holds one KV block back as the padding rows' scratch space. True
-    off CUDA runs the same padded path eagerly (for tests).
+    off CUDA runs the same padded path eagerly (for tests). ``packed_weights`` (None: on iff
+    the model is on CPU) gives the model's GEMM weights oneDNN-packed copies
+    (``LlamaModel.pack_weights``): the same fp32 math, faster on CPU, twice the weight memory.
     """
 
     def __init__(self, model, tokenizer=None, *, num_blocks: int = 1024, block_size: int = 16,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 2048,
                  seed: int | None = 0, cuda_graphs: bool | None = None,
-                 graph_batch_sizes: Seq[int] | None = None) -> None:
+                 graph_batch_sizes: Seq[int] | None = None,
+                 packed_weights: bool | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = model.cfg.max_position_embeddings
@@ -74,6 +77,11 @@ class LLMEngine:
                             max_blocks_per_seq=self.blocks.blocks_needed(longest),
                             graph_batch_sizes=list(graph_batch_sizes or []) or None,
                             max_batch_size=max_num_seqs)
+        if packed_weights is None:  # on CPU, for models that can pack
+            packed_weights = (self.cache.buffer.device.type == "cpu"
+                              and hasattr(model, "pack_weights"))
+        if packed_weights:
+            model.pack_weights(batch_hint=max_num_seqs)
         self.runner = ModelRunner(model, self.cache, cuda_graphs=cuda_graphs, **graph_kw)
         self._rng = random.Random(seed)
         self._seqs: dict[str, Sequence] = {}

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from tetris.config import ModelConfig
 from tetris.model.layers import RMSNorm, RotaryEmbedding
+from tetris.model.packed import PackedWeight, can_pack, linear
 from tetris.model.parallel import ColumnParallelLinear, RowParallelLinear, tp_rank_size
 
 __all__ = ["LlamaModel", "AttentionOp", "torch_dtype"]
@@ -60,6 +61,7 @@ class _Fused:
                                   device=first.device)
         self.linears = linears
         self.sizes = rows
+        self.packed: PackedWeight | None = None
         start = 0
         for lin, n in zip(linears, rows, strict=True):
             lin.weight = torch.nn.Parameter(self.weight[start:start + n], requires_grad=False)
@@ -76,7 +78,7 @@ class _Fused:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum out]
         if self.aliased():
-            return F.linear(x, self.weight)
+            return linear(x, self.weight, self.packed)
         return torch.cat([lin(x) for lin in self.linears], dim=-1)
 
 
@@ -160,6 +162,49 @@ class LlamaModel(torch.nn.Module):
         self.rotary = RotaryEmbedding(self.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                       device=self.device)
         self.requires_grad_(False)
+        self.head_packed: PackedWeight | None = None
+
+    # ---- packed CPU weights ----
+
+    def _packable(self) -> list[tuple[object, torch.Tensor]]:
+        """(holder, weight) of every GEMM of a pass: the holder's ``packed`` serves it."""
+        out: list[tuple[object, torch.Tensor]] = []
+        for layer in self.layers:
+            out.append((layer.self_attn.qkv, layer.self_attn.qkv.weight))
+            out.append((layer.self_attn.o_proj, layer.self_attn.o_proj.weight))
+            out.append((layer.mlp.gate_up, layer.mlp.gate_up.weight))
+            out.append((layer.mlp.down_proj, layer.mlp.down_proj.weight))
+        return out
+
+    def pack_weights(self, batch_hint: int = 32) -> int:
+        """Give every GEMM weight a oneDNN-packed copy (``tetris.model.packed``); returns how
+        many copies were made (0 where packing is unavailable, e.g. off CPU).
+
+        Call after the weights are loaded. A weight changed afterwards (in place or replaced)
+        is noticed and served by ``F.linear`` again until the next call. The copies double
+        the memory of the weights.
+        """
+        made = 0
+        for holder, weight in self._packable():
+            if not can_pack(weight):
+                continue
+            if holder.packed is None or not holder.packed.fresh_for(weight):
+                holder.packed = PackedWeight(weight, batch_hint)
+                made += 1
+        head = self._head_weight()
+        if can_pack(head) and (self.head_packed is None or not self.head_packed.fresh_for(head)):
+            self.head_packed = PackedWeight(head, batch_hint)
+            made += 1
+        return made
+
+    def unpack_weights(self) -> None:
+        """Drop the packed copies: every GEMM goes back to ``F.linear``."""
+        for holder, _ in self._packable():
+            holder.packed = None
+        self.head_packed = None
+
+    def _head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     # ---- per-layer steps (the pieces ring attention and the engine interleave) ----
 
@@ -230,5 +275,5 @@ class LlamaModel(torch.nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [N, H] -> logits [N, V] float32 (full vocab on every rank)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden.to(weight.dtype), weight).float()
+        weight = self._head_weight()
+        return linear(hidden.to(weight.dtype), weight, self.head_packed).float()

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tetris.model.packed import PackedWeight, linear
+
 __all__ = ["tp_rank_size", "ColumnParallelLinear", "RowParallelLinear"]
 
 
@@ -46,9 +48,10 @@ class ColumnParallelLinear(torch.nn.Module):
             torch.empty(self.local_out, in_features, dtype=dtype, device=device),
             requires_grad=False,
         )
+        self.packed: PackedWeight | None = None  # see LlamaModel.pack_weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, local_out]
-        return torch.nn.functional.linear(x, self.weight)
+        return linear(x, self.weight, self.packed)
 
     @torch.no_grad()
     def load_full(self, full: torch.Tensor) -> None:
@@ -76,9 +79,10 @@ class RowParallelLinear(torch.nn.Module):
             torch.empty(out_features, self.local_in, dtype=dtype, device=device),
             requires_grad=False,
         )
+        self.packed: PackedWeight | None = None  # see LlamaModel.pack_weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, local_in] -> [T, out]
-        y = torch.nn.functional.linear(x, self.weight)
+        y = linear(x, self.weight, self.packed)
         if self.tp > 1:
             dist.all_reduce(y, group=self.tp_group)
         return y
