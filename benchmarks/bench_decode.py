@@ -10,6 +10,9 @@ engine, the steps that return the first and the last tokens. With N new tokens p
 
 Both run in this one process, one after the other for each batch size, so the ratio is taken
 side by side under the same machine load. ``--repeats`` keeps the fastest of several runs.
+On a machine shared with other jobs, wall time mostly measures the others' load: ``--clock cpu``
+times with the process's CPU time instead (``time.process_time``, all threads), the work each
+system needed; with ``--threads 1`` that excludes OpenMP's spin-waiting too.
 ``--baseline`` adds a third system, the engine with its CPU speed-ups off (``ENGINE_BASELINE``:
 unpacked weights), so before/after ratios come from the same run too.
 
@@ -81,22 +84,27 @@ def load_hf(path: Path):
     return model
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
 class _Stamps:
     """A logits processor that only records when it is called: once per forward pass."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock) -> None:
+        self.clock = clock
         self.times: list[float] = []
 
     def __call__(self, input_ids, scores):
-        self.times.append(time.perf_counter())
+        self.times.append(self.clock())
         return scores
 
 
-def time_hf(model, prompts: torch.Tensor, new_tokens: int) -> tuple[float, list[list[int]]]:
+def time_hf(model, prompts: torch.Tensor, new_tokens: int,
+            clock=time.perf_counter) -> tuple[float, list[list[int]]]:
     """Seconds from the first token's logits to the last one's, and the new tokens."""
     from transformers import LogitsProcessorList
 
-    stamps = _Stamps()
+    stamps = _Stamps(clock)
     with torch.inference_mode():
         out = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -104,7 +112,7 @@ def time_hf(model, prompts: torch.Tensor, new_tokens: int) -> tuple[float, list[
     return stamps.times[-1] - stamps.times[0], out[:, prompts.shape[1]:].tolist()
 
 
-def time_ours(model, prompts: torch.Tensor, new_tokens: int,
+def time_ours(model, prompts: torch.Tensor, new_tokens: int, clock=time.perf_counter,
               engine_options: dict | None = None) -> tuple[float, list[list[int]]]:
     """Seconds from the step that samples the first tokens to the one sampling the last."""
     from tetris.engine.engine import LLMEngine
@@ -125,8 +133,8 @@ def time_ours(model, prompts: torch.Tensor, new_tokens: int,
         while engine.has_unfinished():
             for out in engine.step():
                 tokens[out.request_id] += out.new_token_ids
-            first = time.perf_counter() if first is None else first
-    return time.perf_counter() - first, [tokens[str(i)] for i in range(b)]
+            first = clock() if first is None else first
+    return clock() - first, [tokens[str(i)] for i in range(b)]
 
 
 def measure(systems, prompts, new_tokens: int, repeats: int):
@@ -150,10 +158,12 @@ def run(args) -> dict:
     config = model_config(args)
     with tempfile.TemporaryDirectory() as tmp:
         path = build_checkpoint(Path(args.checkpoint or tmp) / "bench-llama", config, args.seed)
-        systems = {"hf": (time_hf, load_hf(path)), "tetris": (time_ours, load_ours(path))}
+        clock = CLOCKS[args.clock]
+        systems = {"hf": (partial(time_hf, clock=clock), load_hf(path)),
+                   "tetris": (partial(time_ours, clock=clock), load_ours(path))}
         if args.baseline:  # its own model: packing is a property of the model object
-            systems["baseline"] = (partial(time_ours, engine_options=ENGINE_BASELINE),
-                                   load_ours(path))
+            systems["baseline"] = (partial(time_ours, clock=clock,
+                                           engine_options=ENGINE_BASELINE), load_ours(path))
         gen = torch.Generator().manual_seed(args.seed)
         rows = []
         for b in tqdm(args.batch_sizes, desc="batch sizes", file=sys.stderr):
@@ -179,7 +189,7 @@ def run(args) -> dict:
     return dict(
         benchmark="decode", shape=args.shape, model=config, prompt_len=args.prompt_len,
         new_tokens=args.new_tokens, repeats=args.repeats, dtype="float32",
-        torch_threads=torch.get_num_threads(),
+        torch_threads=torch.get_num_threads(), clock=args.clock,
         baseline_options=ENGINE_BASELINE if args.baseline else None, rows=rows,
     )
 
@@ -188,7 +198,8 @@ def print_table(result: dict) -> None:
     m = result["model"]
     print(f"Llama {m['num_hidden_layers']}L h{m['hidden_size']} V{m['vocab_size']} fp32, "
           f"prompt {result['prompt_len']}, {result['new_tokens']} new tokens, "
-          f"{result['torch_threads']} torch threads, best of {result['repeats']}")
+          f"{result['torch_threads']} torch threads, best of {result['repeats']}, "
+          f"{result['clock']} clock")
     base = result["baseline_options"] is not None
     head = f"{'batch':>5} {'hf tok/s':>10} {'tetris tok/s':>13} {'speedup':>8} {'identical':>10}"
     if base:
@@ -215,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(f"--{name}", type=int, help="overrides the shape's value")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own)")
     p.add_argument("--checkpoint", help="folder to keep the checkpoint in (default: a temp dir)")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="wall: perf_counter; cpu: this process's CPU time (shared machines)")
     p.add_argument("--baseline", action="store_true",
                    help="also time the engine with its CPU speed-ups off (ENGINE_BASELINE)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
