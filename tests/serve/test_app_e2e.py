@@ -107,13 +107,15 @@ async def _complete(client, base, prompt, n, **extra):
 
 def test_greedy_output_through_the_full_system_equals_the_engine(app, engine):
     cfg, base = app
-    short, long = _prompt(200, 1), _prompt(1000, 2)
+    short, long = _prompt(200, 1), _prompt(2000, 2)
 
     async def both():
         async with httpx.AsyncClient(timeout=120) as c:
-            # Instances 0 and 1 are drained for 1 s: the long request starts on 2 and 3 and
-            # CDSP grows its later chunk onto 0 and 1.
-            r = await c.post(f"{base}/admin/drain", json={"instances": [0, 1], "seconds": 1.0})
+            # Instances 0 and 1 are drained for 2.5 s (so that the request is planned inside
+            # it on a loaded machine): the long request starts on 2 and 3 and CDSP grows its
+            # later chunk onto 0 and 1 (for a 2000-token prompt it does so for any drain left
+            # between 1 and 3 s with this profile).
+            r = await c.post(f"{base}/admin/drain", json={"instances": [0, 1], "seconds": 2.5})
             assert r.status_code == 200, r.text
             rb = await _complete(c, base, long, 24)
             ra = await _complete(c, base, short, 24)
@@ -125,9 +127,9 @@ def test_greedy_output_through_the_full_system_equals_the_engine(app, engine):
     ref = _reference(engine, [short, long], 24)
     assert ra.json()["choices"][0]["text"] == ref[0].text
     assert rb.json()["choices"][0]["text"] == ref[1].text
-    assert rb.json()["usage"] == {"prompt_tokens": 1000, "completion_tokens": 24,
-                                  "total_tokens": 1024}
-    long_plan = [p for p in plans if p["prompt_tokens"] == 1000][-1]
+    assert rb.json()["usage"] == {"prompt_tokens": 2000, "completion_tokens": 24,
+                                  "total_tokens": 2024}
+    long_plan = [p for p in plans if p["prompt_tokens"] == 2000][-1]
     assert len(long_plan["chunks"]) >= 2, long_plan          # CDSP: the group grew
     assert len(long_plan["chunks"][-1]["instances"]) > len(long_plan["chunks"][0]["instances"])
 
@@ -243,7 +245,7 @@ def _held(base) -> dict:
 
 def _idle(held: dict) -> bool:
     d = held["dispatcher"]
-    return (d == {"inflight": 0, "queue_bookings": 0, "virtual_usage": 0, "virtual_requests": 0}
+    return (d == {"inflight": 0, "queue_bookings": 0, "virtual_usage": 0, "virtual_requests": 0, "cleanups": 0}
             and not any(held["prefill"].values())
             and all(rank["empty"] for inst in held["decode"] for rank in inst["ranks"]))
 
@@ -266,7 +268,7 @@ def test_two_hundred_aborted_streams_leave_nothing_reserved(app):
         if _idle(held):
             break
         asyncio.run(asyncio.sleep(0.2))
-    assert _idle(held), held
+    assert _idle(held), json.dumps(held, indent=1)
     ok = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "still here",
                                                     "max_tokens": 3}, timeout=120)
     assert ok.status_code == 200

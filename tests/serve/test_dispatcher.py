@@ -113,7 +113,7 @@ def test_request_runs_to_the_end_and_frees_everything():
     assert prefill.committed == prefill.ran == prefill.released == ["a"]
     assert prefill.aborted == [] and decode.aborted == []
     assert d.held() == {"inflight": 0, "queue_bookings": 0, "virtual_usage": 0,
-                        "virtual_requests": 0}
+                        "virtual_requests": 0, "cleanups": 0}
     (tl,) = d.timelines
     b = tl.breakdown()
     assert tl.outcome == "length" and tl.chunks >= 1 and tl.tokens == 4
@@ -155,7 +155,7 @@ def test_overload_is_refused_without_holding_anything():
     with pytest.raises(Overloaded):
         asyncio.run(_collect(d, _req("d")))
     assert d.held() == {"inflight": 0, "queue_bookings": 0, "virtual_usage": 0,
-                        "virtual_requests": 0}
+                        "virtual_requests": 0, "cleanups": 0}
 
     bounded = _dispatcher(prefill=FakePrefill(delay=0.2), max_pending=1)
 
@@ -214,6 +214,8 @@ def test_admin_rate_table_and_profile_round_trip():
     d = _dispatcher()
     out = d.set_rate_table([0.5, 2.0], [0.1, 0.4], "test")
     assert out["rates"] == [0.5, 2.0] and out["improvement_rates"] == [0.1, 0.4]
+    # the live monitor stretches a sparse window as the simulator's does
+    assert d.monitor.min_arrivals == d.deployment.scheduler.rate_min_arrivals == 100
     with pytest.raises(RateTableError):
         d.set_rate_table([1.0], [1.5])
     assert d.rate_table()["rates"] == [0.5, 2.0]          # a bad table changed nothing

@@ -247,7 +247,8 @@ class DispatcherServer:
                 self.deployment, _PrefillHandleClient(self._prefill_h),
                 _DecodeHandleClient(self._decode_h, await self._decode_h.receiver_ids.remote()),
                 node_of=node_of, decode_capacities=[dc.kv_blocks * dc.block_size] * dc.num_instances,
-                metrics=self.metrics, max_pending=self.max_pending)
+                metrics=self.metrics, max_pending=self.max_pending,
+                first_token=_early_first_token(self.deployment))
             self._load_task = asyncio.get_running_loop().create_task(self._poll_load())
             return self.dispatcher
 
@@ -335,6 +336,19 @@ class _DispatcherBackend:
 
     async def stats(self) -> dict:
         return await self.handle.stats.remote()
+
+
+def _early_first_token(deployment: DeploymentConfig):
+    """What the dispatcher needs to stream the first token as the decode engines would."""
+    from tetris.model.loader import resolve_model_config
+    from tetris.serve.first_token import EarlyFirstToken
+
+    resolved = resolve_model_config(deployment.model)
+    if deployment.decode.executor == "emulated":
+        # emulated engines have no tokenizer and no EOS (actors/emulated_decode.py)
+        return EarlyFirstToken(None, (), resolved.max_position_embeddings)
+    tokenizer = _tokenizer_for(resolved)
+    return EarlyFirstToken(tokenizer.decode, tokenizer.eos_token_ids, resolved.max_position_embeddings)
 
 
 def _tokenizer_for(resolved):

@@ -18,7 +18,8 @@ Lifecycle of one request (``generate``), on the dispatcher's monotonic clock:
 2. plan under the planning lock (so plans commit in the order they were made), book the
    chunks in the live queue and register them with the pool (``prefill.commit``);
 3. run the plan (``prefill.run``): chunks stream their KV layer by layer to the decode
-   instance's TP ranks; the result carries the first token;
+   instance's TP ranks; the result carries the first token, which this generator yields at
+   once (``first_token``: TTFT ends with the prefill, the KV hand-off is not in it);
 4. hand the first token to the decode instance (``decode.commit``); it admits the request
    once every rank has all the KV, then streams tokens, which this generator yields;
 5. at the first decode output the KV has arrived: the prefill side frees its copy and the
@@ -34,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -50,6 +52,7 @@ from tetris.scheduler.pool import PoolState
 from tetris.scheduler.rate import ImprovementRateTable, RateMonitor
 from tetris.scheduler.router import DecodeRouter
 from tetris.serve.backend import Overloaded
+from tetris.serve.first_token import EarlyFirstToken
 from tetris.serve.metrics import ServingMetrics
 from tetris.serve.protocol import GenerateRequest
 
@@ -126,7 +129,8 @@ class RequestTimeline(msgspec.Struct):
     planned: float = 0.0          # plan committed
     prefill_start: float = 0.0    # first chunk started (prefill end minus its elapsed time)
     prefill_end: float = 0.0      # first token known
-    first_output: float = 0.0     # the decode instance streamed the first token
+    first_token: float = 0.0      # the first token was yielded (0: not early, see first_token.py)
+    first_output: float = 0.0     # the decode instance streamed its first output
     finished: float = 0.0
     chunks: int = 0
     sp_sizes: tuple[int, ...] = ()
@@ -135,11 +139,12 @@ class RequestTimeline(msgspec.Struct):
     outcome: str = ""
 
     def breakdown(self) -> dict[str, float]:
-        """queue, prefill and hand-off (KV transfer tail + admission + first decode round)."""
+        """queue, prefill and hand-off (KV transfer tail + admission + first decode round);
+        TTFT ends with the first token's yield, or with the first decode output."""
         return {"queue_s": self.prefill_start - self.arrival,
                 "prefill_s": self.prefill_end - self.prefill_start,
                 "handoff_s": self.first_output - self.prefill_end,
-                "ttft_s": self.first_output - self.arrival}
+                "ttft_s": (self.first_token or self.first_output) - self.arrival}
 
 
 class Dispatcher:
@@ -147,8 +152,10 @@ class Dispatcher:
                  *, node_of: Sequence[int], decode_capacities: Sequence[int],
                  metrics: ServingMetrics | None = None, max_pending: int = 256,
                  rate_table: ImprovementRateTable | None = None,
-                 clock: Callable[[], float] = time.monotonic, keep_timelines: int = 1024) -> None:
+                 clock: Callable[[], float] = time.monotonic, keep_timelines: int = 1024,
+                 first_token: EarlyFirstToken | None = None) -> None:
         self.deployment = deployment
+        self.first_token = first_token   # None: the first token comes with the decode stream
         self.prefill = prefill
         self.decode = decode
         self.metrics = metrics
@@ -165,6 +172,7 @@ class Dispatcher:
         self._plan_lock = asyncio.Lock()
         self._inflight: dict[str, RequestTimeline] = {}
         self._virtual: dict[str, tuple[int, int]] = {}   # request -> (decode instance, kv tokens)
+        self._cleanups: set[asyncio.Task] = set()
         self.timelines: collections.deque[RequestTimeline] = collections.deque(maxlen=keep_timelines)
         self.plans: collections.deque[dict] = collections.deque(maxlen=64)
 
@@ -178,7 +186,8 @@ class Dispatcher:
             table = ImprovementRateTable.load(_rate_table_path(sc.rate_table))
         if table is None:
             return None   # θ stays at scheduler.improvement_rate
-        return RateMonitor(sc.rate_window_s, sc.rate_update_interval_s, table)
+        return RateMonitor(sc.rate_window_s, sc.rate_update_interval_s, table,
+                           min_arrivals=sc.rate_min_arrivals)
 
     def rate_table(self) -> dict:
         if self.monitor is None:
@@ -241,6 +250,10 @@ class Dispatcher:
                 self.metrics.observe_queue(max(0.0, tl.prefill_start - tl.arrival))
             self.queue.finish(rid)
             stage = "decode"
+            early = None if self.first_token is None else self.first_token.open(req, int(result.first_token))
+            if early is not None:
+                tl.first_token = self.clock()
+                yield early.first
             await self.decode.commit(instance, rid, int(result.first_token))
             async with contextlib.aclosing(self.decode.stream(instance, rid)) as stream:
                 async for out in stream:
@@ -248,6 +261,8 @@ class Dispatcher:
                         tl.first_output = self.clock()
                         await self._kv_arrived(rid)
                     tl.tokens = len(out.token_ids)
+                    if early is not None and (out := early.follow(out)) is None:
+                        continue
                     yield out
                     if out.finished:
                         tl.outcome = out.finish_reason or "stop"
@@ -267,7 +282,15 @@ class Dispatcher:
             log.warning("request %s failed during %s: %s", rid, stage, e)
             raise
         finally:
-            await asyncio.shield(self._cleanup(rid, tl))
+            # The cleanup outlives a cancelled caller. It runs in a fresh context: Ray Serve
+            # cancels the handle calls a cancelled request made (it finds them through the
+            # context), which would cancel the very aborts that free the request's KV. The loop
+            # keeps only a weak reference to a task, so the dispatcher holds it until done.
+            task = asyncio.get_running_loop().create_task(self._cleanup(rid, tl),
+                                                          context=contextvars.Context())
+            self._cleanups.add(task)
+            task.add_done_callback(self._cleanups.discard)
+            await asyncio.shield(task)
 
     async def _route(self, req: GenerateRequest, tl: RequestTimeline) -> int:
         kv_tokens = len(req.prompt_token_ids) + req.sampling.max_tokens
@@ -353,7 +376,8 @@ class Dispatcher:
     def held(self) -> dict:
         """What is still reserved on the control side (zero everywhere when idle)."""
         return {"inflight": len(self._inflight), "queue_bookings": self.queue.bookings(),
-                "virtual_usage": sum(self.router.virtual), "virtual_requests": len(self._virtual)}
+                "virtual_usage": sum(self.router.virtual), "virtual_requests": len(self._virtual),
+                "cleanups": len(self._cleanups)}
 
 
 def _rate_table_path(name: str) -> str:
