@@ -172,9 +172,15 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rate_table: str | None = None
     rate_window_s: float = 60.0
     rate_update_interval_s: float = 30.0
+    # A window holding fewer arrivals stretches back to the Nth latest one (RateMonitor
+    # min_arrivals): at low rates (70B) a 60 s window is too few arrivals to pick θ from.
+    # The simulator's experiments use 100 (tetris/sim/experiments.py).
+    rate_min_arrivals: int = 100
     min_chunk_tokens: int = 256
 
     def __post_init__(self) -> None:
+        if self.rate_min_arrivals < 0:
+            raise ValueError(f"scheduler.rate_min_arrivals must be >= 0, got {self.rate_min_arrivals}")
         if not 0.0 <= self.improvement_rate < 1.0:
             raise ValueError(
                 f"scheduler.improvement_rate must be in [0, 1), got {self.improvement_rate}"
