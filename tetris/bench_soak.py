@@ -39,7 +39,6 @@ __all__ = ["add_args", "run", "show", "run_soak", "soak_rates", "deployment_capa
            "soak_arrivals", "held_is_zero", "verdict"]
 
 MAX_GROWTH = 0.05
-_PROMPT_TOKEN = 1000      # emulated workers never read the prompt
 
 
 # -- pure parts ---------------------------------------------------------------------------------
@@ -146,30 +145,13 @@ class _Load:
         self.stamp = int(time.time() * 1e3)
 
     async def one(self, r, due: float) -> None:
-        from tetris.sampling_params import SamplingParams
-        from tetris.serve.types import GenerationRequest
-
-        sent = time.perf_counter()
-        req = GenerationRequest(prompt_token_ids=(_PROMPT_TOKEN,) * r.prompt_tokens,
-                                request_id=f"{r.request_id}-{self.stamp}",
-                                sampling=SamplingParams(max_tokens=r.output_tokens, temperature=0,
-                                                        ignore_eos=True))
-        first, tokens, err = None, 0, None
         try:
-            async for d in self.live.ingress.options(stream=True).generate_stream.remote(req):
-                if first is None and d.new_token_ids:
-                    first = time.perf_counter()
-                tokens += len(d.new_token_ids)
-        except asyncio.CancelledError:
-            err = "not finished when the drain timed out"
-        except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
-            err = f"{type(e).__name__}: {e}"
+            got = await self.live.send_one(r, f"{r.request_id}-{self.stamp}")
         finally:
             self.slots.release()
-        if err is None and tokens < r.output_tokens:
-            err = f"{tokens} of {r.output_tokens} tokens"
-        self.records.append({"lag": sent - due, "error": err,
-                             "ttft": None if first is None else (first - sent) / self.scale})
+        first = got["first"]
+        self.records.append({"lag": got["sent"] - due, "error": got["error"],
+                             "ttft": None if first is None else (first - got["sent"]) / self.scale})
 
     async def send(self, arrivals: Iterator, t0: float, stop: float) -> None:
         for r in arrivals:

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from tetris import bench_soak
 from tetris.cli.args import positive_int, positive_list
 
 __all__ = ["register"]
@@ -89,6 +90,8 @@ def _print_fidelity(out: dict) -> None:
 
 # name -> (help, add arguments, run -> dict, print the dict for people)
 BENCHES = {
+    "soak": ("EMULATION: open-loop soak at a fraction of capacity: failures and actor memory growth",
+             bench_soak.add_args, bench_soak.run, bench_soak.show),
     "transfer": ("NIXL throughput between two Ray actors vs an in-process copy; handshake overhead",
                  _add_transfer, _run_transfer, _print_transfer),
     "fidelity": ("EMULATION: live emulated cluster vs simulator, TTFT P50/P99 on one seeded trace",
@@ -97,7 +100,7 @@ BENCHES = {
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("bench", help="run a benchmark (transfer, fidelity)")
+    parser = subparsers.add_parser("bench", help="run a benchmark (transfer, fidelity, soak, policies)")
     sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
     for name, (help_text, add, _, _) in BENCHES.items():
         p = sub.add_parser(name, help=help_text)
