@@ -16,9 +16,18 @@ from collections.abc import Callable
 
 from tetris.config import DeploymentConfig
 
-__all__ = ["LiveCluster"]
+__all__ = ["LiveCluster", "start_ray"]
 
 _PROMPT_TOKEN = 1000   # any id inside the vocabulary: emulated workers never read the prompt
+
+
+def start_ray() -> None:
+    """A local Ray for emulated apps: more logical CPUs than cores (emulated actors mostly
+    wait), one OpenMP thread per process, no dashboard."""
+    import ray
+
+    ray.init(num_cpus=64, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
 
 
 class LiveCluster:
@@ -36,8 +45,7 @@ class LiveCluster:
 
         t0 = time.perf_counter()
         if not ray.is_initialized():
-            ray.init(num_cpus=64, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+            start_ray()
             self.started_ray = True
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -141,6 +149,7 @@ class LiveCluster:
             "decode_steps": delta.get("steps", 0),
             "messages": {k: v for k, v in delta.items() if ":" in k},
             "lag_s": [o["lag"] for o in out],
+            "timelines": tls,   # the dispatcher's timelines of this trace's requests
             "failed": len(failed),
             "errors": sorted({o["error"] for o in failed if o["error"]})[:5],
         }

@@ -33,7 +33,7 @@ import math
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -171,11 +171,12 @@ def run_policies(config: str | Path | None, *, policies: list[str], rates: list[
     t_start = time.perf_counter()
     results: list[dict] = []
     startup: dict[str, float] = {}
-    for name in policies:
-        sims = {rate: simulate(cfgs[name], traces[rate]) for rate in rates}
-        lives = _live_runs(cfgs[name], traces, time_scale, tick, startup, name) if live else {}
-        results += [_row(name, rate, len(traces[rate]), sims[rate], lives.get(rate))
-                    for rate in rates]
+    with _one_ray(live):   # one Ray for every policy's app: each app only redeploys
+        for name in policies:
+            sims = {rate: simulate(cfgs[name], traces[rate]) for rate in rates}
+            lives = _live_runs(cfgs[name], traces, time_scale, tick, startup, name) if live else {}
+            results += [_row(name, rate, len(traces[rate]), sims[rate], lives.get(rate))
+                        for rate in rates]
     orders = [_orders_at(rate, results, policies, tie) for rate in rates]
     judged = [o for o in orders if o["agree"] is not None]
     return {"emulation": live, "label": EMULATION_LABEL if live else "SIMULATION only",
@@ -188,6 +189,24 @@ def run_policies(config: str | Path | None, *, policies: list[str], rates: list[
             "wall_s": time.perf_counter() - t_start}
 
 
+@contextlib.contextmanager
+def _one_ray(live: bool) -> Iterator[None]:
+    import ray
+    from ray import serve
+
+    from tetris.bench_fidelity_live import start_ray
+
+    if not live or ray.is_initialized():
+        yield
+        return
+    start_ray()
+    try:
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
 def _live_runs(cfg: DeploymentConfig, traces: dict, time_scale: float, tick, startup: dict,
                name: str) -> dict[float, dict]:
     from tetris.bench_fidelity_live import LiveCluster
@@ -198,19 +217,9 @@ def _live_runs(cfg: DeploymentConfig, traces: dict, time_scale: float, tick, sta
             startup[name] = cluster.startup_s
             for rate, trace in traces.items():
                 got = asyncio.run(cluster.run_trace(trace, time_scale, tick=tick))
-                timelines = cluster.dispatcher.timelines.remote(len(trace) + 64).result(timeout_s=60)
-                got["plans"] = plan_shapes(_this_run(timelines, len(trace)))
+                got["plans"] = plan_shapes(got.pop("timelines"))
                 out[rate] = got
     return out
-
-
-def _this_run(timelines: list[dict], n: int) -> list[dict]:
-    """The timelines of the last ``run_trace``: its request ids share one suffix (its start in
-    ms), and a timeline is kept when its request ends, so the newest one belongs to it."""
-    if not timelines:
-        return []
-    suffix = timelines[-1]["request_id"].rsplit("-", 1)[-1]
-    return [t for t in timelines if t["request_id"].rsplit("-", 1)[-1] == suffix][-n:]
 
 
 def plan_shapes(timelines: list[dict]) -> dict:

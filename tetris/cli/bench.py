@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from tetris import bench_soak
+from tetris import bench_policies, bench_soak
 from tetris.cli.args import positive_int, positive_list
 
 __all__ = ["register"]
@@ -90,6 +90,8 @@ def _print_fidelity(out: dict) -> None:
 
 # name -> (help, add arguments, run -> dict, print the dict for people)
 BENCHES = {
+    "policies": ("EMULATION: live vs simulated TTFT per policy and rate; do the policy orders agree",
+                 bench_policies.add_args, bench_policies.run, bench_policies.show),
     "soak": ("EMULATION: open-loop soak at a fraction of capacity: failures and actor memory growth",
              bench_soak.add_args, bench_soak.run, bench_soak.show),
     "transfer": ("NIXL throughput between two Ray actors vs an in-process copy; handshake overhead",
