@@ -40,7 +40,8 @@ from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
 from tetris.config import DeploymentConfig
 from tetris.engine.engine import EngineStats, LLMEngine
 from tetris.transfer.messages import AgentInfo, ControlMessage
-from tetris.transfer.states import RequestReady, TransferConfig, TransferEvent, TransferFailed
+from tetris.transfer.states import (MessageRejected, RequestReady, TransferConfig, TransferEvent,
+                                    TransferFailed)
 
 __all__ = ["DecodeRank", "DecodeRankActor", "EngineBlocks"]
 
@@ -173,6 +174,10 @@ class DecodeRank:
                     self._ready.append(e.request_id)
                 elif isinstance(e, TransferFailed):
                     self._failed.append(Failed(e.request_id, e.reason))
+                elif isinstance(e, MessageRejected):
+                    # the sender fails that shard: worth seeing in the actor's log
+                    log.warning("decode-%d: rejected a message of %s from prefill %d: %s",
+                                self.receiver_id, e.request_id, e.sender_id, e.reason)
 
     # -- one round ------------------------------------------------------------------------
     def step(self, commands: list[Command]) -> StepReply:

@@ -17,6 +17,7 @@ forgotten when they finish), ``abort`` cancels unfinished ones and tells their r
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from datetime import timedelta
 
@@ -31,6 +32,8 @@ from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
 from tetris.config import ModelConfig, PrefillConfig
 from tetris.transfer.messages import AgentInfo, ControlMessage
 from tetris.transfer.states import ShardSent, TransferConfig, TransferEvent, TransferFailed
+
+log = logging.getLogger(__name__)
 
 __all__ = ["PrefillWorker", "PrefillWorkerActor"]
 
@@ -65,6 +68,8 @@ class _Streaming:
                     self.sent[e.request_id] = self.sent.get(e.request_id, 0) + 1
                 else:
                     self.failed.setdefault(e.request_id, []).append(f"chunk {e.chunk_index}: {e.reason}")
+                    log.warning("prefill-%d: KV stream of %s chunk %d failed: %s",
+                                self.mgr.sender_id, e.request_id, e.chunk_index, e.reason)
                 if e.request_id in self.released:
                     self._forget(e.request_id)
 
