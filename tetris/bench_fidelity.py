@@ -189,6 +189,7 @@ def _compare(rate: float, trace, sim: dict, live: dict, time_scale: float) -> di
             "decision_us_mean": float(decision.mean()), "decision_us_p99": float(np.percentile(decision, 99)),
             "arrival_to_plan_ms": _pcts(np.asarray(live["to_plan_s"]) * 1e3 / time_scale),
             "handoff_ms": _pcts(np.asarray(live["handoff_s"]) * 1e3 / time_scale),
+            "prefill_overrun_ms": _pcts(np.asarray(live.get("overrun_s", [])) * 1e3 / time_scale),
             "ray_calls_per_request": {
                 "dispatcher_to_pools": DISPATCH_CALLS,
                 "prefill_chunk_members": chunk_calls / n,
