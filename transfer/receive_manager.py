@@ -156,6 +156,11 @@ class ReceiveManager:
         out, self._outbox = self._outbox, []
         return out
 
+    def needs_polling(self) -> bool:
+        """A granted piece may land: its notice comes through the backend, seen only by
+        polling. Handshakes, computed layers and aborts arrive through ``deliver``."""
+        return any(b.credits for b in self.backends)
+
     def state(self, request_id: str) -> TransferState | None:
         req = self.requests.get(request_id)
         if req is not None:

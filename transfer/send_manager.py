@@ -177,6 +177,12 @@ class SendManager:
         out, self._outbox = self._outbox, []
         return out
 
+    def needs_polling(self) -> bool:
+        """A write is on the wire: only polling sees it complete. Everything else that moves
+        a shard (a grant, a computed layer, an abort) arrives through ``deliver`` or an owner
+        call, after which the owner polls anyway."""
+        return self._in_flight is not None
+
     def state(self, request_id: str, chunk_index: int, receiver_id: int | None = None) -> TransferState | None:
         """The shard's state (None: unknown); ``receiver_id`` None means the chunk's only one."""
         shards = self._matching(request_id, chunk_index, receiver_id)

@@ -87,3 +87,39 @@ def test_thread_runs_rounds_and_wakes_on_delivery():
     finally:
         pump.stop()
     assert not pump._thread.is_alive()
+
+
+def test_real_managers_ask_for_polling_only_while_a_piece_can_land():
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "transfer"))
+    from transfer_helpers import HKV, LAYERS, D, Cluster, source_kv
+
+    from tetris.transfer.states import TransferConfig
+
+    cfg = TransferConfig(num_backends=1, pool_size=1, backend_buffer_bytes=1024, backend_slots=4,
+                         send_buffer_bytes=1024, bulk_chunk_bytes=1024)
+    c = Cluster(1, cfg)
+    sender, receiver = c.senders[0], c.receiver
+    sender.add_shard(request_id="r", chunk_index=0, receiver_id=0, prompt_tokens=8, chunk=(0, 8),
+                     ranges=[(0, 8)], num_layers=LAYERS, kv_heads=HKV, head_dim=D,
+                     dtype=torch.float32, now=c.now)
+    c.step()
+    # a shard waiting for its first computed layer: nothing can complete without a message
+    assert not sender.needs_polling() and not receiver.needs_polling()
+    assert not TransferPump(sender, name="s")._busy()
+    kv = source_kv(8, seed=1)
+    sender.layer_ready("r", 0, 0, kv[0])
+    c.route()
+    receiver.poll(c.now)           # grants the computed pieces
+    assert receiver.needs_polling() and TransferPump(receiver, name="r")._busy()
+    c.route()
+    sender.poll(c.now)             # the first piece goes on the wire
+    # (the in-process backend completes writes at once; the sender still polls to see it)
+    assert sender.needs_polling()
+    for _ in range(20):
+        c.step()
+    assert not receiver.requests["r"].coverage[1].any()   # layer 1 is not computed yet
+    assert not sender.needs_polling() and not receiver.needs_polling()
