@@ -136,9 +136,15 @@ class TransferPump:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            busy = True
             try:
                 self.pump_once()
+                # Under the lock: the owner's threads add and drop shards meanwhile (reading
+                # the manager unlocked once raised "dictionary changed size during iteration"
+                # here, outside any handler, and the thread died: that sender's KV stalled).
+                with self._lock:
+                    busy = self._busy()
             except Exception:  # noqa: BLE001 - a bad round must not kill the transfer thread
                 log.exception("%s: transfer round failed", self.name)
-            self._wake.wait(self.interval_s if self._busy() else self.idle_interval_s)
+            self._wake.wait(self.interval_s if busy else self.idle_interval_s)
             self._wake.clear()

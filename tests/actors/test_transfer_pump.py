@@ -123,3 +123,30 @@ def test_real_managers_ask_for_polling_only_while_a_piece_can_land():
         c.step()
     assert not receiver.requests["r"].coverage[1].any()   # layer 1 is not computed yet
     assert not sender.needs_polling() and not receiver.needs_polling()
+
+
+def test_the_thread_survives_a_failing_busy_check():
+    # The busy check once raised outside the round's handler (a dict changed size while it was
+    # read) and killed the thread: that prefill worker's KV never moved again.
+    class Flaky(_Manager):
+        calls = 0
+
+        def needs_polling(self):
+            Flaky.calls += 1
+            if Flaky.calls == 1:
+                raise RuntimeError("dictionary changed size during iteration")
+            return False
+
+    mgr = Flaky()
+    pump = TransferPump(mgr, name="t", idle_interval_s=0.01).start()
+    try:
+        deadline = time.monotonic() + 2.0
+        while Flaky.calls < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pump._thread.is_alive() and Flaky.calls >= 3
+        pump.deliver([_abort("r3")])
+        while not mgr.delivered and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [m.request_id for m in mgr.delivered] == ["r3"]
+    finally:
+        pump.stop()
