@@ -5,23 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from tetris.config import ModelConfig
-from tetris.kernels.attention import attention_with_lse
+from model_helpers import CFG, logits_of
+
 from tetris.model.loader import load_model
 from tetris.model.weights import load_tensor
-
-CFG = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_layers=2,
-                  num_heads=4, num_kv_heads=2, seed=5)
-
-
-def _causal(i, q, k, v):
-    return attention_with_lse(q, k, v, causal=True)[0]
-
-
-def _logits(model):
-    ids = torch.arange(12) * 13 % CFG.vocab_size
-    with torch.inference_mode():
-        return model.logits(model(ids, torch.arange(12), _causal))
 
 
 def _unfused_layer_qkv(model, i, hidden, positions):
@@ -51,23 +38,23 @@ def test_fused_qkv_equals_separate_projections():
 
 def test_loading_a_member_updates_the_fused_weight():
     model, _ = load_model(CFG)
-    before = _logits(model)
+    before = logits_of(model)
     full = torch.randn(CFG.num_kv_heads * model.head_dim, CFG.hidden_size)
     load_tensor(model, "model.layers.1.self_attn.v_proj.weight", full)
     fused = model.layers[1].self_attn.qkv
     assert fused.aliased()
     torch.testing.assert_close(fused.weight[-full.shape[0]:], full)
-    assert not torch.allclose(_logits(model), before)
+    assert not torch.allclose(logits_of(model), before)
 
 
 def test_broken_alias_falls_back_to_member_weights():
     model, _ = load_model(CFG)
-    want = _logits(model)
+    want = logits_of(model)
     mlp = model.layers[0].mlp
     # Replacing a member's parameter (as module.to() does) must not leave a stale fused copy.
     mlp.up_proj.weight = torch.nn.Parameter(mlp.up_proj.weight.clone(), requires_grad=False)
     assert not mlp.gate_up.aliased()
-    torch.testing.assert_close(_logits(model), want)
+    torch.testing.assert_close(logits_of(model), want)
     with torch.no_grad():
         mlp.up_proj.weight.mul_(2.0)
-    assert not torch.allclose(_logits(model), want)
+    assert not torch.allclose(logits_of(model), want)

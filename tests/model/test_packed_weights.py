@@ -10,27 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tetris.config import ModelConfig
+from model_helpers import CFG, logits_of
+
 from tetris.engine.engine import LLMEngine
-from tetris.kernels.attention import attention_with_lse
 from tetris.model.loader import load_model
 from tetris.model.packed import PackedWeight, can_pack, linear
 from tetris.sampling_params import SamplingParams
 
-CFG = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_layers=2,
-                  num_heads=4, num_kv_heads=2, seed=5)
-
 pytestmark = pytest.mark.skipif(not can_pack(torch.zeros(2, 2)), reason="no oneDNN packing")
-
-
-def _causal(i, q, k, v):
-    return attention_with_lse(q, k, v, causal=True)[0]
-
-
-def _logits(model):
-    ids = torch.arange(12) * 13 % CFG.vocab_size
-    with torch.inference_mode():
-        return model.logits(model(ids, torch.arange(12), _causal))
 
 
 @pytest.mark.parametrize("rows", [1, 7, 33])
@@ -70,31 +57,31 @@ def test_write_through_a_view_makes_the_fused_copy_stale():
     unpacked, _ = load_model(CFG)
     with torch.no_grad():
         unpacked.layers[0].self_attn.k_proj.weight.add_(1.0)
-    torch.testing.assert_close(_logits(model), _logits(unpacked), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits_of(model), logits_of(unpacked), atol=1e-4, rtol=1e-4)
     assert model.pack_weights(batch_hint=4) == 1  # only the stale copy is remade
 
 
 def test_packed_model_logits_match_unpacked():
     model, _ = load_model(CFG)
-    before = _logits(model)
+    before = logits_of(model)
     model.pack_weights()
     assert model.head_packed is not None and model.layers[1].mlp.down_proj.packed is not None
-    after = _logits(model)
+    after = logits_of(model)
     torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
     model.unpack_weights()
-    assert torch.equal(_logits(model), before)
+    assert torch.equal(logits_of(model), before)
 
 
 def test_packed_model_survives_pickle_and_deepcopy():
     model, _ = load_model(CFG)
     model.pack_weights()
-    want = _logits(model)
+    want = logits_of(model)
     for clone in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
         # The copies are rebuilt from their sources on the other side, still fresh.
         down = clone.layers[0].mlp.down_proj
         assert down.packed.fresh_for(down.weight) and down.packed.packed.is_mkldnn
         assert clone.head_packed.fresh_for(clone.lm_head.weight)
-        torch.testing.assert_close(_logits(clone), want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits_of(clone), want, atol=1e-4, rtol=1e-4)
 
 
 def test_engine_packs_by_default_on_cpu_and_greedy_tokens_match():
