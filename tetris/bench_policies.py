@@ -54,7 +54,7 @@ METRICS = ("p50", "p99")
 
 # -- the CLI trio (wired by tetris/cli/bench.py) ---------------------------------------------
 def add_args(p: argparse.ArgumentParser) -> None:
-    from tetris.cli.args import positive_int, positive_list
+    from tetris.cli.args import add_emulated_trace_args, positive_list
 
     p.add_argument("--config", default="paper-llama3-8b-emulated.toml",
                    help="an emulated deployment (default: the paper's 8B cluster, emulated)")
@@ -64,12 +64,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=positive_list(float, "rates in req/s"), default=list(DEFAULT_RATES),
                    help="arrival rates in req/s of paper time (default 1,3,5: light, 0.7x and "
                         "1.15x the simulated capacity of fixed-sp-8 on Short)")
-    p.add_argument("--requests", type=positive_int, default=30, help="requests per (policy, rate)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-scale", type=float, default=10.0,
-                   help="slow all emulated time by this factor (default 10, as for fidelity)")
-    p.add_argument("--max-output", type=positive_int, default=16,
-                   help="cap on output tokens, for both runs (TTFT does not depend on it)")
+    add_emulated_trace_args(p, requests=30, time_scale=10.0, requests_help="requests per (policy, rate)",
+                            time_scale_help="slow all emulated time by this factor (default 10, as for "
+                                            "fidelity)")
     p.add_argument("--tie", type=float, default=DEFAULT_TIE,
                    help="relative gap under which the simulator's TTFTs count as a tie (default 0.05)")
     p.add_argument("--sim-only", action="store_true",

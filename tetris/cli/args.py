@@ -32,3 +32,13 @@ def positive_list(cast: Callable[[str], float], what: str) -> Callable[[str], li
         return vals
 
     return parse
+
+
+def add_emulated_trace_args(p: argparse.ArgumentParser, *, requests: int, time_scale: float,
+                            requests_help: str, time_scale_help: str) -> None:
+    """The options every benchmark that replays a seeded trace on an emulated app shares."""
+    p.add_argument("--requests", type=positive_int, default=requests, help=requests_help)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-scale", type=float, default=time_scale, help=time_scale_help)
+    p.add_argument("--max-output", type=positive_int, default=16,
+                   help="cap on output tokens, for both runs (TTFT does not depend on it)")

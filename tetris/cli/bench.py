@@ -11,7 +11,7 @@ import json
 import sys
 
 from tetris import bench_policies, bench_soak
-from tetris.cli.args import positive_int, positive_list
+from tetris.cli.args import add_emulated_trace_args, positive_int, positive_list
 
 __all__ = ["register"]
 
@@ -48,12 +48,9 @@ def _add_fidelity(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="short", help="short, medium, long or a trace file")
     p.add_argument("--rate", type=positive_list(float, "rates in req/s"), default=[1.0],
                    help="arrival rate(s) in req/s of paper time, comma-separated (default 1)")
-    p.add_argument("--requests", type=positive_int, default=40, help="requests per rate")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-scale", type=float, default=1.0,
-                   help="slow all emulated time by this factor (the machine cannot keep up)")
-    p.add_argument("--max-output", type=positive_int, default=16,
-                   help="cap on output tokens, for both runs (TTFT does not depend on it)")
+    add_emulated_trace_args(p, requests=40, time_scale=1.0, requests_help="requests per rate",
+                            time_scale_help="slow all emulated time by this factor (the machine "
+                                            "cannot keep up)")
 
 
 def _run_fidelity(args: argparse.Namespace) -> dict:
