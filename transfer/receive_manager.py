@@ -90,7 +90,10 @@ class ReceiveManager:
             self.backends.append(ReceiveBackend(i, buf, agent.register(buf), config.backend_slots))
         self.piece_tokens = config.slot_bytes // self.bytes_per_token
         self.requests: dict[str, IncomingRequest] = {}
-        self._closed: dict[str, str] = {}      # finished request id -> "done" / failure reason
+        # finished request id -> "done" / failure reason, oldest first; remembered so that a late
+        # message of a finished request is refused rather than allocated anew, and bounded
+        # because a long-running instance finishes requests forever
+        self._closed: dict[str, str] = {}
         self._sender_agents: dict[int, str] = {}
         self._seq = itertools.count()
         self._outbox: list[Envelope] = []
@@ -109,7 +112,7 @@ class ReceiveManager:
             shard = None if req is None else req.shards.get((msg.sender_id, msg.chunk_index))
             if shard is None or not 0 <= msg.ready_layers <= self.num_layers:
                 self._reject(msg.request_id, msg.sender_id, msg.chunk_index,
-                             f"LayersReady({msg.ready_layers}) for an unknown shard or past the last layer")
+                             f"LayersReady({msg.ready_layers}) for an unknown shard or past the last layer", now)
             else:
                 shard.ready_layers = max(shard.ready_layers, msg.ready_layers)
         elif isinstance(msg, Abort):
@@ -215,7 +218,7 @@ class ReceiveManager:
         if reason is None and ((hs.sender_id, hs.chunk_index) in req.shards or req.claimed[positions].any()):
             reason = "duplicate shard: its positions were already claimed by another handshake"
         if reason is not None:
-            self._reject(hs.request_id, hs.sender_id, hs.chunk_index, reason)
+            self._reject(hs.request_id, hs.sender_id, hs.chunk_index, reason, now, handshake=True)
             return
         shard = IncomingShard(hs, positions, next(self._seq), self.piece_tokens)
         req.shards[shard.key] = shard
@@ -265,7 +268,7 @@ class ReceiveManager:
         if reason is not None:
             if shard is not None:         # the credit was spent on a bad piece; grant again
                 self._spend(backend, n.slot, shard)
-            self._reject(n.request_id, n.sender_id, n.chunk_index, reason)
+            self._reject(n.request_id, n.sender_id, n.chunk_index, reason, now)
             return
         req = self.requests[n.request_id]
         self._place(req, shard, n, backend)
@@ -298,7 +301,7 @@ class ReceiveManager:
         if req.complete:
             req.state = TransferState.DONE
             del self.requests[req.request_id]
-            self._closed[req.request_id] = "done"
+            self._close(req.request_id, "done")
             self._emit(RequestReady(request_id=req.request_id, prompt_tokens=req.prompt_tokens,
                                     block_table=list(req.blocks)))
 
@@ -314,18 +317,33 @@ class ReceiveManager:
                 b.free()
         self.allocator.free(req.blocks)
         del self.requests[req.request_id]
-        self._closed[req.request_id] = reason
+        self._close(req.request_id, reason)
         for sender in sorted({k[0] for k in req.shards}):
             if sender != notify:
                 self._send(sender, Abort(request_id=req.request_id, reason=reason, origin="receiver",
                                          origin_id=self.receiver_id))
         self._emit(TransferFailed(request_id=req.request_id, reason=reason))
 
-    def _reject(self, request_id: str, sender_id: int, chunk_index: int, reason: str) -> None:
+    def _close(self, request_id: str, outcome: str) -> None:
+        self._closed[request_id] = outcome
+        while len(self._closed) > self.config.closed_memory:
+            del self._closed[next(iter(self._closed))]
+
+    def _reject(self, request_id: str, sender_id: int, chunk_index: int, reason: str, now: float,
+                *, handshake: bool = False) -> None:
         self._send(sender_id, TransferError(request_id=request_id, sender_id=sender_id,
                                             chunk_index=chunk_index, reason=reason,
                                             receiver_id=self.receiver_id))
         self._emit(MessageRejected(request_id=request_id, sender_id=sender_id, reason=reason))
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        shard = req.shards.get((sender_id, chunk_index))
+        if handshake or (shard is not None and not shard.done):
+            # The sender fails that shard on the error and never sends the rest of it (a refused
+            # handshake's tokens never come at all), so the request cannot complete here: fail
+            # it now, freeing its blocks and telling its senders, not at the stall timeout.
+            self._fail(req, f"prefill {sender_id} chunk {chunk_index} rejected: {reason}", now)
 
     def _send(self, sender_id: int, msg: ControlMessage) -> None:
         self._outbox.append(Envelope(dst_role="sender", dst_id=sender_id, msg=msg))

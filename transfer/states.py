@@ -66,10 +66,14 @@ class TransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # and how many paper bytes one wire byte stands for (emulated workers send head_dim 1).
     emulated_link_bandwidth: float = 25e9
     emulated_bytes_per_wire_byte: float = 128.0
+    # A receiver remembers this many finished request ids (oldest forgotten first) to refuse
+    # their late messages; a late message comes seconds after the end, thousands of requests
+    # earlier than the oldest remembered one at any realistic rate.
+    closed_memory: int = 16384
 
     def __post_init__(self) -> None:
         for key in ("num_backends", "pool_size", "backend_buffer_bytes", "backend_slots",
-                    "send_buffer_bytes", "bulk_chunk_bytes"):
+                    "send_buffer_bytes", "bulk_chunk_bytes", "closed_memory"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"transfer.{key} must be positive, got {getattr(self, key)}")
         if self.backend_slots > self.backend_buffer_bytes:

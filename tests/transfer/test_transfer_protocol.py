@@ -8,7 +8,8 @@ import torch
 from transfer_helpers import HKV, LAYERS, D, Cluster, source_kv
 
 from tetris.kernels.kv_pack import pack_kv
-from tetris.transfer.messages import Grant, Handshake, PieceNotice, TokenRange, encode_notice
+from tetris.transfer.messages import (Abort, Grant, Handshake, PieceNotice, TokenRange, TransferError,
+                                      encode_notice)
 from tetris.transfer.states import (ChunkArrived, MessageRejected, RequestReady, ShardSent, TransferConfig,
                                     TransferFailed, TransferState)
 
@@ -118,41 +119,75 @@ def _forge(c, grant, **changes):
     return events
 
 
-@pytest.mark.parametrize("changes, reason", [
-    (dict(request_id="ghost"), "unknown request"),
-    (dict(nbytes=2 * 2 * HKV * D * 4 - 4), "bytes for 2 tokens"),
-    (dict(dtype="bfloat16"), "dtype bfloat16"),
-    (dict(layer=LAYERS), "outside the shard"),
-    (dict(chunk_index=3), "no handshake for chunk 3"),
+@pytest.mark.parametrize("changes, reason, fails", [
+    (dict(request_id="ghost"), "unknown request", False),
+    (dict(nbytes=2 * 2 * HKV * D * 4 - 4), "bytes for 2 tokens", True),
+    (dict(dtype="bfloat16"), "dtype bfloat16", True),
+    (dict(layer=LAYERS), "outside the shard", True),
+    (dict(chunk_index=3), "no handshake for chunk 3", False),
 ])
-def test_bad_pieces_are_rejected_and_write_nothing(changes, reason):
+def test_bad_pieces_are_rejected_and_write_nothing(changes, reason, fails):
     c = Cluster(1, SMALL)
     _one_shard(c)
     grant = _grant_for(c, "r")   # kept from the real sender: the test writes in its place
     before = _cache_snapshot(c)
+    free_before = c.allocator.num_free
     events = _forge(c, grant, **changes)
     rejected = [e for e in events if isinstance(e, MessageRejected)]
     assert len(rejected) == 1 and reason in rejected[0].reason
     assert _same_cache(before, c.recv_cache)
-    assert not c.receiver.requests["r"].coverage.any()
+    out = [env.msg for env in c.receiver.drain_outbox()]
+    assert any(isinstance(m, TransferError) and reason in m.reason for m in out)
+    if fails:
+        # the sender fails that shard on the error, so "r" can never complete: it fails now,
+        # not at the stall timeout, and its blocks are free at once
+        failed = [e for e in events if isinstance(e, TransferFailed)]
+        assert len(failed) == 1 and failed[0].request_id == "r" and reason in failed[0].reason
+        assert "r" not in c.receiver.requests and c.receiver.state("r") == TransferState.FAILED
+        assert c.allocator.num_free > free_before
+    else:
+        # the message named no shard of "r" that a sender will now give up: "r" goes on
+        assert not any(isinstance(e, TransferFailed) for e in events)
+        assert not c.receiver.requests["r"].coverage.any()
+        assert c.receiver.state("r") != TransferState.FAILED
 
 
-def test_duplicate_piece_and_duplicate_handshake_are_rejected():
+def _handshake_like(hs, **changes):
+    return Handshake(**{**{f: getattr(hs, f) for f in hs.__struct_fields__}, **changes})
+
+
+@pytest.mark.parametrize("changes, reason", [
+    (dict(), "duplicate shard"),                                                 # the same chunk twice
+    (dict(sender_id=1, ranges=(TokenRange(8, 12),)), "duplicate shard"),         # overlaps sender 0's
+    (dict(chunk_index=1, head_dim=D * 2), "KV shape"),
+])
+def test_bad_handshake_of_a_live_request_fails_it_at_once(changes, reason):
+    c = Cluster(2, SMALL)
+    _one_shard(c)
+    _grant_for(c, "r")
+    free_before = c.allocator.num_free
+    hs = c.senders[0].shards[("r", 0, 0)].handshake
+    c.receiver.deliver(_handshake_like(hs, **changes), c.now)
+    events = c.receiver.poll(c.now)
+    assert [e.reason for e in events if isinstance(e, MessageRejected)] == [
+        e.reason for e in events if isinstance(e, MessageRejected) and reason in e.reason]
+    assert sum(isinstance(e, MessageRejected) for e in events) == 1
+    # the refused shard's tokens will never come: "r" fails now and frees its blocks, and its
+    # registered sender is told to stop
+    assert [e.request_id for e in events if isinstance(e, TransferFailed)] == ["r"]
+    assert c.receiver.state("r") == TransferState.FAILED
+    assert c.allocator.num_free > free_before
+    out = c.receiver.drain_outbox()
+    assert any(isinstance(env.msg, Abort) and env.dst_id == 0 for env in out)
+    for env in out:
+        c.senders[env.dst_id].deliver(env.msg, c.now)
+    assert c.senders[0].state("r", 0) == TransferState.FAILED
+
+
+def test_duplicate_piece_is_rejected_and_changes_nothing():
     c = Cluster(1, SMALL)
     _one_shard(c)
     grant = _grant_for(c, "r")
-    hs = c.senders[0].shards[("r", 0, 0)].handshake
-    c.receiver.deliver(hs, c.now)   # the same chunk twice
-    overlap = Handshake(**{**{f: getattr(hs, f) for f in hs.__struct_fields__}, "sender_id": 1,
-                           "ranges": (TokenRange(8, 12),)})
-    c.receiver.deliver(overlap, c.now)
-    wrong_shape = Handshake(**{**{f: getattr(hs, f) for f in hs.__struct_fields__}, "chunk_index": 1,
-                               "head_dim": D * 2})
-    c.receiver.deliver(wrong_shape, c.now)
-    events = c.receiver.poll(c.now)
-    reasons = [e.reason for e in events if isinstance(e, MessageRejected)]
-    assert len(reasons) == 3
-    assert "duplicate shard" in reasons[0] and "duplicate shard" in reasons[1] and "KV shape" in reasons[2]
     assert _forge(c, grant) == []                 # first copy of the piece is placed
     placed = _cache_snapshot(c)
     assert c.receiver.requests["r"].coverage[0, :2].all()
@@ -160,6 +195,19 @@ def test_duplicate_piece_and_duplicate_handshake_are_rejected():
     events = _forge(c, grant)                     # the same piece again
     assert any("duplicate piece" in e.reason for e in events if isinstance(e, MessageRejected))
     assert _same_cache(placed, c.recv_cache)
+    assert any(isinstance(e, TransferFailed) and "duplicate piece" in e.reason for e in events)
+
+
+def test_receiver_forgets_the_oldest_finished_requests_past_its_memory():
+    cfg = TransferConfig(**{**{f: getattr(SMALL, f) for f in SMALL.__struct_fields__}, "closed_memory": 2})
+    c = Cluster(1, cfg)
+    for rid in ("a", "b", "c"):
+        c.receiver.reserve(rid, 8, c.now)
+        c.receiver.abort(rid, "client gone", c.now)
+    assert c.receiver.state("a") is None          # forgotten: the oldest of three
+    assert c.receiver.state("b") == c.receiver.state("c") == TransferState.FAILED
+    with pytest.raises(ValueError, match="closed_memory"):
+        TransferConfig(closed_memory=0)
 
 
 def test_sender_abort_mid_transfer_frees_blocks_and_backends():
