@@ -16,10 +16,19 @@ system needed; with ``--threads 1`` that excludes OpenMP's spin-waiting too.
 ``--baseline`` adds a third system, the engine with its CPU speed-ups off (``ENGINE_BASELINE``:
 unpacked weights), so before/after ratios come from the same run too.
 
+``--dtype`` saves the checkpoint in that dtype and runs both systems in it (transformers with
+its default attention implementation). In fp32 the greedy tokens are expected to be identical
+(``identical`` counts whole sequences); in bf16 the two sum in different orders and a near-tie
+of the top two logits flips a token sooner or later, after which the continuations differ. So
+every row also reports ``agreement``: the share of tokens before each sequence's first
+difference, and ``first_divergence``: the earliest position (0-based) where any sequence of the
+batch differs (None: none does).
+
     python benchmarks/bench_decode.py                 # table, the "small" shape
     python benchmarks/bench_decode.py --shape tiny    # per-step overhead dominates there
     python benchmarks/bench_decode.py --json          # one JSON object
     python benchmarks/bench_decode.py --baseline      # also the engine without its speed-ups
+    python benchmarks/bench_decode.py --dtype bfloat16 # a bf16 checkpoint, both sides in bf16
 """
 
 from __future__ import annotations
@@ -54,31 +63,35 @@ def model_config(args) -> dict:
                 num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
 
 
-def build_checkpoint(out: Path, config: dict, seed: int) -> Path:
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build_checkpoint(out: Path, config: dict, seed: int, dtype: str = "float32") -> Path:
+    """A seeded random checkpoint saved in ``dtype`` (initialised in fp32, then rounded)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**config)).float().eval()
+    model = LlamaForCausalLM(LlamaConfig(**config)).float().eval().to(DTYPES[dtype])
     model.save_pretrained(out, safe_serialization=True)
     return out
 
 
-def load_ours(path: Path):
+def load_ours(path: Path, dtype: str = "float32"):
     from tetris.config import ModelConfig
     from tetris.model.hf_config import model_config_from_hf
     from tetris.model.llama import LlamaModel
     from tetris.model.weights import load_hf_weights
 
-    cfg = model_config_from_hf(path, ModelConfig(source="hf", path=str(path)))
+    cfg = model_config_from_hf(path, ModelConfig(source="hf", path=str(path), dtype=dtype))
     model = LlamaModel(cfg)
     load_hf_weights(model, path)
     return model.eval()
 
 
-def load_hf(path: Path):
+def load_hf(path: Path, dtype: str = "float32"):
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = LlamaForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
@@ -152,18 +165,46 @@ def measure(systems, prompts, new_tokens: int, repeats: int):
     return best, tokens
 
 
+def agreement(ours: list[list[int]], ref: list[list[int]]) -> tuple[float, int | None]:
+    """(share of tokens before each sequence's first difference, earliest difference or None).
+
+    Tokens after a difference are not compared: from there the two condition on different
+    contexts, so matching ones would be chance.
+    """
+    prefix, first = 0, None
+    total = 0
+    for a, b in zip(ours, ref, strict=True):
+        if len(a) != len(b):
+            raise ValueError(f"sequences of {len(a)} and {len(b)} tokens")
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        prefix += same
+        total += len(a)
+        if same < len(a):
+            first = same if first is None else min(first, same)
+    return (prefix / total if total else 1.0), first
+
+
+def compare(tokens: dict[str, list[list[int]]], name: str, ref: str = "hf") -> dict:
+    same = sum(a == h for a, h in zip(tokens[name], tokens[ref], strict=True))
+    share, first = agreement(tokens[name], tokens[ref])
+    return dict(identical_sequences=f"{same}/{len(tokens[ref])}", agreement=share,
+                first_divergence=first)
+
+
 def run(args) -> dict:
     from tqdm import tqdm
 
     config = model_config(args)
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_checkpoint(Path(args.checkpoint or tmp) / "bench-llama", config, args.seed)
+        path = build_checkpoint(Path(args.checkpoint or tmp) / "bench-llama", config, args.seed,
+                                args.dtype)
         clock = CLOCKS[args.clock]
-        systems = {"hf": (partial(time_hf, clock=clock), load_hf(path)),
-                   "tetris": (partial(time_ours, clock=clock), load_ours(path))}
+        systems = {"hf": (partial(time_hf, clock=clock), load_hf(path, args.dtype)),
+                   "tetris": (partial(time_ours, clock=clock), load_ours(path, args.dtype))}
         if args.baseline:  # its own model: packing is a property of the model object
             systems["baseline"] = (partial(time_ours, clock=clock,
-                                           engine_options=ENGINE_BASELINE), load_ours(path))
+                                           engine_options=ENGINE_BASELINE),
+                                   load_ours(path, args.dtype))
         gen = torch.Generator().manual_seed(args.seed)
         rows = []
         for b in tqdm(args.batch_sizes, desc="batch sizes", file=sys.stderr):
@@ -172,23 +213,21 @@ def run(args) -> dict:
                 fn(model, prompts[:1], 3)  # warm-up (lazy inits, allocator)
             times, tokens = measure(systems, prompts, args.new_tokens, args.repeats)
             decoded = b * (args.new_tokens - 1)
-            same = sum(a == h for a, h in zip(tokens["tetris"], tokens["hf"], strict=True))
             row = dict(
                 batch=b,
                 hf_tokens_per_s=decoded / times["hf"],
                 tetris_tokens_per_s=decoded / times["tetris"],
                 speedup=times["hf"] / times["tetris"],
-                identical_sequences=f"{same}/{b}",
+                **compare(tokens, "tetris"),
             )
             if args.baseline:
-                same = sum(a == h for a, h in zip(tokens["baseline"], tokens["hf"], strict=True))
                 row.update(baseline_tokens_per_s=decoded / times["baseline"],
                            baseline_speedup=times["hf"] / times["baseline"],
-                           baseline_identical_sequences=f"{same}/{b}")
+                           **{f"baseline_{k}": v for k, v in compare(tokens, "baseline").items()})
             rows.append(row)
     return dict(
         benchmark="decode", shape=args.shape, model=config, prompt_len=args.prompt_len,
-        new_tokens=args.new_tokens, repeats=args.repeats, dtype="float32",
+        new_tokens=args.new_tokens, repeats=args.repeats, dtype=args.dtype,
         torch_threads=torch.get_num_threads(), clock=args.clock,
         baseline_options=ENGINE_BASELINE if args.baseline else None, rows=rows,
     )
@@ -196,22 +235,30 @@ def run(args) -> dict:
 
 def print_table(result: dict) -> None:
     m = result["model"]
-    print(f"Llama {m['num_hidden_layers']}L h{m['hidden_size']} V{m['vocab_size']} fp32, "
+    print(f"Llama {m['num_hidden_layers']}L h{m['hidden_size']} V{m['vocab_size']} "
+          f"{result['dtype']}, "
           f"prompt {result['prompt_len']}, {result['new_tokens']} new tokens, "
           f"{result['torch_threads']} torch threads, best of {result['repeats']}, "
           f"{result['clock']} clock")
     base = result["baseline_options"] is not None
-    head = f"{'batch':>5} {'hf tok/s':>10} {'tetris tok/s':>13} {'speedup':>8} {'identical':>10}"
+    agree = f"{'identical':>10} {'agreement':>10} {'1st diff':>8}"
+    head = f"{'batch':>5} {'hf tok/s':>10} {'tetris tok/s':>13} {'speedup':>8} {agree}"
     if base:
-        head += f" {'baseline tok/s':>15} {'speedup':>8} {'identical':>10}"
+        head += f" {'baseline tok/s':>15} {'speedup':>8} {agree}"
     print(head)
     for r in result["rows"]:
         line = (f"{r['batch']:>5} {r['hf_tokens_per_s']:>10.1f} {r['tetris_tokens_per_s']:>13.1f} "
-                f"{r['speedup']:>7.2f}x {r['identical_sequences']:>10}")
+                f"{r['speedup']:>7.2f}x {_agreement_cells(r)}")
         if base:
             line += (f" {r['baseline_tokens_per_s']:>15.1f} {r['baseline_speedup']:>7.2f}x "
-                     f"{r['baseline_identical_sequences']:>10}")
+                     f"{_agreement_cells(r, 'baseline_')}")
         print(line)
+
+
+def _agreement_cells(row: dict, prefix: str = "") -> str:
+    first = row[f"{prefix}first_divergence"]
+    return (f"{row[f'{prefix}identical_sequences']:>10} {row[f'{prefix}agreement']:>9.1%} "
+            f"{'-' if first is None else first:>8}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", choices=sorted(SHAPES), default="small")
     for name in ("hidden", "intermediate", "layers", "heads", "kv-heads", "vocab"):
         p.add_argument(f"--{name}", type=int, help="overrides the shape's value")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="checkpoint dtype; both systems run in it")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own)")
     p.add_argument("--checkpoint", help="folder to keep the checkpoint in (default: a temp dir)")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
