@@ -161,6 +161,8 @@ def paged_decode_attention_meta(q, k_cache, v_cache, meta: DecodeMeta, scale=Non
     if b == 0:
         return q.new_zeros(0, hq, d)
     length = meta.visible.shape[-1]
+    if q.dtype in _HALF and k_cache.dtype == q.dtype and q.device.type == "cpu":
+        return _half_decode_attention(q, k_cache, v_cache, meta, scale)
     # index_select copies whole blocks; advanced indexing (k_cache[tables]) is several times
     # slower on CPU for the same gather. fp32 math whatever the cache dtype, like the LSE path.
     keys = k_cache.index_select(0, meta.tables).view(b, length, hkv, d).transpose(1, 2).float()
@@ -170,6 +172,34 @@ def paged_decode_attention_meta(q, k_cache, v_cache, meta: DecodeMeta, scale=Non
     if meta.empty is not None:
         out = out.masked_fill(meta.empty[:, None, None, None], 0.0)
     return out.reshape(b, hq, d).to(q.dtype)
+
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _half_decode_attention(q, k_cache, v_cache, meta: DecodeMeta, scale=None):
+    """bf16/fp16 decode attention on CPU: half-precision GEMMs, fp32 softmax.
+
+    The numerics of transformers' eager Llama attention: both products run in the cache dtype
+    (oneDNN accumulates in fp32 and rounds the result once), the scaled, masked scores are
+    softmaxed in fp32 and rounded back for the product with V. Upcasting the gathered K/V to
+    fp32 instead cost more than the attention itself at decode shapes (bench_decode, bf16).
+    q [B, Hq, D]; caches [NB, BS, Hkv, D]; keys/values gathered as [B, Hkv, L, D].
+    """
+    b, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    length = meta.visible.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    # Contiguous per-head copies: strided operands made matmul several times slower.
+    keys = k_cache.index_select(0, meta.tables).view(b, length, hkv, d).transpose(1, 2)
+    vals = v_cache.index_select(0, meta.tables).view(b, length, hkv, d).transpose(1, 2)
+    qg = q.reshape(b, hkv, hq // hkv, d)  # [B, Hkv, group, D]
+    scores = torch.matmul(qg, keys.contiguous().transpose(-1, -2)).float()  # [B, Hkv, group, L]
+    probs = torch.softmax(scores.mul_(scale).add_(meta.visible), dim=-1).to(q.dtype)
+    out = torch.matmul(probs, vals.contiguous())  # [B, Hkv, group, D]
+    if meta.empty is not None:
+        out = out.masked_fill(meta.empty[:, None, None, None], 0.0)
+    return out.reshape(b, hq, d)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None):

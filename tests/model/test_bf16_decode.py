@@ -1,0 +1,177 @@
+"""bf16 decode on CPU: the half-precision paged attention and the engine's greedy tokens.
+
+bf16 results cannot equal transformers' bf16 results bit for bit (different summation orders
+round differently), so the reference is the fp32 computation on the same bf16-rounded
+weights, and the tolerance is transformers' own bf16 error against it: the engine in bf16
+must be about as close to fp32 as transformers in bf16 is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tetris.config import ModelConfig
+from tetris.engine.engine import LLMEngine
+from tetris.kernels.paged_decode import paged_decode_attention
+from tetris.model.hf_config import model_config_from_hf
+from tetris.model.llama import LlamaModel
+from tetris.model.weights import load_hf_weights
+from tetris.sampling_params import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+LLAMA = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+             rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+             bos_token_id=1, eos_token_id=2)
+NEW_TOKENS = 12
+PROMPT_LEN = 20
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).eval()
+    # std 0.02 weights give a near-uniform next-token distribution; wider ones make the
+    # greedy choice depend on the model rather than on rounding.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    path = tmp_path_factory.mktemp("bf16") / "llama"
+    model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _hf(path, dtype):
+    model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _ours(path):
+    cfg = model_config_from_hf(path, ModelConfig(source="hf", path=str(path), dtype="bfloat16"))
+    model = LlamaModel(cfg)
+    load_hf_weights(model, path)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(3, LLAMA["vocab_size"], (3, PROMPT_LEN), generator=gen)
+
+
+@pytest.fixture(scope="module")
+def greedy(checkpoint, prompts):
+    """Greedy continuations: the engine in bf16 (packed bf16 GEMMs, paged bf16 attention,
+    all three prompts in one batch) and transformers in bf16 (one batch, no padding)."""
+    engine = LLMEngine(_ours(checkpoint), None, num_blocks=32, block_size=8, max_num_seqs=4)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    ours = [list(o.token_ids) for o in engine.generate(prompts.tolist(), params)]
+    with torch.inference_mode():
+        out = _hf(checkpoint, torch.bfloat16).generate(
+            prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+            max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    return ours, out[:, PROMPT_LEN:].tolist()
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(ids).logits.float()
+
+
+def test_engine_bf16_tokens_are_fp32_greedy_within_bf16_error(checkpoint, prompts, greedy):
+    """Every token the bf16 engine picks is within transformers' bf16 logit error of the fp32
+    argmax, given the same context (teacher forcing through the fp32 model)."""
+    ours, _ = greedy
+    ids = torch.cat([prompts, torch.tensor(ours)], dim=1)
+    ref = _logits(_hf(checkpoint, torch.float32), ids)[:, PROMPT_LEN - 1:-1]  # [B, N, V]
+    hf_error = (_logits(_hf(checkpoint, torch.bfloat16), ids)[:, PROMPT_LEN - 1:-1] - ref).abs()
+    margin = 2 * float(hf_error.max())
+    # The margin must be small next to the logits' spread, or the check would say nothing.
+    assert margin < 0.1 * float(ref.std(dim=-1).mean())
+    picked = ref.gather(-1, torch.tensor(ours)[..., None])[..., 0]
+    shortfall = ref.amax(dim=-1) - picked
+    assert float(shortfall.max()) <= margin, shortfall
+
+
+def test_engine_bf16_greedy_agrees_with_transformers_bf16(greedy):
+    """With logits this spread out, rounding flips no choice: the sequences are identical."""
+    ours, hf = greedy
+    assert ours == hf
+
+
+def test_engine_bf16_prefill_logits_close_to_transformers(checkpoint, prompts):
+    model = _ours(checkpoint)
+    model.pack_weights(batch_hint=4)
+    ref = _logits(_hf(checkpoint, torch.float32), prompts)[:, -1]
+    hf16 = _logits(_hf(checkpoint, torch.bfloat16), prompts)[:, -1]
+    engine = LLMEngine(model, None, num_blocks=16, block_size=8, max_num_seqs=4,
+                       packed_weights=False)  # already packed above
+    assert model.head_packed is not None
+    engine.add_request("0", prompts[0].tolist(), SamplingParams(max_tokens=1, temperature=0.0))
+    plan = engine.batcher.schedule()
+    logits, _ = engine.runner.execute(plan)
+    assert logits.dtype == torch.float32 and logits.shape == (1, LLAMA["vocab_size"])
+    ours_error = float((logits[0] - ref[0]).abs().max())
+    assert ours_error <= 2 * float((hf16[0] - ref[0]).abs().max()) + 1e-3
+
+
+def _paged(dtype, lens, seed=0, hq=6, hkv=2, d=32, bs=4, nb=32):
+    gen = torch.Generator().manual_seed(seed)
+    b = len(lens)
+    q = torch.randn(b, hq, d, generator=gen).to(dtype)
+    kc = torch.randn(nb, bs, hkv, d, generator=gen).to(dtype)
+    vc = torch.randn(nb, bs, hkv, d, generator=gen).to(dtype)
+    maxb = max(1, -(-max(lens) // bs))
+    tables = torch.randperm(nb, generator=gen)[:b * maxb].view(b, maxb).to(torch.int32)
+    return q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+def _explicit(q, kc, vc, tables, lens):
+    """Per-row softmax(q k^T / sqrt(D)) v in fp64 over exactly the row's context."""
+    b, hq, d = q.shape
+    bs, hkv = kc.shape[1], kc.shape[2]
+    out = torch.zeros(b, hq, d, dtype=torch.float64)
+    for row in range(b):
+        n = int(lens[row])
+        if n == 0:
+            continue
+        slots = torch.arange(n)
+        blocks = tables[row, slots // bs].long()
+        k = kc[blocks, slots % bs].double().repeat_interleave(hq // hkv, dim=1)  # [n, Hq, D]
+        v = vc[blocks, slots % bs].double().repeat_interleave(hq // hkv, dim=1)
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q[row].double(), k) / math.sqrt(d), -1)
+        out[row] = torch.einsum("hn,nhd->hd", w, v)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_paged_decode_attention_matches_explicit_softmax(dtype):
+    lens = [1, 9, 0, 17, 4]
+    q, kc, vc, tables, context = _paged(dtype, lens)
+    got = paged_decode_attention(q, kc, vc, tables, context)
+    assert got.dtype == dtype
+    want = _explicit(q, kc, vc, tables, context)
+    assert torch.equal(got[2], torch.zeros_like(got[2]))  # an empty context attends to nothing
+    # Three roundings to the half dtype (scores, probabilities, output), each relative
+    # 2^-8 (bf16) or 2^-11 (fp16), on outputs of magnitude about 1 and scores up to ~10
+    # (an error of 10 * 2^-8 = 0.04 in a score moves its weight by 4%).
+    tol = 5e-2 if dtype == torch.bfloat16 else 1e-2
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+    # The error is rounding, not a wrong mask: a context one token longer is far off.
+    longer = _explicit(q, kc, vc, tables, context + torch.tensor([1, 1, 0, 1, 1]))
+    assert float((got.double() - longer).abs().max()) > 5 * tol
+
+
+def test_half_paged_decode_attention_close_to_fp32_path():
+    """The bf16 path against the fp32 path on the same (bf16-valued) inputs."""
+    q, kc, vc, tables, context = _paged(torch.bfloat16, [7, 12, 3], seed=4)
+    got = paged_decode_attention(q, kc, vc, tables, context).float()
+    fp32 = paged_decode_attention(q.float(), kc.float(), vc.float(), tables, context)
+    assert float((got - fp32).abs().max()) < 5e-2
