@@ -34,6 +34,25 @@ def test_packed_linear_matches_f_linear(rows):
     torch.testing.assert_close(packed(xt), F.linear(xt, w), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_packed_bf16_linear_matches_f_linear_within_one_rounding(rows):
+    """bf16 operands, fp32 accumulation, one rounding of each output to bf16: both paths sit
+    within bf16's unit roundoff (2^-8, relative) of the exact product, so within two of
+    each other. K = 96 terms of fp32 summation add nothing visible at that scale."""
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(48, 96, generator=gen).bfloat16()
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    got = PackedWeight(w, batch_hint=32)(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 48)
+    exact = x.double() @ w.double().t()
+    unit = 2.0 ** -8
+    assert bool(((got.double() - exact).abs() <= unit * exact.abs() + 1e-6).all())
+    ref = F.linear(x, w).double()
+    assert bool(((got.double() - ref).abs() <= 2 * unit * exact.abs() + 1e-6).all())
+    with pytest.raises(ValueError, match="dtype"):
+        PackedWeight(w, batch_hint=32)(x.float())  # mixing dtypes is refused, not cast
+
+
 def test_stale_copy_falls_back_to_the_current_weight():
     w = torch.randn(8, 4)
     x = torch.randn(3, 4)
