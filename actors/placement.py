@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import ray
 
+from tetris.actors.process_env import runtime_env
 from tetris.config import DecodeConfig, PrefillConfig
 
 __all__ = ["Placement", "PlacementError", "node_map", "place_prefill", "place_decode",
@@ -57,7 +58,7 @@ class Placement:
     def options(self, member: int) -> dict:
         """``ActorClass.options(...)`` for member ``member``."""
         # num_cpus=0: the bundle holds the reservation; actors in it may share its CPUs.
-        opts: dict = {"num_cpus": 0}
+        opts: dict = {"num_cpus": 0, "runtime_env": runtime_env()}
         if self.pg is None:
             return opts
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

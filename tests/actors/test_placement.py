@@ -16,6 +16,7 @@ import pytest
 
 from tetris.actors.placement import (Placement, PlacementError, explain_unplaced, node_map,
                                      place_decode, place_prefill, resolve_mode)
+from tetris.actors.process_env import runtime_env
 from tetris.config import ConfigError, DecodeConfig, PrefillConfig, load_deployment
 
 SCRIPT = Path(__file__).with_name("placement_cluster_script.py")
@@ -58,7 +59,25 @@ def test_auto_packs_on_several_nodes_only():
 
 
 def test_no_placement_reserves_nothing():
-    assert Placement("none").options(3) == {"num_cpus": 0}
+    assert Placement("none").options(3) == {"num_cpus": 0, "runtime_env": runtime_env()}
+
+
+def test_actors_start_with_two_malloc_arenas(ray_session):
+    """glibc reads MALLOC_ARENA_MAX at exec: it must be in the process's initial environment
+    (/proc/PID/environ), which ``os.environ`` set inside the actor would not change."""
+    import ray
+
+    @ray.remote
+    class Probe:
+        def environ(self) -> dict:
+            raw = Path(f"/proc/{os.getpid()}/environ").read_bytes().split(b"\0")
+            return dict(kv.decode().split("=", 1) for kv in raw if b"=" in kv)
+
+    probe = Probe.options(**Placement("none").options(0)).remote()
+    try:
+        assert ray.get(probe.environ.remote(), timeout=120)["MALLOC_ARENA_MAX"] == "2"
+    finally:
+        ray.kill(probe)
 
 
 # -- config ------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from pathlib import Path
 import msgspec
 from ray import serve
 
+from tetris.actors.process_env import runtime_env
 from tetris.config import DeploymentConfig, load_deployment
 from tetris.serve.backend import Overloaded
 from tetris.serve.protocol import GenerateRequest
@@ -41,7 +42,9 @@ __all__ = ["build_app", "app_builder", "APP_NAME", "Ingress", "DispatcherServer"
            "PrefillPoolServer", "DecodePoolServer"]
 
 APP_NAME = "tetris"
-_NO_CPU = {"num_cpus": 0}   # control processes: mostly waiting, never refused a slot
+# control processes: mostly waiting, never refused a slot; the process environment that keeps
+# their memory flat (actors/process_env.py)
+_NO_CPU = {"num_cpus": 0, "runtime_env": runtime_env()}
 
 
 @serve.deployment(ray_actor_options=_NO_CPU, max_ongoing_requests=1024)
