@@ -144,9 +144,11 @@ class LiveCluster:
             "prefill_ttft_s": [(t["prefill_end"] - t["arrival"]) / time_scale for t in tls],
             "to_plan_s": [t["planned"] - t["arrival"] for t in tls],
             "handoff_s": [t["first_output"] - t["prefill_end"] for t in tls if t["first_output"]],
-            # How late each prefill ended against its plan's TTFT estimate: the live pool's
-            # execution overhead (Ray calls, turn-taking) and the queue's corrections.
-            "overrun_s": [t["prefill_end"] - t["ttft_estimate"] for t in tls if t["ttft_estimate"]],
+            # How late each prefill ended against its plan's TTFT estimate (a duration from the
+            # planning instant): the live pool's execution overhead (Ray calls, turn-taking)
+            # and the queue's corrections.
+            "overrun_s": [t["prefill_end"] - t["planned"] - t["ttft_estimate"] for t in tls
+                          if t["ttft_estimate"]],
             "chunk_member_calls": 2 * sum(sum(t["sp_sizes"]) for t in tls),
             "transfer_calls": delta.get("transfer_calls_in", 0) + delta.get("transfer_calls_out", 0),
             "decode_steps": delta.get("steps", 0),

@@ -69,3 +69,19 @@ def test_tiny_fidelity_run_prints_one_json_object(serve_http, tmp_path, capsys):
     cp = run["control_plane"]
     assert cp["decision_us_mean"] > 0 and cp["ray_calls_per_request"]["transfer_control"] > 0
     assert cp["transfer_messages_per_request"]["in:Handshake"] >= 1
+
+
+def test_prefill_overrun_is_measured_from_the_planning_instant():
+    """The plan's TTFT estimate is a duration from when it was planned; the overrun is how much
+    later than that the prefill really ended (monotonic clock values are large: a mix-up of the
+    two shows as hours)."""
+    from tetris.bench_fidelity_live import LiveCluster
+
+    tl = lambda rid, planned, est, end: dict(request_id=rid, arrival=planned - 0.01, planned=planned,
+                                             ttft_estimate=est, prefill_end=end, first_output=end + 0.02,
+                                             sp_sizes=[1])
+    timelines = [tl("a", 19_000.0, 0.5, 19_000.7), tl("b", 19_001.0, 1.0, 19_001.9)]
+    out = [dict(i=i, request_id=r, ttft=0.1, error=None, lag=0.0) for i, r in enumerate("ab")]
+    got = LiveCluster._collect(None, [0, 1], out, {}, {}, timelines, 1.0)
+    assert got["overrun_s"] == pytest.approx([0.2, -0.1])
+    assert got["prefill_ttft_s"] == pytest.approx([0.71, 0.91])
