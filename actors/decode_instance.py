@@ -34,6 +34,7 @@ from tetris.actors.decode_messages import (Abort, Add, Command, Commit, DecodeEr
                                            Reserve, StepReply, TokenDelta)
 from tetris.actors.decode_rank import DecodeRankActor
 from tetris.actors.placement import PLACEMENT_TIMEOUT_S, Placement, place_decode
+from tetris.actors.token_ids import compact_tokens
 from tetris.config import DeploymentConfig
 from tetris.engine.engine import EngineStats
 from tetris.engine.request import RequestOutput
@@ -49,8 +50,9 @@ log = logging.getLogger(__name__)
 class _Request:
     """Driver-side state of one live request."""
 
-    def __init__(self, prompt_token_ids: tuple[int, ...], receiving: bool) -> None:
-        self.prompt_token_ids = prompt_token_ids
+    def __init__(self, receiving: bool) -> None:
+        # No prompt here: the ranks' engines have it, and outputs leave without it (a long
+        # context must not travel with every token; the ingress has its own copy).
         self.token_ids: list[int] = []     # cumulative outputs, rebuilt from the ranks' deltas
         self.text = ""
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -136,15 +138,15 @@ class DecodeInstance:
     # -- requests -------------------------------------------------------------------------
     async def reserve(self, request_id: str, prompt_token_ids, sampling: SamplingParams) -> None:
         """Hold blocks on every rank for a prompt prefilled elsewhere; ``DecodeFull`` if no room."""
-        prompt = tuple(int(t) for t in prompt_token_ids)
-        req = self._open(request_id, prompt, receiving=True)
+        prompt = compact_tokens(prompt_token_ids)
+        req = self._open(request_id, receiving=True)
         self._submit(Reserve(request_id, prompt, sampling))
         await req.admitted
 
     async def add(self, request_id: str, prompt_token_ids, sampling: SamplingParams) -> None:
         """Queue a prompt that this instance prefills itself; ``ValueError`` for bad input."""
-        prompt = tuple(int(t) for t in prompt_token_ids)
-        req = self._open(request_id, prompt, receiving=False)
+        prompt = compact_tokens(prompt_token_ids)
+        req = self._open(request_id, receiving=False)
         self._submit(Add(request_id, prompt, sampling))
         await req.admitted
 
@@ -218,14 +220,14 @@ class DecodeInstance:
             self.placement = None
 
     # -- internals ------------------------------------------------------------------------
-    def _open(self, request_id: str, prompt: tuple[int, ...], *, receiving: bool) -> _Request:
+    def _open(self, request_id: str, *, receiving: bool) -> _Request:
         if self._broken is not None:
             raise DecodeError(f"decode instance {self.instance} is broken: {self._broken}")
         if self._loop_task is None:
             raise RuntimeError("call start() first")
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already on decode instance {self.instance}")
-        req = _Request(prompt, receiving)
+        req = _Request(receiving)
         self._requests[request_id] = req
         return req
 
@@ -322,7 +324,7 @@ class DecodeInstance:
         if len(req.token_ids) != delta.num_output_tokens:
             raise RuntimeError(f"{delta.request_id}: {len(req.token_ids)} tokens streamed but the "
                                f"engine has {delta.num_output_tokens} (a step's output was lost)")
-        return RequestOutput(request_id=delta.request_id, prompt_token_ids=req.prompt_token_ids,
+        return RequestOutput(request_id=delta.request_id, prompt_token_ids=(),
                              token_ids=tuple(req.token_ids), new_token_ids=delta.new_token_ids,
                              text=req.text, new_text=delta.new_text, finished=delta.finished,
                              finish_reason=delta.finish_reason)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
+from tetris.actors.token_ids import TokenIds
 from tetris.engine.engine import EngineStats
 from tetris.sampling_params import SamplingParams
 
@@ -21,7 +22,7 @@ class Reserve(msgspec.Struct, frozen=True, tag="reserve"):
     """Hold KV blocks for a prompt prefilled elsewhere and open its transfer on this rank."""
 
     request_id: str
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: TokenIds
     sampling: SamplingParams
 
 
@@ -36,7 +37,7 @@ class Add(msgspec.Struct, frozen=True, tag="add"):
     """Prefill on the decode instance itself (tests, and a fallback without a prefill pool)."""
 
     request_id: str
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: TokenIds
     sampling: SamplingParams
 
 

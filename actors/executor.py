@@ -10,6 +10,7 @@ carry ``emulated=True`` and every number derived from them must say so.
 from __future__ import annotations
 
 import time
+from array import array
 from typing import Protocol
 
 import torch
@@ -105,7 +106,7 @@ class ModelExecutor:
         overlap = task.balance == "overlap"
         if overlap:
             balancer.issue(0)   # runs during embedding and layer 0's projections
-        hidden = model.embed(torch.tensor(task.token_ids, dtype=torch.long))
+        hidden = model.embed(_token_tensor(task.token_ids))
         # A chunk shorter than 2s leaves some members without tokens: they still pass blocks
         # around the ring and take part in balancing, but compute nothing.
         idle = q_pos.numel() == 0
@@ -258,6 +259,13 @@ class EmulatedExecutor:
 
     def abort(self, request_id: str) -> None:
         return None
+
+
+def _token_tensor(token_ids) -> torch.Tensor:
+    """[n] int64 ids for the embedding; an int32 ``array('i')`` is read as one buffer."""
+    if isinstance(token_ids, array) and len(token_ids):
+        return torch.frombuffer(token_ids, dtype=torch.int32).long()
+    return torch.tensor(list(token_ids), dtype=torch.long)
 
 
 def _subtract(a, b):

@@ -26,7 +26,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import ray
@@ -42,7 +42,7 @@ from tetris.actors.prefill_messages import (
     PrefillResult,
 )
 from tetris.actors.prefill_worker import PrefillWorkerActor
-from tetris.actors.zigzag import ranges_to_list
+from tetris.actors.token_ids import TokenIds, compact_tokens, token_slices
 from tetris.config import DeploymentConfig
 from tetris.plan import PlanError, PrefillPlan
 from tetris.sampling_params import SamplingParams
@@ -130,7 +130,7 @@ class PrefillPool:
         plan.validate(self.size)
         self._tickets.commit(plan)
 
-    def run(self, plan: PrefillPlan, token_ids: list[int], *,
+    def run(self, plan: PrefillPlan, token_ids: Sequence[int], *,
             sampling: SamplingParams | None = None, return_logits: bool = False,
             balance: BalanceMode | None = None, kv_receivers: tuple[int, ...] = (),
             on_chunk_start: Callable[[int], None] | None = None,
@@ -142,6 +142,7 @@ class PrefillPool:
         after its execute (or its failure), both in this thread.
         """
         plan.validate(self.size)
+        token_ids = compact_tokens(token_ids)   # no copy for the dispatcher's int32 array
         self._tickets.start(plan)
         try:
             if len(token_ids) != plan.prompt_tokens:
@@ -153,7 +154,7 @@ class PrefillPool:
         finally:
             self._tickets.finish(plan.request_id)
 
-    def _run_chunks(self, plan: PrefillPlan, token_ids: list[int], opts: "_RunOptions") -> PrefillResult:
+    def _run_chunks(self, plan: PrefillPlan, token_ids: TokenIds, opts: "_RunOptions") -> PrefillResult:
         layouts, final = plan_layout(plan, opts.balance)
         t0 = time.perf_counter()
         touched: list[int] = []
@@ -220,10 +221,15 @@ class PrefillPool:
             group=lay.group, rank=r, chunk_start=c.start, chunk_end=c.end,
             prompt_tokens=plan.prompt_tokens, chunk_positions=lay.chunk_positions,
             history=lay.history, moves=lay.moves if balance != "off" else (),
-            token_ids=tuple(token_ids[p] for p in ranges_to_list(mine)), balance=balance,
+            token_ids=self._member_tokens(token_ids, mine), balance=balance,
             sampling=opts.sampling, return_logits=opts.return_logits, timeout_s=self.timeout_s,
             kv_receivers=opts.kv_receivers,
         )
+
+    def _member_tokens(self, token_ids: TokenIds, mine) -> TokenIds:
+        """A member's share of the prompt: its chunk slice as int32, none for an emulated
+        executor (it computes nothing from token values)."""
+        return TokenIds("i") if self.emulated else token_slices(token_ids, mine)
 
     def _phase(self, plan: PrefillPlan, k: int, tasks: list[ChunkTask], method: str):
         """Run ``method`` on every member; on failure name the root-cause worker."""

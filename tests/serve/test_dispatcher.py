@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import msgspec
 import pytest
@@ -224,3 +225,49 @@ def test_admin_rate_table_and_profile_round_trip():
     assert again == prof
     with pytest.raises(ValueError):
         d.set_latency_profile({"name": "x", "coefficients": "nope"})
+
+
+class _RecordingPrefill(FakePrefill):
+    def __init__(self) -> None:
+        super().__init__(delay=0.0)
+        self.token_ids = None
+
+    async def run(self, plan, token_ids, sampling, kv_receivers):
+        self.token_ids = token_ids
+        return await super().run(plan, token_ids, sampling, kv_receivers)
+
+
+class _RecordingDecode(FakeDecode):
+    """Sends the prompt back in every output, as a careless decode side would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prompt = None
+
+    async def reserve(self, instance, request_id, prompt, sampling) -> None:
+        self.prompt = prompt
+        await super().reserve(instance, request_id, prompt, sampling)
+
+
+def test_long_prompt_travels_as_one_int32_buffer_and_outputs_leave_without_it():
+    from array import array
+
+    from tetris.serve.first_token import EarlyFirstToken
+
+    n = 100_000
+    prefill, decode = _RecordingPrefill(), _RecordingDecode()
+    d = Dispatcher(load_deployment(None), prefill, decode, node_of=[0, 0, 1, 1],
+                   decode_capacities=[2 * n], first_token=EarlyFirstToken(None, (), 4 * n))
+    ids = [(7919 * i) % 128_256 for i in range(n)]     # Llama-3-sized vocabulary ids
+    req = GenerateRequest("long", tuple(ids), SamplingParams(max_tokens=3))
+    outs = asyncio.run(_collect(d, req))
+    for sent in (prefill.token_ids, decode.prompt):
+        assert isinstance(sent, array) and sent.typecode == "i" and sent.itemsize == 4
+        assert sent is req.prompt_token_ids            # no copy inside the dispatcher
+        assert sent.tolist() == ids
+        assert sys.getsizeof(sent) < 4 * n + 1024      # ~4 bytes a token, not ~36
+    assert sys.getsizeof(tuple(ids)) + sum(sys.getsizeof(t) for t in ids) > 30 * n
+    # the first output is the dispatcher's early first token, the rest come from decode
+    assert [o.new_token_ids[0] for o in outs] == [ids[-1] % 7 + i for i in range(3)]
+    assert d.timelines[-1].first_token > 0
+    assert all(o.prompt_token_ids == () for o in outs)

@@ -77,3 +77,23 @@ def test_metrics_render_prometheus_text_with_tetris_prefix():
     assert 'tetris:request_success_total{finished_reason="length",model_name="tiny"} 1.0' in text
     # Two instances in one process keep separate registries.
     assert "tetris:prompt_tokens_total{model_name=\"tiny\"} 0.0" in ServingMetrics("tiny").render().decode()
+
+
+def test_generate_request_keeps_the_prompt_as_one_int32_buffer():
+    import msgspec
+    import pickle
+    from array import array
+
+    from tetris.sampling_params import SamplingParams
+    from tetris.serve.protocol import GenerateRequest
+
+    ids = tuple(range(1000, 1500))
+    req = GenerateRequest("r", ids, SamplingParams())
+    assert isinstance(req.prompt_token_ids, array) and req.prompt_token_ids.typecode == "i"
+    assert tuple(req.prompt_token_ids) == ids
+    # neither replace nor a hop through pickle re-converts (or copies within the process)
+    assert msgspec.structs.replace(req, stream=True).prompt_token_ids is req.prompt_token_ids
+    back = pickle.loads(pickle.dumps(req))
+    assert back == req and back.prompt_token_ids.typecode == "i"
+    with pytest.raises(ValueError, match="int32"):
+        GenerateRequest("r", (1, 2**40), SamplingParams())

@@ -33,6 +33,7 @@ import msgspec
 from ray import serve
 
 from tetris.actors.process_env import runtime_env
+from tetris.actors.token_ids import compact_tokens
 from tetris.config import DeploymentConfig, load_deployment
 from tetris.serve.backend import Overloaded
 from tetris.serve.protocol import GenerateRequest
@@ -79,7 +80,8 @@ class PrefillPoolServer:
         self.pool.commit(plan)
 
     async def run(self, plan, token_ids, sampling, kv_receivers):
-        return await self._call(self.pool.run, plan, list(token_ids), sampling=sampling,
+        # token_ids: the dispatcher's int32 array, handed on as is (the pool slices it)
+        return await self._call(self.pool.run, plan, token_ids, sampling=sampling,
                                 kv_receivers=tuple(kv_receivers))
 
     async def release(self, request_id: str) -> None:
@@ -128,16 +130,16 @@ class DecodePoolServer:
             await inst.connect_senders(senders)
 
     async def reserve(self, instance: int, request_id: str, prompt, sampling) -> None:
-        await self.instances[instance].reserve(request_id, list(prompt), sampling)
+        await self.instances[instance].reserve(request_id, prompt, sampling)
 
     async def commit(self, instance: int, request_id: str, first_token: int) -> None:
         self.instances[instance].commit(request_id, first_token)
 
     async def stream(self, instance: int, request_id: str) -> AsyncIterator:
-        # The prompt stays behind: a long context must not travel with every token (the
-        # ingress, which has it, puts it back).
+        # Outputs carry no prompt (DecodeInstance keeps none): a long context must not travel
+        # with every token; the ingress, which has it, puts it back.
         async for out in self.instances[instance].stream(request_id):
-            yield msgspec.structs.replace(out, prompt_token_ids=())
+            yield out
 
     async def abort(self, instance: int, request_id: str) -> None:
         self.instances[instance].abort(request_id)
@@ -331,6 +333,8 @@ class _DispatcherBackend:
         gen = self.handle.options(stream=True).generate.remote(req)
         try:
             async for out in gen:
+                # The public API reads the prompt length off each output: this is the
+                # ingress's own array, referenced, not copied.
                 yield msgspec.structs.replace(out, prompt_token_ids=req.prompt_token_ids)
         except Exception as e:
             raise _unwrap(e) from None
@@ -408,13 +412,15 @@ class Ingress:
         if request.prompt is not None:
             ids = self.backend.tokenizer.encode(request.prompt, add_bos=True) if request.prompt else []
         else:
-            ids = list(request.prompt_token_ids)
+            ids = request.prompt_token_ids
+        # The edge: from here on the prompt is one int32 buffer (actors/token_ids.py).
+        ids = compact_tokens(ids)
         try:
             validate_generation(self.backend, ids, request.sampling)
         except ProtocolError as e:
             raise ValueError(e.message) from None
         return GenerateRequest(request_id=request.request_id or f"handle-{uuid.uuid4().hex}",
-                               prompt_token_ids=tuple(ids), sampling=request.sampling,
+                               prompt_token_ids=ids, sampling=request.sampling,
                                stream=True, arrival_time=time.monotonic())
 
     async def generate(self, request: GenerationRequest) -> Generation:

@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from tetris.actors.token_ids import TokenIds
 from tetris.config import DeploymentConfig
 from tetris.engine.request import RequestOutput
 from tetris.plan import PrefillPlan
@@ -68,14 +69,14 @@ _HOLD = "\x00hold"                 # the booking key of a drain hold (no request
 
 class PrefillClient(Protocol):
     async def commit(self, plan: PrefillPlan) -> None: ...
-    async def run(self, plan: PrefillPlan, token_ids: list[int], sampling, kv_receivers) -> Any: ...
+    async def run(self, plan: PrefillPlan, token_ids: TokenIds, sampling, kv_receivers) -> Any: ...
     async def release(self, request_id: str) -> None: ...
     async def abort(self, request_id: str) -> None: ...
 
 
 class DecodeClient(Protocol):
     def receiver_ids(self, instance: int) -> tuple[int, ...]: ...
-    async def reserve(self, instance: int, request_id: str, prompt: list[int], sampling) -> None: ...
+    async def reserve(self, instance: int, request_id: str, prompt: TokenIds, sampling) -> None: ...
     async def commit(self, instance: int, request_id: str, first_token: int) -> None: ...
     def stream(self, instance: int, request_id: str) -> AsyncIterator[RequestOutput]: ...
     async def abort(self, instance: int, request_id: str) -> None: ...
@@ -227,7 +228,8 @@ class Dispatcher:
     # -- requests ---------------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; closing the iterator early aborts it everywhere."""
-        rid, prompt = req.request_id, list(req.prompt_token_ids)
+        # The prompt stays the request's int32 array on every hop (actors/token_ids.py).
+        rid, prompt = req.request_id, req.prompt_token_ids
         if rid in self._inflight:
             raise ValueError(f"request {rid!r} is already running")
         if len(self._inflight) >= self.max_pending:
@@ -263,6 +265,10 @@ class Dispatcher:
                     tl.tokens = len(out.token_ids)
                     if early is not None and (out := early.follow(out)) is None:
                         continue
+                    if len(out.prompt_token_ids):
+                        # Outputs leave without the prompt, whatever the decode side sent:
+                        # the ingress puts back what the public API needs from its own copy.
+                        out = msgspec.structs.replace(out, prompt_token_ids=())
                     yield out
                     if out.finished:
                         tl.outcome = out.finish_reason or "stop"
@@ -298,8 +304,7 @@ class Dispatcher:
         self.router.reserve(instance, kv_tokens)
         self._virtual[req.request_id] = (instance, kv_tokens)
         tl.decode_instance = instance
-        await self.decode.reserve(instance, req.request_id, list(req.prompt_token_ids),
-                                  req.sampling)
+        await self.decode.reserve(instance, req.request_id, req.prompt_token_ids, req.sampling)
         return instance
 
     async def _plan(self, req: GenerateRequest, tl: RequestTimeline) -> PrefillPlan:
