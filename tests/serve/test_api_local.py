@@ -102,6 +102,8 @@ def test_streaming_concatenates_to_the_unary_text_and_ends_with_done(app):
         ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
         ({"model": MODEL, "prompt": "x", "top_p": 1.5}, 400, "top_p"),
         ({"model": MODEL, "prompt": [99999]}, 400, "outside the vocabulary"),
+        ({"model": MODEL, "prompt": [2**40]}, 400, "token ids must be int32"),
+        ({"model": MODEL, "prompt": [-1]}, 400, "outside the vocabulary"),
         ({"model": MODEL}, 400, "prompt"),
     ],
 )

@@ -140,9 +140,12 @@ def _prepare(backend: GenerationBackend, req, prompt: list[int], kind: str,
     validate_generation(backend, prompt, sampling)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
-    gen = GenerateRequest(request_id=f"{prefix}-{uuid.uuid4().hex}",
-                          prompt_token_ids=tuple(prompt), sampling=sampling, stream=req.stream,
-                          include_usage=include_usage, arrival_time=time.monotonic())
+    try:
+        gen = GenerateRequest(request_id=f"{prefix}-{uuid.uuid4().hex}",
+                              prompt_token_ids=prompt, sampling=sampling, stream=req.stream,
+                              include_usage=include_usage, arrival_time=time.monotonic())
+    except ValueError as e:   # an id past int32 cannot even travel (actors/token_ids.py)
+        raise ProtocolError(f"prompt: {e}", param="prompt") from None
     return _Prepared(gen, int(time.time()), kind)
 
 
