@@ -46,6 +46,8 @@ __all__ = ["DecodeInstance", "DecodeFull", "DecodeError"]
 
 log = logging.getLogger(__name__)
 
+_MAX_ENDED = 4096   # ended requests kept for a stream not yet opened (see DecodeInstance._ended)
+
 
 class _Request:
     """Driver-side state of one live request."""
@@ -83,6 +85,10 @@ class DecodeInstance:
         self.poll_interval_s = poll_interval_s
         self.ranks: list = []
         self._requests: dict[str, _Request] = {}
+        # Requests that ended (finished or failed) with their end still queued for a stream
+        # not yet opened: the dispatcher opens it after the commit, and a short request can end
+        # in between. Taken by ``stream``/``abort``; bounded in case neither ever comes.
+        self._ended: collections.OrderedDict[str, _Request] = collections.OrderedDict()
         self._commands: list[Command] = []
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -168,7 +174,7 @@ class DecodeInstance:
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Outputs until a finished one; ``DecodeError`` if the request failed. Leaving the
         loop early aborts the request."""
-        req = self._requests.get(request_id)
+        req = self._requests.get(request_id) or self._ended.pop(request_id, None)
         if req is None:
             raise KeyError(f"no live request {request_id!r} on decode instance {self.instance}")
         finished = False
@@ -183,11 +189,14 @@ class DecodeInstance:
                 if finished:
                     return
         finally:
+            if self._ended.get(request_id) is req:
+                del self._ended[request_id]
             if not finished:
                 self.abort(request_id)
 
     def abort(self, request_id: str, reason: str = "aborted by the caller") -> None:
         """Abort on every rank and free everything; a no-op for unknown or finished requests."""
+        self._ended.pop(request_id, None)
         req = self._requests.get(request_id)
         if req is None or req.aborting:
             return
@@ -248,8 +257,14 @@ class DecodeInstance:
         if not req.admitted.done():
             req.admitted.set_exception(error)
         req.queue.put_nowait(error)
+        self._keep_ended(request_id, req)
         self._commands.append(Abort(request_id, str(error)))
         self._wake.set()
+
+    def _keep_ended(self, request_id: str, req: _Request) -> None:
+        self._ended[request_id] = req
+        while len(self._ended) > _MAX_ENDED:
+            self._ended.popitem(last=False)
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id in sorted(self._requests):
@@ -304,7 +319,7 @@ class DecodeInstance:
                 continue   # failed earlier: its stream already ended with the error
             req.queue.put_nowait(self._output(req, delta))
             if delta.finished:
-                del self._requests[delta.request_id]
+                self._keep_ended(delta.request_id, self._requests.pop(delta.request_id))
         for reply in replies:
             for f in reply.failed:
                 req = self._requests.get(f.request_id)

@@ -208,6 +208,27 @@ def test_local_path_tp2_matches_single_engine_with_continuous_batching(cluster, 
     loop.run_until_complete(_wait_empty(inst, senders))
 
 
+def test_a_request_that_ends_before_its_stream_opens_still_streams(cluster, loop, reference):
+    """The dispatcher opens the decode stream after the commit; a short request can finish in
+    between, and its outputs must still reach the stream opened late (once a KeyError)."""
+    inst, senders = cluster
+    prompt = _prompt(7, 6)
+    want = list(reference.engine.generate([prompt], GREEDY)[0].token_ids)
+
+    async def body():
+        await inst.add("early", prompt, GREEDY)
+        deadline = time.monotonic() + 60
+        while "early" not in inst._ended:     # finished, stream not yet opened
+            assert time.monotonic() < deadline, "the request never finished"
+            await asyncio.sleep(0.01)
+        return await _collect(inst, "early")
+
+    outs = loop.run_until_complete(body())
+    assert [t for o in outs for t in o.new_token_ids] == want and outs[-1].finished
+    assert "early" not in inst._ended
+    loop.run_until_complete(_wait_empty(inst, senders))
+
+
 def test_kv_fed_by_transfer_continues_like_single_engine(cluster, loop, reference):
     inst, senders = cluster
     prompts = {"t1": _prompt(13, 4), "t2": _prompt(9, 5)}
