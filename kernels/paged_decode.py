@@ -157,21 +157,35 @@ def paged_decode_attention_meta(q, k_cache, v_cache, meta: DecodeMeta, scale=Non
     expansion.
     """
     b, hq, d = q.shape
-    _, bs, hkv, _ = k_cache.shape
+    hkv = k_cache.shape[2]
     if b == 0:
         return q.new_zeros(0, hq, d)
     length = meta.visible.shape[-1]
     if q.dtype in _HALF and k_cache.dtype == q.dtype and q.device.type == "cpu":
         return _half_decode_attention(q, k_cache, v_cache, meta, scale)
-    # index_select copies whole blocks; advanced indexing (k_cache[tables]) is several times
-    # slower on CPU for the same gather. fp32 math whatever the cache dtype, like the LSE path.
-    keys = k_cache.index_select(0, meta.tables).view(b, length, hkv, d).transpose(1, 2).float()
-    vals = v_cache.index_select(0, meta.tables).view(b, length, hkv, d).transpose(1, 2).float()
+    # fp32 math whatever the cache dtype, like the LSE path.
+    keys = _gather(k_cache, meta, b, length).float()
+    vals = _gather(v_cache, meta, b, length).float()
     qg = q.reshape(b, hkv, hq // hkv, d).float()  # [B, Hkv, group, D]
     out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=meta.visible, scale=scale)
-    if meta.empty is not None:
-        out = out.masked_fill(meta.empty[:, None, None, None], 0.0)
-    return out.reshape(b, hq, d).to(q.dtype)
+    return _zero_empty(out, meta).reshape(b, hq, d).to(q.dtype)
+
+
+def _gather(cache, meta: DecodeMeta, b: int, length: int):
+    """[NB, BS, Hkv, D] -> each sequence's blocks as [B, Hkv, L, D] (a view of one copy).
+
+    index_select copies whole blocks; advanced indexing (cache[tables]) is several times slower
+    on CPU for the same gather.
+    """
+    hkv, d = cache.shape[2], cache.shape[3]
+    return cache.index_select(0, meta.tables).view(b, length, hkv, d).transpose(1, 2)
+
+
+def _zero_empty(out, meta: DecodeMeta):
+    """Sequences with no visible key attend to nothing: zeros, not a softmax over -inf."""
+    if meta.empty is None:
+        return out
+    return out.masked_fill(meta.empty[:, None, None, None], 0.0)
 
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -191,15 +205,13 @@ def _half_decode_attention(q, k_cache, v_cache, meta: DecodeMeta, scale=None):
     length = meta.visible.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     # Contiguous per-head copies: strided operands made matmul several times slower.
-    keys = k_cache.index_select(0, meta.tables).view(b, length, hkv, d).transpose(1, 2)
-    vals = v_cache.index_select(0, meta.tables).view(b, length, hkv, d).transpose(1, 2)
+    keys = _gather(k_cache, meta, b, length).contiguous()
+    vals = _gather(v_cache, meta, b, length).contiguous()
     qg = q.reshape(b, hkv, hq // hkv, d)  # [B, Hkv, group, D]
-    scores = torch.matmul(qg, keys.contiguous().transpose(-1, -2)).float()  # [B, Hkv, group, L]
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float()  # [B, Hkv, group, L]
     probs = torch.softmax(scores.mul_(scale).add_(meta.visible), dim=-1).to(q.dtype)
-    out = torch.matmul(probs, vals.contiguous())  # [B, Hkv, group, D]
-    if meta.empty is not None:
-        out = out.masked_fill(meta.empty[:, None, None, None], 0.0)
-    return out.reshape(b, hq, d)
+    out = torch.matmul(probs, vals)  # [B, Hkv, group, D]
+    return _zero_empty(out, meta).reshape(b, hq, d)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale=None):
