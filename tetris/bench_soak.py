@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from tetris.bench_fidelity import EMULATION_LABEL, scale_deployment, simulate, trace_for
-from tetris.bench_soak_memory import ActorMemory, plot_rss, pool_actor_labels
+from tetris.bench_soak_memory import ActorMemory, HeapProbe, plot_rss, pool_actor_handles
 from tetris.config import DeploymentConfig, load_deployment
 
 __all__ = ["add_args", "run", "show", "run_soak", "soak_rates", "deployment_capacity",
@@ -187,7 +187,7 @@ async def _every(period: float, t0: float, until: float, fn) -> None:
         k += 1
 
 
-async def _drive(live, memory: ActorMemory, arrivals: Iterator, opts: dict,
+async def _drive(live, memory: ActorMemory, heap: HeapProbe, arrivals: Iterator, opts: dict,
                  tick: Callable[[int], None] | None) -> _Load:
     load = _Load(live, opts["time_scale"], opts["max_inflight"])
     duration = opts["duration_s"]
@@ -196,6 +196,8 @@ async def _drive(live, memory: ActorMemory, arrivals: Iterator, opts: dict,
 
     async def sample(t: float) -> None:
         await asyncio.to_thread(memory.sample, t)
+        if t >= opts["warmup_s"] and not heap.started:   # the baseline of the heap reports
+            await asyncio.to_thread(heap.begin)
 
     async def progress(t: float) -> None:
         done = min(int(duration), int(t))
@@ -208,6 +210,7 @@ async def _drive(live, memory: ActorMemory, arrivals: Iterator, opts: dict,
                          _every(1.0, t0, duration, progress))
     await load.drain(opts["drain_timeout_s"])
     await sample(time.perf_counter() - t0)   # the idle app after the drain: what it kept
+    await asyncio.to_thread(heap.end)
     return load
 
 
@@ -233,7 +236,7 @@ def run_soak(config: str | Path | None, *, workload: str = "short", capacity: fl
              load: float = 0.7, duration_s: float = 600.0, warmup_s: float = 60.0,
              sample_every_s: float = 10.0, time_scale: float = 1.0, max_output: int = 16,
              max_inflight: int = 512, drain_timeout_s: float = 120.0, seed: int = 0,
-             capacity_requests: int = 1000, plot: str | None = None,
+             capacity_requests: int = 1000, plot: str | None = None, trace_heap: bool = False,
              tick: Callable[[int], None] | None = None) -> dict:
     """The whole soak (module docstring); one JSON-ready dict."""
     from tetris.bench_fidelity_live import LiveCluster
@@ -254,11 +257,14 @@ def run_soak(config: str | Path | None, *, workload: str = "short", capacity: fl
     rate, wall_rate = soak_rates(cap["capacity_rps"], load, time_scale)
     arrivals = soak_arrivals(workload, rate, seed, max_output)
     opts = {"time_scale": time_scale, "max_inflight": max_inflight, "duration_s": duration_s,
-            "sample_every_s": sample_every_s, "drain_timeout_s": drain_timeout_s}
+            "sample_every_s": sample_every_s, "drain_timeout_s": drain_timeout_s,
+            "warmup_s": warmup_s}
     with tempfile.TemporaryDirectory(prefix="tetris-soak-") as tmp:
         with LiveCluster(scale_deployment(base, time_scale, Path(tmp))) as live:
-            memory = ActorMemory(live.app_name, pool_actor_labels(live))
-            sent = asyncio.run(_drive(live, memory, arrivals, opts, tick))
+            pool = pool_actor_handles(live)
+            memory = ActorMemory(live.app_name, {aid: label for aid, (label, _h) in pool.items()})
+            heap = HeapProbe(memory, pool, trace=trace_heap)
+            sent = asyncio.run(_drive(live, memory, heap, arrivals, opts, tick))
             held = _settled_held(live)
             startup_s = live.startup_s
     actors = memory.report(warmup_s)
@@ -275,7 +281,8 @@ def run_soak(config: str | Path | None, *, workload: str = "short", capacity: fl
                         "errors": sorted({r["error"] for r in failed})[:5]},
            "ttft_s": _ttft(recs),
            "arrival_lag_ms_p99": float(np.percentile(lags, 99) * 1e3) if lags else 0.0,
-           "memory": {"samples": len(memory.times), "actors": actors},
+           "memory": {"samples": len(memory.times), "actors": actors, "heap_traced": trace_heap,
+                      "heap": heap.diffs()},
            "held": held, "held_zero": held_is_zero(held),
            "verdict": verdict(len(failed), actors), "app_startup_s": startup_s,
            "drain_s": sent.drain_s, "wall_s": time.perf_counter() - t_start}
@@ -321,6 +328,9 @@ def add_args(p) -> None:
                    help="requests per simulated probe of the capacity search")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="write a PNG of RSS over time per actor here")
+    p.add_argument("--trace-heap", action="store_true",
+                   help="also run tracemalloc in the app's processes from warm-up end (slower; "
+                        "the output then names the allocation sites that grew)")
 
 
 def run(args) -> dict:
@@ -340,7 +350,7 @@ def run(args) -> dict:
                             max_output=args.max_output, max_inflight=args.max_inflight,
                             drain_timeout_s=args.drain_timeout, seed=args.seed,
                             capacity_requests=args.capacity_requests, plot=args.plot,
-                            tick=bar.update)
+                            trace_heap=args.trace_heap, tick=bar.update)
         except ValueError as e:
             raise SystemExit(f"tetris bench soak: {e}") from None
 
@@ -363,7 +373,24 @@ def show(out: dict) -> None:
         final = "-" if a["rss_final_mib"] is None else f"{a['rss_final_mib']:.1f}"
         print(f"{a['label']:24} {a['pid']:>8} {warm:>9} {final:>10} {g:>8}"
               + (" LOST" if a["lost"] else "") + (" RESTARTED" if a["restarts"] else ""))
+    _show_heap(out["memory"].get("heap", {}), {a["label"]: a["growth"] for a in out["memory"]["actors"]})
     print(f"held after drain: {'zero' if out['held_zero'] else out['held']}")
     print(f"zero failed: {'PASS' if v['zero_failed'] else 'FAIL'}; max growth "
           f"{v['max_growth'] * 100:.2f}% <= {MAX_GROWTH * 100:.0f}%: "
           f"{'PASS' if v['memory_growth_ok'] else 'FAIL'}")
+
+
+def _show_heap(heap: dict, growth: dict) -> None:
+    """What grew inside each process whose RSS grew past the criterion (``HeapProbe.diffs``)."""
+    over = [label for label, g in growth.items() if g is not None and g > MAX_GROWTH and label in heap]
+    for label in over:
+        d = heap[label]
+        if "error" in d:
+            print(f"  heap {label}: {d['error']}")
+            continue
+        types = ", ".join(f"{t.rsplit('.', 1)[-1]} +{n}" for t, n in list(d["types_grown"].items())[:4])
+        print(f"  heap {label}: RSS {d['rss_mib']:+.1f} MiB, malloc in use "
+              f"{d.get('malloc_in_use_mib', math.nan):+.1f} MiB, malloc free "
+              f"{d.get('malloc_free_mib', math.nan):+.1f} MiB, objects {d['objects']:+d} ({types})")
+        for site in d.get("top_sites", [])[:3]:
+            print(f"    {site['size_diff'] / 2 ** 20:+.2f} MiB at {site['frames'][-1]}")

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ActorMemory", "rss_growth", "pool_actor_labels", "plot_rss", "GROWTH_TAIL"]
+__all__ = ["ActorMemory", "HeapProbe", "rss_growth", "pool_actor_handles",
+           "plot_rss", "GROWTH_TAIL"]
 
 GROWTH_TAIL = 3      # samples averaged at the end: one GC pause must not decide a verdict
 _MIB = 2 ** 20
@@ -29,7 +30,12 @@ def rss_growth(samples: list[tuple[float, int]], warmup_s: float,
 
 
 def _alive_actors() -> dict[str, tuple[str, int]]:
-    """actor id (hex) -> (class name, pid) of every ALIVE actor.
+    """actor id (hex) -> (class name, pid) of every ALIVE actor (see ``_alive_table``)."""
+    return {aid: (cls, pid) for aid, (cls, pid, _name) in _alive_table().items()}
+
+
+def _alive_table() -> dict[str, tuple[str, int, str]]:
+    """actor id (hex) -> (class name, pid, name) of every ALIVE actor.
 
     ``ray.util.state.list_actors`` goes through the dashboard, which the benchmark does not start
     (and which finds several clusters on a shared machine); the GCS table needs neither.
@@ -39,9 +45,9 @@ def _alive_actors() -> dict[str, tuple[str, int]]:
     except ImportError:  # pragma: no cover - a Ray without the private table
         from ray.util.state import list_actors
 
-        return {a.actor_id: (a.class_name, a.pid)
+        return {a.actor_id: (a.class_name, a.pid, a.name or "")
                 for a in list_actors(filters=[("state", "=", "ALIVE")], limit=100_000)}
-    return {aid: (a["ActorClassName"], a["Pid"]) for aid, a in sorted(actors().items())
+    return {aid: (a["ActorClassName"], a["Pid"], a["Name"]) for aid, a in sorted(actors().items())
             if a["State"] == "ALIVE"}
 
 
@@ -98,15 +104,101 @@ class ActorMemory:
         return rows
 
 
-def pool_actor_labels(live) -> dict[str, str]:
-    """Actor ids of the prefill workers and decode ranks, by their pools' peer tables."""
+def pool_actor_handles(live) -> dict[str, tuple[str, object]]:
+    """actor id -> (label, handle) of the prefill workers and decode ranks, by the pools' peer
+    tables."""
     from ray import serve
 
     prefill = serve.get_deployment_handle("PrefillPoolServer", live.app_name)
     workers = sorted(prefill.peers.remote().result(timeout_s=120).items())
-    named = {w._actor_id.hex(): f"PrefillWorker[{i}]" for i, (w, _info) in workers}
-    named |= {r._actor_id.hex(): f"DecodeRank[{i}]" for i, r in enumerate(live.ranks)}
+    named = {w._actor_id.hex(): (f"PrefillWorker[{i}]", w) for i, (w, _info) in workers}
+    named |= {r._actor_id.hex(): (f"DecodeRank[{i}]", r) for i, r in enumerate(live.ranks)}
     return named
+
+
+class HeapProbe:
+    """``tetris.heap_probe`` reports of the app's Tetris processes at warm-up end and at the end.
+
+    ``begin`` (at the warm-up's end) takes a report in every Serve replica of the app and every
+    pool actor, and with ``trace`` starts tracemalloc there first; ``end`` (after the drain)
+    takes the second report and stops tracing. ``diffs()`` is per label what grew in between:
+    Python objects by type, glibc's in-use and free bytes, and with tracing the allocation
+    sites. Serve's controller and proxy are left out (not Tetris code).
+    """
+
+    def __init__(self, memory: ActorMemory, pool_handles: dict[str, tuple[str, object]],
+                 trace: bool = False, timeout_s: float = 300.0) -> None:
+        self.memory, self.pool, self.trace, self.timeout_s = memory, pool_handles, trace, timeout_s
+        self.before: dict[str, dict] = {}
+        self.after: dict[str, dict] = {}
+        self.errors: dict[str, str] = {}
+        self._labels: dict[str, str] = {}
+        self._handles: dict[str, tuple[str, object]] = {}
+
+    def _targets(self) -> dict[str, tuple[str, object]]:
+        import ray
+
+        out = {aid: lh for aid, lh in self.pool.items()}
+        for aid, (cls, _pid, name) in _alive_table().items():
+            if cls.startswith(self.memory.prefix) and name:
+                try:
+                    out[aid] = (cls[len(self.memory.prefix):], ray.get_actor(name, namespace="serve"))
+                except ValueError as e:   # gone since the table was read
+                    self.errors[aid] = str(e)
+        return out
+
+    def _call_all(self, action: str, targets: dict) -> dict[str, object]:
+        import ray
+
+        from tetris.heap_probe import ray_call
+
+        refs = {aid: h.__ray_call__.remote(ray_call, action) for aid, (_l, h) in targets.items()}
+        out = {}
+        for aid, ref in refs.items():
+            try:
+                out[aid] = ray.get(ref, timeout=self.timeout_s)
+            except Exception as e:  # noqa: BLE001 - one dead actor must not lose the others' data
+                self.errors[aid] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return out
+
+    @property
+    def started(self) -> bool:
+        return bool(self._handles)
+
+    def begin(self) -> None:
+        targets = self._targets()
+        self._labels = {aid: label for aid, (label, _h) in targets.items()}
+        self._handles = targets
+        if self.trace:
+            self._call_all("trace_start", targets)
+        self.before = self._call_all("report", targets)
+
+    def end(self) -> None:
+        if not self.before:
+            return
+        self.after = self._call_all("report", self._handles)
+        if self.trace:
+            self._call_all("trace_stop", self._handles)
+
+    def diffs(self) -> dict[str, dict]:
+        from tetris.heap_probe import heap_diff
+
+        out: dict[str, dict] = {}
+
+        def key(aid: str) -> str:   # a label shared by two actors (two replicas) gets the id
+            label = self._labels.get(aid, aid)
+            return label if label not in out else f"{label}#{aid[:8]}"
+
+        for aid in sorted(self.before, key=lambda a: (self._labels[a], a)):
+            if aid in self.errors:
+                continue
+            if aid not in self.after or self.after[aid]["pid"] != self.before[aid]["pid"]:
+                out[key(aid)] = {"error": "restarted or lost between the two reports"}
+            else:
+                out[key(aid)] = heap_diff(self.before[aid], self.after[aid])
+        for aid, err in sorted(self.errors.items()):
+            out[key(aid)] = {"error": err}
+        return out
 
 
 def plot_rss(actors: list[dict], warmup_s: float, path: str | Path) -> Path:

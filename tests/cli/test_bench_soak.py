@@ -132,7 +132,7 @@ def test_short_soak_has_no_failures_samples_every_actor_and_releases_all(serve_h
     args = p.parse_args(["--config", _reduced(tmp_path, 2), "--capacity", "1.0", "--load", "0.7",
                          "--duration", "8", "--warmup", "2", "--sample-every", "2",
                          "--max-output", "4", "--drain-timeout", "60", "--plot", str(png),
-                         "--json"])
+                         "--trace-heap", "--json"])
     out = json.loads(json.dumps(run(args)))
     assert out["emulation"] is True and "EMULATION" in out["label"]
     assert out["rate_rps"] == pytest.approx(0.7) and out["capacity"]["source"] == "given"
@@ -152,3 +152,10 @@ def test_short_soak_has_no_failures_samples_every_actor_and_releases_all(serve_h
         max(a["growth"] for a in out["memory"]["actors"]))
     assert out["held_zero"] is True
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the heap reports: taken in every Tetris process (not Serve's own), with tracing on
+    heap = out["memory"]["heap"]
+    assert out["memory"]["heap_traced"] is True
+    assert set(heap) == set(labels) - {"ServeController", "ProxyActor"}, heap
+    for name, d in heap.items():
+        assert "error" not in d, (name, d)
+        assert np.isfinite(d["rss_mib"]) and "malloc_in_use_mib" in d and d["traced_mib"] > 0, name
