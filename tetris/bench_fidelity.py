@@ -97,17 +97,20 @@ def _cluster(cfg: DeploymentConfig):
 
 
 class _TimedPolicy:
-    """The policy, with the wall time of every ``plan`` call recorded (decision cost)."""
+    """The policy, with the wall time of every ``plan`` call recorded (decision cost), and the
+    last plan of every request (its SP sizes and estimate, to set beside the live plan)."""
 
     def __init__(self, policy) -> None:
         self.policy = policy
         self.name = getattr(policy, "name", "?")
         self.seconds: list[float] = []
+        self.plans: dict[str, object] = {}
 
     def plan(self, *args, **kwargs):
         t0 = time.perf_counter()
         out = self.policy.plan(*args, **kwargs)
         self.seconds.append(time.perf_counter() - t0)
+        self.plans[out.request_id] = out
         return out
 
 
@@ -133,7 +136,10 @@ def simulate(cfg: DeploymentConfig, requests) -> dict:
                      decode_step=DecodeLatencyModel(spec).step_time,
                      router=DecodeRouter([capacity] * dc.num_instances))
     res = sim.run()
-    return {"ttft_s": list(res.ttft_s), "decision_s": policy.seconds}
+    plans = {rid: {"sp_sizes": [len(c.instances) for c in p.chunks],
+                   "ttft_estimate_s": p.ttft_estimate} for rid, p in policy.plans.items()}
+    return {"ttft_s": list(res.ttft_s), "decision_s": policy.seconds,
+            "plans": [plans.get(r.request_id) for r in requests]}
 
 
 def _pcts(xs) -> dict:
@@ -171,6 +177,31 @@ def run_fidelity(config: str | Path | None, *, workload: str = "short", rates: l
             "wall_s": time.perf_counter() - t_start}
 
 
+def _per_request(trace, sim: dict, live: dict, time_scale: float) -> dict:
+    """Request by request, in trace order: simulated and live TTFT (live: to the dispatcher's
+    prefill end, the simulator's definition) and both plans' SP sizes and estimates (paper s).
+    ``same_plan`` requests differ only in execution; the others in what the policy saw."""
+    rows = []
+    for i, r in enumerate(trace):
+        t, p = live["timelines_by_index"].get(i), sim["plans"][i]
+        rows.append({
+            "arrival_s": r.arrival_time, "prompt_tokens": r.prompt_tokens,
+            "sim_ttft_s": sim["ttft_s"][i], "sim_sp_sizes": p["sp_sizes"] if p else None,
+            "sim_estimate_s": p["ttft_estimate_s"] if p else None,
+            "live_ttft_s": None if t is None else (t["prefill_end"] - t["arrival"]) / time_scale,
+            "live_queue_s": None if t is None else (t["prefill_start"] - t["arrival"]) / time_scale,
+            "live_sp_sizes": None if t is None else list(t["sp_sizes"]),
+            "live_estimate_s": None if t is None else t["ttft_estimate"] / time_scale})
+    same = [x for x in rows if x["live_ttft_s"] is not None and x["live_sp_sizes"] == x["sim_sp_sizes"]]
+    other = [x for x in rows if x["live_ttft_s"] is not None and x["live_sp_sizes"] != x["sim_sp_sizes"]]
+
+    def gap(xs):
+        return float(np.mean([x["live_ttft_s"] - x["sim_ttft_s"] for x in xs])) if xs else float("nan")
+
+    return {"same_plan": len(same), "other_plan": len(other), "mean_gap_same_plan_s": gap(same),
+            "mean_gap_other_plan_s": gap(other), "rows": rows}
+
+
 def _compare(rate: float, trace, sim: dict, live: dict, time_scale: float) -> dict:
     sim_ttft, live_ttft = _pcts(sim["ttft_s"]), _pcts(live["ttft_s"])
     pre = _pcts(live["prefill_ttft_s"])
@@ -185,6 +216,7 @@ def _compare(rate: float, trace, sim: dict, live: dict, time_scale: float) -> di
         "prefill_end_ratio_p99": pre["p99"] / sim_ttft["p99"],
         "within_10pct": bool(abs(live_ttft["p50"] / sim_ttft["p50"] - 1) <= 0.1
                              and abs(live_ttft["p99"] / sim_ttft["p99"] - 1) <= 0.1),
+        "per_request": _per_request(trace, sim, live, time_scale),
         "control_plane": {
             "decision_us_mean": float(decision.mean()), "decision_us_p99": float(np.percentile(decision, 99)),
             "arrival_to_plan_ms": _pcts(np.asarray(live["to_plan_s"]) * 1e3 / time_scale),

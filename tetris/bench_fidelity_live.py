@@ -155,6 +155,8 @@ class LiveCluster:
             "messages": {k: v for k, v in delta.items() if ":" in k},
             "lag_s": [o["lag"] for o in out],
             "timelines": tls,   # the dispatcher's timelines of this trace's requests
+            "timelines_by_index": {o["i"]: by_id[o["request_id"]] for o in out
+                                   if o["request_id"] in by_id},
             "failed": len(failed),
             "errors": sorted({o["error"] for o in failed if o["error"]})[:5],
         }

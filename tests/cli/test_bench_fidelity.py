@@ -38,6 +38,9 @@ def test_simulated_ttft_of_a_lone_request_is_the_profile_time(tmp_path):
     best = min(profile.predict(s, 0, 6000) for s in (1, 2, 4, 8, 16))
     assert best * 0.9999 <= out["ttft_s"][0] <= profile.predict(1, 0, 6000) * 1.0001
     assert len(out["decision_s"]) == 1 and out["decision_s"][0] > 0
+    (plan,) = out["plans"]   # the plan the simulator ran, for the per-request comparison
+    assert plan["ttft_estimate_s"] == pytest.approx(out["ttft_s"][0], rel=1e-6)
+    assert plan["sp_sizes"] and all(s in (1, 2, 4, 8, 16) for s in plan["sp_sizes"])
 
 
 @pytest.mark.timeout(400)
@@ -69,6 +72,11 @@ def test_tiny_fidelity_run_prints_one_json_object(serve_http, tmp_path, capsys):
     cp = run["control_plane"]
     assert cp["decision_us_mean"] > 0 and cp["ray_calls_per_request"]["transfer_control"] > 0
     assert cp["transfer_messages_per_request"]["in:Handshake"] >= 1
+    pr = run["per_request"]
+    assert pr["same_plan"] + pr["other_plan"] == 3 and len(pr["rows"]) == 3
+    for row in pr["rows"]:
+        assert row["live_sp_sizes"] and row["sim_sp_sizes"]
+        assert row["live_queue_s"] >= 0 and row["live_ttft_s"] >= row["live_queue_s"]
 
 
 def test_prefill_overrun_is_measured_from_the_planning_instant():

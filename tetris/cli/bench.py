@@ -83,6 +83,11 @@ def _print_fidelity(out: dict) -> None:
               f"{r['ratio_p50']:>6.3f} {r['sim_ttft_s']['p99']:>8.3f} {r['live_ttft_s']['p99']:>9.3f} "
               f"{r['ratio_p99']:>6.3f} {r['failed']:>6} {cp['decision_us_mean']:>8.0f} "
               f"{cp['handoff_ms']['p50']:>10.1f} {calls:>8.0f}")
+    for r in out["runs"]:
+        pr = r["per_request"]
+        print(f"rate {r['rate']:g}: {pr['same_plan']} requests planned alike live and simulated "
+              f"(mean live - sim TTFT {pr['mean_gap_same_plan_s'] * 1e3:+.1f} ms), "
+              f"{pr['other_plan']} planned differently ({pr['mean_gap_other_plan_s'] * 1e3:+.1f} ms)")
 
 
 # name -> (help, add arguments, run -> dict, print the dict for people)
