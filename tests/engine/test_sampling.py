@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tetris.engine.request import FinishReason, Sequence
-from tetris.engine.sampling import check_stop, make_generator, process_logits, sample
+from tetris.engine.sampling import (check_stop, greedy_tokens, make_generator, process_logits,
+                                    sample)
 from tetris.sampling_params import SamplingParams
 
 
@@ -187,3 +188,56 @@ def test_top_p_over_a_large_vocab_equals_a_full_sort(spread):
     torch.testing.assert_close(got, want)
     kept = int((got > 0).sum())
     assert (kept > 256) if spread < 1 else (kept < 256)
+
+
+def _tied_logits(dtype, vocab, seed):
+    """[5, vocab] logits with few distinct values, so rows hold many tied maxima."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randint(-3, 3, (5, vocab), generator=gen) / 4).to(dtype)
+    logits[1, -1] = 2.0                     # one maximum, in the last position
+    logits[2, [7, vocab // 2, vocab - 3]] = 3.0  # tied maxima in different blocks
+    logits[3, [vocab // 3, vocab - 2]] = float("nan")  # argmax takes the first NaN
+    logits[4] = float("-inf")               # all tied: index 0
+    return logits
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("vocab", [1024, 32000, 320, 10])
+def test_greedy_tokens_are_the_fp32_argmax_ties_included(dtype, vocab):
+    """Blocked (vocab 1024, 32000) and fallback (320, 10) paths: the first maximal index of the
+    fp32 upcast, the tie rule of ``argmax``, in every row."""
+    for seed in range(4):
+        logits = _tied_logits(dtype, vocab, seed)
+        want = logits.float().argmax(dim=-1)
+        got = greedy_tokens(logits)
+        assert got.dtype == torch.int64
+        assert got.tolist() == want.tolist(), (seed, got, want)
+    first = min(7, vocab // 2, vocab - 3)
+    assert greedy_tokens(_tied_logits(dtype, vocab, 0))[2] == first  # not a later tied one
+
+
+def test_greedy_tokens_of_a_strided_view_and_bad_shape():
+    logits = _tied_logits(torch.bfloat16, 2048, 0)
+    cols = logits.t().contiguous().t()  # same values, column-major
+    assert greedy_tokens(cols).tolist() == logits.float().argmax(-1).tolist()
+    sliced = logits[:, :1024]  # rows 2048 apart, contiguous within: the blocked path
+    assert greedy_tokens(sliced).tolist() == sliced.float().argmax(-1).tolist()
+    with pytest.raises(ValueError, match=r"\[N, V\]"):
+        greedy_tokens(logits[0])
+
+
+def test_random_rows_of_bf16_logits_sample_as_their_fp32_upcast():
+    """A batch mixing greedy and random rows: greedy rows take the argmax, random rows draw
+    exactly what they draw from the fp32 copy of the same logits."""
+    torch.manual_seed(2)
+    logits = (torch.randn(4, 512) * 3).to(torch.bfloat16)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9, seed=9),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_k=20, seed=4)]
+
+    def draw(rows):
+        return sample(rows, [_seq(p, seed=p.seed) for p in params])
+
+    for _ in range(5):
+        assert draw(logits) == draw(logits.float())
+    got = draw(logits)
+    assert [got[0], got[2]] == logits.float().argmax(-1)[[0, 2]].tolist()

@@ -14,10 +14,13 @@ import pytest
 import torch
 
 from tetris.config import ModelConfig
+import tetris.engine.engine as engine_module
 from tetris.engine.engine import LLMEngine
+from tetris.engine.sampling import process_logits, sample
 from tetris.kernels.paged_decode import paged_decode_attention
 from tetris.model.hf_config import model_config_from_hf
 from tetris.model.llama import LlamaModel
+from tetris.model.loader import load_model
 from tetris.model.weights import load_hf_weights
 from tetris.sampling_params import SamplingParams
 
@@ -117,8 +120,9 @@ def test_engine_bf16_prefill_logits_close_to_transformers(checkpoint, prompts):
     engine.add_request("0", prompts[0].tolist(), SamplingParams(max_tokens=1, temperature=0.0))
     plan = engine.batcher.schedule()
     logits, _ = engine.runner.execute(plan)
-    assert logits.dtype == torch.float32 and logits.shape == (1, LLAMA["vocab_size"])
-    ours_error = float((logits[0] - ref[0]).abs().max())
+    # A greedy-only batch keeps the model's dtype (its argmax is the fp32 one).
+    assert logits.dtype == torch.bfloat16 and logits.shape == (1, LLAMA["vocab_size"])
+    ours_error = float((logits[0].float() - ref[0]).abs().max())
     assert ours_error <= 2 * float((hf16[0] - ref[0]).abs().max()) + 1e-3
 
 
@@ -175,3 +179,71 @@ def test_half_paged_decode_attention_close_to_fp32_path():
     got = paged_decode_attention(q, kc, vc, tables, context).float()
     fp32 = paged_decode_attention(q.float(), kc.float(), vc.float(), tables, context)
     assert float((got - fp32).abs().max()) < 5e-2
+
+
+def _tied_head_model():
+    """A bf16 model whose LM head has 5 distinct rows: logits take few values, so rows hold
+    tied maxima, several blocks of ``greedy_tokens`` apart (vocab 1024: 4 blocks of 256)."""
+    cfg = ModelConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, max_position_embeddings=128, seed=11,
+                      dtype="bfloat16")
+    model, _ = load_model(cfg)
+    head = model.lm_head.weight
+    base = head[:5].clone()
+    base[4] = -base[0]  # base[0] or its negation scores above 0: the max is on a tied row
+    with torch.no_grad():
+        head.zero_()
+        head[300:] = base[torch.arange(300, cfg.vocab_size) % 5]
+    return model
+
+
+def _recording_sample(monkeypatch):
+    """Patch the engine's sampler to record (logits, greedy flags, generator states, tokens)."""
+    calls = []
+
+    def spy(logits, seqs):
+        states = [s.generator.get_state() if s.generator is not None else None for s in seqs]
+        tokens = sample(logits, seqs)
+        calls.append((logits.clone(), [s.params for s in seqs], states, tokens))
+        return tokens
+
+    monkeypatch.setattr(engine_module, "sample", spy)
+    return calls
+
+
+def test_bf16_greedy_tokens_are_fp32_argmax_of_the_same_logits_ties_included(monkeypatch):
+    calls = _recording_sample(monkeypatch)
+    engine = LLMEngine(_tied_head_model(), None, num_blocks=32, block_size=8, max_num_seqs=4)
+    prompts = [[5, 9, 200, 31, 7], [44, 3, 17], [900, 12, 650, 8, 8, 71]]
+    engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    tied_rows = later_block_ties = 0
+    for logits, _, _, tokens in calls:
+        assert logits.dtype == torch.bfloat16  # all greedy: no fp32 copy was made
+        wide = logits.float()
+        assert tokens == wide.argmax(dim=-1).tolist()
+        is_max = wide == wide.amax(dim=-1, keepdim=True)
+        tied_rows += int((is_max.sum(-1) > 1).sum())
+        later_block_ties += int(is_max[:, 512:].any(-1).sum())
+    # The check only means something if the rows really tie, across blocks.
+    assert tied_rows == later_block_ties == sum(len(c[3]) for c in calls) > 0
+
+
+def test_bf16_mixed_batch_samples_from_fp32_logits(monkeypatch):
+    """One greedy and one random request share the batch: the logits come as fp32, and the
+    random row draws what a generator in the same state draws from those fp32 logits."""
+    calls = _recording_sample(monkeypatch)
+    engine = LLMEngine(_tied_head_model(), None, num_blocks=32, block_size=8, max_num_seqs=4)
+    engine.generate([[5, 9, 200, 31], [44, 3, 17, 600]],
+                    [SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+                     SamplingParams(max_tokens=5, temperature=0.8, seed=3, ignore_eos=True)])
+    mixed = [c for c in calls if len({p.greedy for p in c[1]}) == 2]
+    assert len(mixed) >= 4
+    for logits, params, states, tokens in mixed:
+        assert logits.dtype == torch.float32
+        for row, (p, state) in enumerate(zip(params, states, strict=True)):
+            if p.greedy:
+                assert tokens[row] == int(logits[row].argmax())
+                continue
+            gen = torch.Generator().set_state(state)
+            want = torch.multinomial(process_logits(logits[row], p), 1, generator=gen)
+            assert tokens[row] == int(want)

@@ -155,10 +155,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run ``plan``; return logits [N, V] float32 of the sequences that sample, in order."""
+        """Run ``plan``; return logits [N, V] of the sequences that sample, in order.
+
+        The logits are float32, except when every sampling sequence is greedy: then they stay
+        in the model's dtype, whose argmax is the fp32 one (a [32, 32000] bf16 -> fp32 copy
+        was 5% of a bf16 decode step on CPU; docs/benchmarks.md).
+        """
         inputs = self.prepare(plan)
+        upcast = not all(seq.params.greedy for seq in inputs.sample_seqs)
         if not inputs.prefills:  # decode only: every row samples, in plan order
-            return self._decode(inputs), inputs.sample_seqs
+            logits = self._decode(inputs)
+            return (logits.float() if upcast else logits), inputs.sample_seqs
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
             return self.attention(layer, q, k, v, inputs)
@@ -166,7 +173,8 @@ class ModelRunner:
         hidden = self.model.forward(inputs.input_ids, inputs.positions, attention)
         if not inputs.sample_seqs:
             return hidden.new_empty(0, 0, dtype=torch.float32), []
-        return self.model.logits(hidden.index_select(0, inputs.sample_rows)), inputs.sample_seqs
+        rows = hidden.index_select(0, inputs.sample_rows)
+        return self.model.logits(rows, upcast=upcast), inputs.sample_seqs
 
     def _decode(self, inputs: BatchInputs) -> torch.Tensor:
         tensors = dict(input_ids=inputs.input_ids, positions=inputs.positions,
@@ -187,7 +195,7 @@ class ModelRunner:
     def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor,
                     slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor) -> torch.Tensor:
-        """One token per sequence -> logits [B, V] float32.
+        """One token per sequence -> logits [B, V] in the model's dtype (``execute`` widens).
 
         Graph-safe on CUDA (no host reads there); the CPU torch path reads the longest
         context length once per step to size its gather.
@@ -210,7 +218,8 @@ class ModelRunner:
             return dispatch.paged_decode_attention(q, k_cache, v_cache, block_tables,
                                                    context_lens)
 
-        return self.model.logits(self.model.forward(input_ids, positions, attention))
+        return self.model.logits(self.model.forward(input_ids, positions, attention),
+                                 upcast=False)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   inputs: BatchInputs) -> torch.Tensor:

@@ -273,7 +273,9 @@ class LlamaModel(torch.nn.Module):
             hidden = self.layer_mlp(i, hidden)
         return self.final_norm(hidden)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden [N, H] -> logits [N, V] float32 (full vocab on every rank)."""
+    def logits(self, hidden: torch.Tensor, *, upcast: bool = True) -> torch.Tensor:
+        """Final-normed hidden [N, H] -> logits [N, V] (full vocab on every rank): float32, or
+        the weights' dtype with ``upcast=False`` (enough for an argmax: see engine.sampling)."""
         weight = self._head_weight()
-        return linear(hidden.to(weight.dtype), weight, self.head_packed).float()
+        out = linear(hidden.to(weight.dtype), weight, self.head_packed)
+        return out.float() if upcast else out
