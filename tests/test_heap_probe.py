@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 import ray
@@ -68,13 +69,23 @@ def test_ray_call_runs_in_the_actor_process_and_refuses_unknown_actions(ray_sess
             self.kept = [Kept(i) for i in range(n)]
             return os.getpid()
 
+    def report() -> dict:
+        token = ray.get(h.__ray_call__.remote(ray_call, "submit", action="report"))
+        while True:   # the report runs on a thread of the actor's; poll until it is done
+            done, result = ray.get(h.__ray_call__.remote(ray_call, "poll", token=token))
+            if done:
+                return result
+            time.sleep(0.05)
+
     h = Holder.remote()
-    before = ray.get(h.__ray_call__.remote(ray_call, "report"))
+    before = report()
     pid = ray.get(h.keep.remote(3000))
-    after = ray.get(h.__ray_call__.remote(ray_call, "report"))
+    after = report()
     assert before["pid"] == after["pid"] == pid
     assert heap_diff(before, after)["types_grown"][f"{__name__}.Kept"] == 3000
     with pytest.raises(Exception, match="unknown heap probe action"):
-        ray.get(h.__ray_call__.remote(ray_call, "explode"))
+        ray.get(h.__ray_call__.remote(ray_call, "submit", action="explode"))
+    with pytest.raises(Exception, match="no heap probe job"):
+        ray.get(h.__ray_call__.remote(ray_call, "poll", token="nope"))
     ray.kill(h)
     assert heap_probe._ACTIONS.keys() == {"report", "trace_start", "trace_stop"}

@@ -8,6 +8,7 @@ read with psutil by pid; an actor is keyed by its id, so a restart shows as a se
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -148,17 +149,38 @@ class HeapProbe:
         return out
 
     def _call_all(self, action: str, targets: dict) -> dict[str, object]:
+        """``action`` in every target at once, each on a thread of its own there (an async
+        replica's event loop keeps answering health checks), polled until done or timeout."""
         import ray
 
         from tetris.heap_probe import ray_call
 
-        refs = {aid: h.__ray_call__.remote(ray_call, action) for aid, (_l, h) in targets.items()}
-        out = {}
+        tokens: dict[str, str] = {}
+        refs = {aid: h.__ray_call__.remote(ray_call, "submit", action=action)
+                for aid, (_l, h) in targets.items()}
         for aid, ref in refs.items():
             try:
-                out[aid] = ray.get(ref, timeout=self.timeout_s)
+                tokens[aid] = ray.get(ref, timeout=60)
             except Exception as e:  # noqa: BLE001 - one dead actor must not lose the others' data
-                self.errors[aid] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                self.errors[aid] = _brief(e)
+        out: dict[str, object] = {}
+        end = time.monotonic() + self.timeout_s
+        while tokens and time.monotonic() < end:
+            for aid, token in list(tokens.items()):
+                try:
+                    done, result = ray.get(targets[aid][1].__ray_call__.remote(
+                        ray_call, "poll", token=token), timeout=60)
+                except Exception as e:  # noqa: BLE001
+                    self.errors[aid] = _brief(e)
+                    del tokens[aid]
+                    continue
+                if done:
+                    out[aid] = result
+                    del tokens[aid]
+            if tokens:
+                time.sleep(1.0)
+        for aid in tokens:
+            self.errors[aid] = f"{action} took longer than {self.timeout_s:g} s"
         return out
 
     @property
@@ -199,6 +221,11 @@ class HeapProbe:
         for aid, err in sorted(self.errors.items()):
             out[key(aid)] = {"error": err}
         return out
+
+
+def _brief(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1] if text else ''}"
 
 
 def plot_rss(actors: list[dict], warmup_s: float, path: str | Path) -> Path:

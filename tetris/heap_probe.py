@@ -17,13 +17,20 @@ them apart:
 
 ``heap_diff(before, after)`` compares two reports. ``ray_call`` runs an action inside any Ray
 actor through ``ActorHandle.__ray_call__`` (Serve replicas included), so a benchmark can probe
-the processes it only knows by handle. Pure stdlib: no torch, no ray import at module level.
+the processes it only knows by handle. In an async actor ``__ray_call__`` runs on the event
+loop, and a report of a big traced heap takes seconds to minutes: long enough for Serve to
+fail the replica's health checks and kill it. So ``ray_call(.., "submit", action=...)`` starts
+the action on a thread of its own and returns a token at once, and ``ray_call(.., "poll",
+token=...)`` returns ``(done, result)``: the loop keeps serving (the GIL is shared, so it
+slows down meanwhile, but it never stops). Pure stdlib: no torch, no ray at module level.
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
+import threading
+import uuid
 import os
 import sys
 import tracemalloc
@@ -96,7 +103,7 @@ def _top_growth(n: int) -> list[dict]:
     return rows
 
 
-def trace_start(frames: int = 6) -> bool:
+def trace_start(frames: int = 4) -> bool:
     """Start tracemalloc here (if not yet) and take the baseline later reports compare to."""
     global _baseline
     if not tracemalloc.is_tracing():
@@ -116,13 +123,52 @@ def trace_stop() -> bool:
 
 
 _ACTIONS = {"report": heap_report, "trace_start": trace_start, "trace_stop": trace_stop}
+_jobs: dict[str, dict] = {}     # token -> {"done": Event, "result": ..., "error": ...}
+_jobs_lock = threading.Lock()
 
 
-def ray_call(_actor_self, action: str, **kwargs):
-    """``handle.__ray_call__.remote(ray_call, action)``: run ``action`` in that actor's process."""
+def _submit(action: str, kwargs: dict) -> str:
     if action not in _ACTIONS:
         raise ValueError(f"unknown heap probe action {action!r}; expected one of {sorted(_ACTIONS)}")
-    return _ACTIONS[action](**kwargs)
+    token = uuid.uuid4().hex
+    job = {"done": threading.Event(), "result": None, "error": None}
+
+    def work() -> None:
+        try:
+            job["result"] = _ACTIONS[action](**kwargs)
+        except Exception as e:  # noqa: BLE001 - handed to the poller, which raises it
+            job["error"] = e
+        finally:
+            job["done"].set()
+
+    with _jobs_lock:
+        _jobs[token] = job
+    threading.Thread(target=work, name=f"tetris-heap-{action}", daemon=True).start()
+    return token
+
+
+def _poll(token: str) -> tuple[bool, object]:
+    with _jobs_lock:
+        job = _jobs.get(token)
+        if job is None:
+            raise ValueError(f"no heap probe job {token!r} in process {os.getpid()}")
+        if not job["done"].is_set():
+            return False, None
+        del _jobs[token]
+    if job["error"] is not None:
+        raise job["error"]
+    return True, job["result"]
+
+
+def ray_call(_actor_self, op: str, *, action: str = "", token: str = "", **kwargs):
+    """``handle.__ray_call__.remote(ray_call, op, ...)`` in an actor's process (module docstring):
+    ``"submit"`` with ``action`` (and its keyword arguments) returns a token; ``"poll"`` with
+    ``token`` returns ``(done, result)`` and raises the action's error."""
+    if op == "submit":
+        return _submit(action, kwargs)
+    if op == "poll":
+        return _poll(token)
+    raise ValueError(f"unknown heap probe op {op!r}; expected 'submit' or 'poll'")
 
 
 def heap_diff(before: dict, after: dict, top: int = 10) -> dict:
