@@ -230,9 +230,8 @@ class DecodeRank:
                             f"{stats.free_blocks} free blocks of {stats.block_size}", full=True)
         # Under the pump's lock: no handshake may see the engine's blocks before the manager does.
         with self.pump.locked() as manager:
-            slots = engine.reserve(cmd.request_id, cmd.prompt_token_ids, cmd.sampling)
-            bs = engine.blocks.block_size
-            self._blocks.lend([slots[p] // bs for p in range(0, len(slots), bs)])
+            self._blocks.lend(engine.reserve_blocks(cmd.request_id, cmd.prompt_token_ids,
+                                                    cmd.sampling))
             try:
                 ok = manager.reserve(cmd.request_id, len(cmd.prompt_token_ids), time.monotonic())
             finally:

@@ -19,7 +19,7 @@ from tetris.engine.batcher import Batcher
 from tetris.engine.block_manager import BlockManager, OutOfBlocksError
 from tetris.engine.kv_cache import KVCache
 from tetris.engine.model_runner import ModelRunner
-from tetris.engine.request import FinishReason, RequestOutput, Sequence, SequenceStatus
+from tetris.engine.request import FinishReason, RequestOutput, Sequence, SequenceStatus, int32_tokens
 from tetris.engine.sampling import check_stop, make_generator, sample
 from tetris.sampling_params import SamplingParams
 
@@ -117,7 +117,11 @@ class LLMEngine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if request_id in self._seqs:
             raise ValueError(f"request {request_id!r} is already running")
-        prompt = [int(t) for t in prompt_token_ids]
+        try:
+            prompt = int32_tokens(prompt_token_ids)   # one int32 buffer (request.Tokens)
+        except ValueError as e:
+            raise ValueError(f"prompt token ids must be integers in the vocabulary "
+                             f"[0, {self.vocab_size}): {e}") from None
         self._validate_prompt(prompt)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
@@ -132,7 +136,7 @@ class LLMEngine:
         return Sequence(request_id, prompt, params, generator=generator, stop_token_ids=stop_ids,
                         max_total_tokens=max_total)
 
-    def _validate_prompt(self, prompt: list[int]) -> None:
+    def _validate_prompt(self, prompt: Seq[int]) -> None:
         if not prompt:
             raise ValueError("prompt is empty: at least one token is needed")
         if len(prompt) > self.max_model_len:
@@ -140,9 +144,9 @@ class LLMEngine:
                 f"prompt has {len(prompt)} tokens but the model's context is "
                 f"{self.max_model_len} tokens (max_position_embeddings)"
             )
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if not 0 <= min(prompt) <= max(prompt) < self.vocab_size:
+            bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         capacity = self._usable_blocks * self.blocks.block_size
         if self.blocks.blocks_needed(len(prompt) + 1) > self._usable_blocks:
             raise ValueError(
@@ -173,6 +177,14 @@ class LLMEngine:
         write the prompt's K/V there (``write_kv`` takes the slots as a tensor), then call
         ``commit_prefilled``. Raises ``OutOfBlocksError`` without room: check ``can_reserve``.
         """
+        table = self.reserve_blocks(request_id, prompt_token_ids, params)
+        bs = self.blocks.block_size
+        return [table[p // bs] * bs + p % bs for p in range(len(prompt_token_ids))]
+
+    def reserve_blocks(self, request_id: str, prompt_token_ids: Seq[int],
+                       params: SamplingParams) -> list[int]:
+        """``reserve`` returning the block table (block ids in position order) instead of a slot
+        per position: a long prompt's slot list is ~36 bytes a token of short-lived ints."""
         seq = self._new_sequence(request_id, prompt_token_ids, params)
         if not self.can_reserve(seq.num_tokens):
             raise OutOfBlocksError(
@@ -183,8 +195,7 @@ class LLMEngine:
         self.blocks.allocate(seq)
         seq.status = SequenceStatus.RECEIVING
         self._seqs[request_id] = seq
-        bs = self.blocks.block_size
-        return [seq.block_table[p // bs] * bs + p % bs for p in range(seq.num_tokens)]
+        return list(seq.block_table)
 
     def commit_prefilled(self, request_id: str, first_token: int) -> None:
         """The reserved prompt's KV is complete and the prefill side sampled ``first_token``.
