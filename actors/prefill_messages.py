@@ -22,6 +22,7 @@ from typing import Literal
 
 import msgspec
 
+from tetris.actors.token_ids import TokenIds
 from tetris.actors.zigzag import Ranges
 from tetris.sampling_params import SamplingParams
 
@@ -67,7 +68,9 @@ class ChunkTask(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     chunk_positions: tuple[Ranges, ...]   # per ring member: its zigzag share of the chunk
     history: tuple[Ranges, ...]           # per ring member: history it holds after balancing
     moves: tuple[Move, ...] = ()
-    token_ids: tuple[int, ...] = ()       # this member's tokens, in position order
+    # this member's tokens in position order: an int32 array('i') (actors/token_ids.py), empty
+    # when the executor is emulated; never msgspec-encoded (tasks travel pickled, by Ray)
+    token_ids: TokenIds = msgspec.field(default_factory=lambda: TokenIds("i"))
     balance: BalanceMode = "overlap"
     sampling: SamplingParams | None = None
     return_logits: bool = False
