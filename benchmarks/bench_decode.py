@@ -29,12 +29,18 @@ batch differs (None: none does).
     python benchmarks/bench_decode.py --json          # one JSON object
     python benchmarks/bench_decode.py --baseline      # also the engine without its speed-ups
     python benchmarks/bench_decode.py --dtype bfloat16 # a bf16 checkpoint, both sides in bf16
+    python benchmarks/bench_decode.py --dtype bfloat16 --batch-sizes 32 --thread-scaling 1 2
+
+``--thread-scaling`` times single decode steps (wall clock) of both systems at each thread
+count, rounds interleaved, and reports medians; then the same for the bare decode GEMMs
+(the engine's packed oneDNN call and ``F.linear``, one call per sample).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -115,6 +121,13 @@ class _Stamps:
 def time_hf(model, prompts: torch.Tensor, new_tokens: int,
             clock=time.perf_counter) -> tuple[float, list[list[int]]]:
     """Seconds from the first token's logits to the last one's, and the new tokens."""
+    stamps, tokens = stamps_hf(model, prompts, new_tokens, clock)
+    return stamps[-1] - stamps[0], tokens
+
+
+def stamps_hf(model, prompts: torch.Tensor, new_tokens: int,
+              clock=time.perf_counter) -> tuple[list[float], list[list[int]]]:
+    """The clock at every forward pass's logits (one per new token), and the new tokens."""
     from transformers import LogitsProcessorList
 
     stamps = _Stamps(clock)
@@ -122,12 +135,19 @@ def time_hf(model, prompts: torch.Tensor, new_tokens: int,
         out = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              logits_processor=LogitsProcessorList([stamps]))
-    return stamps.times[-1] - stamps.times[0], out[:, prompts.shape[1]:].tolist()
+    return stamps.times, out[:, prompts.shape[1]:].tolist()
 
 
 def time_ours(model, prompts: torch.Tensor, new_tokens: int, clock=time.perf_counter,
               engine_options: dict | None = None) -> tuple[float, list[list[int]]]:
     """Seconds from the step that samples the first tokens to the one sampling the last."""
+    stamps, tokens = stamps_ours(model, prompts, new_tokens, clock, engine_options)
+    return stamps[-1] - stamps[0], tokens
+
+
+def stamps_ours(model, prompts: torch.Tensor, new_tokens: int, clock=time.perf_counter,
+                engine_options: dict | None = None) -> tuple[list[float], list[list[int]]]:
+    """The clock after every engine step (the first one samples every first token)."""
     from tetris.engine.engine import LLMEngine
     from tetris.sampling_params import SamplingParams
 
@@ -141,13 +161,13 @@ def time_ours(model, prompts: torch.Tensor, new_tokens: int, clock=time.perf_cou
     for i, prompt in enumerate(prompts.tolist()):
         engine.add_request(str(i), prompt, params)
     tokens: dict[str, list[int]] = {str(i): [] for i in range(b)}
-    first = None
+    stamps = []
     with torch.inference_mode():
         while engine.has_unfinished():
             for out in engine.step():
                 tokens[out.request_id] += out.new_token_ids
-            first = clock() if first is None else first
-    return clock() - first, [tokens[str(i)] for i in range(b)]
+            stamps.append(clock())
+    return stamps, [tokens[str(i)] for i in range(b)]
 
 
 def measure(systems, prompts, new_tokens: int, repeats: int):
@@ -233,6 +253,110 @@ def run(args) -> dict:
     )
 
 
+def gemm_shapes(config: dict) -> list[tuple[str, int, int]]:
+    """(name, in, out) of the engine's decode GEMMs: fused q/k/v, o_proj, fused gate/up and
+    down_proj (once per layer each), then the LM head."""
+    h, heads, kv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    d, f = h // heads, config["intermediate_size"]
+    return [("qkv", h, (heads + 2 * kv) * d), ("o_proj", heads * d, h), ("gate_up", h, 2 * f),
+            ("down", f, h), ("lm_head", h, config["vocab_size"])]
+
+
+def _rotated(keys: list, r: int) -> list:
+    """Round ``r``'s order: rotated and reversed in turn, so no variant always runs first
+    or right after the same other one (load bursts on a shared machine spread over all)."""
+    order = keys[r % len(keys):] + keys[:r % len(keys)]
+    return order[::-1] if r % 2 else order
+
+
+def _median_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e3
+
+
+def _gemm_medians(config: dict, dtype: str, rows: int, threads: list[int],
+                  repeats: int) -> list[dict]:
+    """Median single-call time of each decode GEMM, the engine's packed oneDNN call against
+    ``F.linear`` (what transformers calls), per thread count, all variants interleaved."""
+    import torch.nn.functional as F
+
+    from tetris.model.packed import PackedWeight
+
+    gen = torch.Generator().manual_seed(0)
+    calls = {}
+    for name, k, n in gemm_shapes(config):
+        w = (torch.randn(n, k, generator=gen) * 0.02).to(DTYPES[dtype])
+        x = torch.randn(rows, k, generator=gen).to(DTYPES[dtype])
+        calls[(name, "packed")] = partial(PackedWeight(w, rows), x)
+        calls[(name, "linear")] = partial(F.linear, x, w)
+    samples = {(key, t): [] for key in calls for t in threads}
+    for r in range(repeats):
+        for key, t in _rotated(list(samples), r):
+            torch.set_num_threads(t)
+            calls[key]()  # the first call after a thread-count change pays for the team
+            start = time.perf_counter()
+            calls[key]()
+            samples[(key, t)].append(time.perf_counter() - start)
+    return [dict(shape=name, threads=t, packed_ms=_median_ms(samples[((name, "packed"), t)]),
+                 linear_ms=_median_ms(samples[((name, "linear"), t)]))
+            for name, _, _ in gemm_shapes(config) for t in threads]
+
+
+def thread_scaling(args) -> dict:
+    """Median decode-step time of both systems at each thread count (wall clock), rounds
+    interleaved; then the bare GEMMs the same way. Medians of single steps, not best totals:
+    one burst of load then moves a few samples, not a whole run."""
+    from tqdm import tqdm
+
+    config = model_config(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_checkpoint(Path(args.checkpoint or tmp) / "bench-llama", config, args.seed,
+                                args.dtype)
+        models = {"hf": (stamps_hf, load_hf(path, args.dtype)),
+                  "tetris": (stamps_ours, load_ours(path, args.dtype))}
+    batch = max(args.batch_sizes)
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(3, config["vocab_size"], (batch, args.prompt_len), generator=gen)
+    steps = {(name, t): [] for name in models for t in args.thread_scaling}
+    for r in tqdm(range(args.repeats + 1), desc="rounds", file=sys.stderr):
+        for name, t in _rotated(list(steps), r):
+            torch.set_num_threads(t)
+            fn, model = models[name]
+            stamps, _ = fn(model, prompts, args.new_tokens)
+            if r:  # round 0 warms both up at every thread count
+                steps[(name, t)] += [b - a for a, b in zip(stamps, stamps[1:])]
+    return dict(
+        benchmark="decode_thread_scaling", shape=args.shape, model=config, batch=batch,
+        prompt_len=args.prompt_len, new_tokens=args.new_tokens, rounds=args.repeats,
+        dtype=args.dtype, load_average=_loadavg(),
+        steps=[dict(system=name, threads=t, median_step_ms=_median_ms(v))
+               for (name, t), v in steps.items()],
+        gemms=_gemm_medians(config, args.dtype, batch, args.thread_scaling, 40 * args.repeats),
+    )
+
+
+def _loadavg() -> str | None:
+    try:
+        return Path("/proc/loadavg").read_text().strip()
+    except OSError:
+        return None
+
+
+def print_scaling(result: dict) -> None:
+    m = result["model"]
+    print(f"Llama {m['num_hidden_layers']}L h{m['hidden_size']} V{m['vocab_size']} "
+          f"{result['dtype']}, batch {result['batch']}, wall clock, medians over "
+          f"{result['rounds']} interleaved rounds; loadavg {result['load_average']}")
+    step = {(r["system"], r["threads"]): r["median_step_ms"] for r in result["steps"]}
+    threads = sorted({t for _, t in step})
+    print(f"{'threads':>7} {'hf ms/step':>11} {'tetris ms/step':>15} {'hf/tetris':>10}")
+    for t in threads:
+        print(f"{t:>7} {step[('hf', t)]:>11.2f} {step[('tetris', t)]:>15.2f} "
+              f"{step[('hf', t)] / step[('tetris', t)]:>9.2f}x")
+    print(f"{'GEMM':>8} {'threads':>7} {'packed ms':>10} {'F.linear ms':>12}")
+    for g in result["gemms"]:
+        print(f"{g['shape']:>8} {g['threads']:>7} {g['packed_ms']:>10.3f} {g['linear_ms']:>12.3f}")
+
+
 def print_table(result: dict) -> None:
     m = result["model"]
     print(f"Llama {m['num_hidden_layers']}L h{m['hidden_size']} V{m['vocab_size']} "
@@ -279,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="wall: perf_counter; cpu: this process's CPU time (shared machines)")
     p.add_argument("--baseline", action="store_true",
                    help="also time the engine with its CPU speed-ups off (ENGINE_BASELINE)")
+    p.add_argument("--thread-scaling", type=int, nargs="+", metavar="THREADS",
+                   help="instead: median step times at these thread counts (largest batch)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     for key, value in SHAPES[args.shape].items():
@@ -290,11 +416,13 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if min(args.batch_sizes) <= 0 or args.new_tokens < 2 or args.prompt_len <= 0:
         p.error("batch sizes and --prompt-len must be positive, --new-tokens at least 2")
-    result = run(args)
+    if args.thread_scaling and min(args.thread_scaling) <= 0:
+        p.error("--thread-scaling thread counts must be positive")
+    result = thread_scaling(args) if args.thread_scaling else run(args)
     if args.json:
         print(json.dumps(result))
     else:
-        print_table(result)
+        (print_scaling if args.thread_scaling else print_table)(result)
     return 0
 
 
