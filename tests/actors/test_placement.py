@@ -16,7 +16,7 @@ import pytest
 
 from tetris.actors.placement import (Placement, PlacementError, explain_unplaced, node_map,
                                      place_decode, place_prefill, resolve_mode)
-from tetris.actors.process_env import runtime_env
+from tetris.actors.process_env import CONTROL_ENV_VARS, runtime_env
 from tetris.config import ConfigError, DecodeConfig, PrefillConfig, load_deployment
 
 SCRIPT = Path(__file__).with_name("placement_cluster_script.py")
@@ -74,10 +74,42 @@ def test_actors_start_with_two_malloc_arenas(ray_session):
             return dict(kv.decode().split("=", 1) for kv in raw if b"=" in kv)
 
     probe = Probe.options(**Placement("none").options(0)).remote()
+    control = Probe.options(num_cpus=0, runtime_env=runtime_env(control=True)).remote()
     try:
-        assert ray.get(probe.environ.remote(), timeout=120)["MALLOC_ARENA_MAX"] == "2"
+        env = ray.get(probe.environ.remote(), timeout=120)
+        assert env["MALLOC_ARENA_MAX"] == "2" and "MALLOC_MMAP_THRESHOLD_" not in env
+        env = ray.get(control.environ.remote(), timeout=120)
+        assert env["MALLOC_ARENA_MAX"] == "2" and env["MALLOC_MMAP_THRESHOLD_"] == "65536"
     finally:
         ray.kill(probe)
+        ray.kill(control)
+
+
+_MMAP_PROBE = """
+from tetris.heap_probe import malloc_stats
+a = bytearray(200_000); del a          # mapped, unmapped: glibc's default raises its threshold
+b = bytearray(200_000); del b
+before = malloc_stats()["mmapped"]
+c = bytearray(200_000)                 # where does the third one come from?
+print(malloc_stats()["mmapped"] - before)
+"""
+
+
+def test_a_fixed_mmap_threshold_keeps_big_blocks_off_the_heap():
+    """Why the control processes set MALLOC_MMAP_THRESHOLD_: with glibc's default, a 200 kB
+    block allocated after one was freed comes from the heap (and a burst of them fragments
+    it); with the threshold set, every such block is its own mapping, returned on free."""
+    import subprocess
+    import sys
+
+    def mapped(env: dict) -> int:
+        base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+        out = subprocess.run([sys.executable, "-c", _MMAP_PROBE], env=base | env,
+                             capture_output=True, text=True, check=True)
+        return int(out.stdout.split()[-1])
+
+    assert mapped({}) < 200_000
+    assert mapped(CONTROL_ENV_VARS) >= 200_000
 
 
 # -- config ------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ __all__ = ["build_app", "app_builder", "APP_NAME", "Ingress", "DispatcherServer"
 APP_NAME = "tetris"
 # control processes: mostly waiting, never refused a slot; the process environment that keeps
 # their memory flat (actors/process_env.py)
-_NO_CPU = {"num_cpus": 0, "runtime_env": runtime_env()}
+_NO_CPU = {"num_cpus": 0, "runtime_env": runtime_env(control=True)}
 
 
 @serve.deployment(ray_actor_options=_NO_CPU, max_ongoing_requests=1024)
