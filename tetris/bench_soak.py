@@ -10,8 +10,10 @@ and no actor's memory grows by more than 5% after warm-up").
    sent open-loop through the Ingress handle's ``generate_stream`` with outputs capped; at most
    ``--max-inflight`` requests are out at once (the sender waits past that, and the lag shows).
    Time scale ``s`` as in ``tetris bench fidelity``: emulated time and arrival gaps x s.
-3. Memory: every ``--sample-every`` s, the RSS of every actor of the app (Serve replicas, the
-   Serve controller and proxy, prefill workers, decode ranks), plus one sample after the drain.
+3. Memory: every ``--sample-every`` s, the memory of every actor of the app (Serve replicas,
+   the Serve controller and proxy, prefill workers, decode ranks), plus one sample after the
+   drain: RSS, and the private part of it (``RssAnon``) that the criterion reads; RSS also
+   counts the pages of Ray's shared object store a process has touched (bench_soak_memory).
    Growth per actor = mean of its last 3 samples / its first sample at or after warm-up - 1.
 4. Verdict: ``failed == 0`` and ``max_growth <= 5%`` (an actor lost or restarted fails the
    memory criterion too); the dispatcher's held view must be empty after the drain.
@@ -366,12 +368,18 @@ def show(out: dict) -> None:
     t = out["ttft_s"]
     print(f"TTFT P50 {t['p50']:.3f} s, P99 {t['p99']:.3f} s (paper seconds); arrival lag P99 "
           f"{out['arrival_lag_ms_p99']:.0f} ms")
-    print(f"{'actor':24} {'pid':>8} {'warm MiB':>9} {'final MiB':>10} {'growth':>8}")
+    print(f"{'actor':24} {'pid':>8} {'private warm':>12} {'final MiB':>10} {'growth':>8} "
+          f"{'RSS growth':>10} {'shared +MiB':>11}")
+
+    def num(v, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
     for a in out["memory"]["actors"]:
-        g = "-" if a["growth"] is None else f"{a['growth'] * 100:+.2f}%"
-        warm = "-" if a["rss_warm_mib"] is None else f"{a['rss_warm_mib']:.1f}"
-        final = "-" if a["rss_final_mib"] is None else f"{a['rss_final_mib']:.1f}"
-        print(f"{a['label']:24} {a['pid']:>8} {warm:>9} {final:>10} {g:>8}"
+        print(f"{a['label']:24} {a['pid']:>8} {num(a['private_warm_mib'], '.1f'):>12} "
+              f"{num(a['private_final_mib'], '.1f'):>10} "
+              f"{num(a['growth'] and a['growth'] * 100, '+.2f'):>7}% "
+              f"{num(a['rss_growth'] and a['rss_growth'] * 100, '+.2f'):>9}% "
+              f"{num(a['shared_growth_mib'], '+.1f'):>11}"
               + (" LOST" if a["lost"] else "") + (" RESTARTED" if a["restarts"] else ""))
     _show_heap(out["memory"].get("heap", {}), {a["label"]: a["growth"] for a in out["memory"]["actors"]})
     print(f"held after drain: {'zero' if out['held_zero'] else out['held']}")

@@ -1,9 +1,10 @@
-"""Memory of a live app's actors for ``tetris bench soak``: RSS series by pid, growth, a plot.
+"""Memory of a live app's actors for ``tetris bench soak``: RSS and private memory by pid,
+growth, a plot.
 
 Every sample lists the ALIVE actors of the Ray cluster and keeps those of the app: the pools'
 prefill workers and decode ranks (by the actor ids in the pools' peer tables), the app's Serve
 replicas (class ``ServeReplica:<app>:<deployment>``), and Serve's controller and proxy. RSS is
-read with psutil by pid; an actor is keyed by its id, so a restart shows as a second pid.
+read from /proc/PID/status; an actor is keyed by its id, so a restart shows as a second pid.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ class ActorMemory:
     def __init__(self, app_name: str, named: dict[str, str]) -> None:
         self.prefix = f"ServeReplica:{app_name}:"
         self.named = dict(named)                       # actor id -> label
-        self.series: dict[str, list[tuple[float, int, int]]] = {}   # id -> (t, pid, rss)
+        # id -> (t, pid, rss, private, shared): bytes (``_proc_memory``)
+        self.series: dict[str, list[tuple[float, int, int, int, int]]] = {}
         self.classes: dict[str, str] = {}
         self.labels: dict[str, str] = {}
         self.times: list[float] = []
@@ -74,17 +76,15 @@ class ActorMemory:
         return cls if cls in self.SERVE_SYSTEM else None
 
     def sample(self, t: float) -> None:
-        import psutil
-
         for aid, (cls, pid) in _alive_actors().items():
             label = self._label(aid, cls)
             if label is None or not pid:
                 continue
             try:
-                rss = psutil.Process(pid).memory_info().rss
-            except psutil.Error:   # gone between the table and the read: counted as lost later
+                rss, private, shared = _proc_memory(pid)
+            except OSError:   # gone between the table and the read: counted as lost later
                 continue
-            self.series.setdefault(aid, []).append((t, pid, rss))
+            self.series.setdefault(aid, []).append((t, pid, rss, private, shared))
             self.classes[aid], self.labels[aid] = cls, label
         self.times.append(t)
 
@@ -93,16 +93,46 @@ class ActorMemory:
         rows = []
         for aid in sorted(self.series, key=lambda a: (self.labels[a], a)):
             s = self.series[aid]
-            after = [rss for t, _pid, rss in s if t >= warmup_s]
+            after = [x for x in s if x[0] >= warmup_s]
+
+            def warm_final(k: int) -> tuple[float | None, float | None]:
+                return (after[0][k] / _MIB if after else None,
+                        float(np.mean([x[k] for x in after[1:][-GROWTH_TAIL:]])) / _MIB
+                        if len(after) > 1 else None)
+
+            (rss_w, rss_f), (prv_w, prv_f), (shm_w, shm_f) = (warm_final(k) for k in (2, 3, 4))
             rows.append({
                 "label": self.labels[aid], "class_name": self.classes[aid], "pid": s[-1][1],
-                "samples": len(s), "restarts": len({pid for _t, pid, _r in s}) - 1,
+                "samples": len(s), "restarts": len({x[1] for x in s}) - 1,
                 "lost": s[-1][0] < last,
-                "rss_warm_mib": after[0] / _MIB if after else None,
-                "rss_final_mib": float(np.mean(after[1:][-GROWTH_TAIL:])) / _MIB if len(after) > 1 else None,
-                "growth": rss_growth([(t, rss) for t, _pid, rss in s], warmup_s),
-                "series": [[round(t, 2), round(rss / _MIB, 2)] for t, _pid, rss in s]})
+                "rss_warm_mib": rss_w, "rss_final_mib": rss_f,
+                "private_warm_mib": prv_w, "private_final_mib": prv_f,
+                "shared_growth_mib": None if shm_f is None else shm_f - shm_w,
+                # the criterion: the process's own (anonymous) memory; see _proc_memory
+                "growth": rss_growth([(x[0], x[3]) for x in s], warmup_s),
+                "rss_growth": rss_growth([(x[0], x[2]) for x in s], warmup_s),
+                "series": [[round(x[0], 2), round(x[2] / _MIB, 2), round(x[3] / _MIB, 2)]
+                           for x in s]})
         return rows
+
+
+def _proc_memory(pid: int) -> tuple[int, int, int]:
+    """(RSS, private, shared) bytes of a process from /proc/PID/status.
+
+    private = ``RssAnon``: the process's own pages (heaps, pymalloc arenas, stacks). shared =
+    ``RssShmem``: pages of shared memory it has touched, here Ray's object store (/dev/shm):
+    an argument past Ray's inline limit (100 kB, e.g. a 24k-token prompt as a tuple) is read
+    from the store in place, and as the store places objects at new offsets the reader touches
+    new pages, so RSS climbs towards the store's size without the process holding anything.
+    RSS also counts file pages (``RssFile``: shared libraries).
+    """
+    fields = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "RssAnon:", "RssShmem:")):
+                key, value = line.split(":", 1)
+                fields[key] = int(value.split()[0]) * 1024
+    return fields["VmRSS"], fields["RssAnon"], fields.get("RssShmem", 0)
 
 
 def pool_actor_handles(live) -> dict[str, tuple[str, object]]:
@@ -229,23 +259,25 @@ def _brief(e: BaseException) -> str:
 
 
 def plot_rss(actors: list[dict], warmup_s: float, path: str | Path) -> Path:
-    """RSS (MiB) over the soak per actor, warm-up end marked."""
+    """RSS and private memory (MiB) over the soak per actor, warm-up end marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 5))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharex=True)
     for a in actors:
-        t, rss = zip(*a["series"])
-        ax.plot(t, rss, lw=1, label=a["label"])
-    ax.axvline(warmup_s, color="k", ls="--", lw=0.8)
-    ax.set_xlabel("wall time since first arrival (s)")
-    ax.set_ylabel("RSS (MiB)")
-    ax.set_title("soak: actor RSS (EMULATION)")
-    ax.legend(fontsize=6, ncol=3)
+        t, rss, private = zip(*a["series"])
+        axes[0].plot(t, rss, lw=1, label=a["label"])
+        axes[1].plot(t, private, lw=1, label=a["label"])
+    for ax, what in zip(axes, ("RSS", "private memory (RssAnon), the criterion")):
+        ax.axvline(warmup_s, color="k", ls="--", lw=0.8)
+        ax.set_xlabel("wall time since first arrival (s)")
+        ax.set_ylabel("MiB")
+        ax.set_title(f"soak: actor {what} (EMULATION)", fontsize=10)
+    axes[1].legend(fontsize=6, ncol=2)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path

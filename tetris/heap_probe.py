@@ -50,7 +50,11 @@ class _Mallinfo2(ctypes.Structure):
 
 
 def malloc_stats() -> dict | None:
-    """glibc's heap in bytes, or None where mallinfo2 is missing (musl, macOS, old glibc)."""
+    """glibc's heap in bytes, or None where mallinfo2 is missing (musl, macOS, old glibc).
+
+    Summed over all arenas (glibc's mallinfo2 walks them; checked here by allocating from a
+    second thread), which matters in a Ray actor: most allocations come from threads other than
+    the main one (a Serve replica runs its user code on a thread of its own)."""
     try:
         fn = ctypes.CDLL(None).mallinfo2
     except (OSError, AttributeError):

@@ -146,7 +146,8 @@ def test_short_soak_has_no_failures_samples_every_actor_and_releases_all(serve_h
                  "DecodePoolServer"]:
         a = labels[name]
         assert a["samples"] >= 5 and not a["lost"] and a["restarts"] == 0, name
-        assert a["rss_warm_mib"] > 10 and a["growth"] is not None
+        assert a["rss_warm_mib"] > 10 and a["growth"] is not None and a["rss_growth"] is not None
+        assert 10 < a["private_warm_mib"] < a["rss_warm_mib"]
     assert out["verdict"]["zero_failed"]
     assert out["verdict"]["max_growth"] == pytest.approx(
         max(a["growth"] for a in out["memory"]["actors"]))
@@ -159,3 +160,28 @@ def test_short_soak_has_no_failures_samples_every_actor_and_releases_all(serve_h
     for name, d in heap.items():
         assert "error" not in d, (name, d)
         assert np.isfinite(d["rss_mib"]) and "malloc_in_use_mib" in d and d["traced_mib"] > 0, name
+
+
+def test_private_memory_leaves_out_touched_shared_pages():
+    """The soak's criterion reads RssAnon: pages of shared memory a process touches (Ray's object
+    store) show in its RSS but not there, while its own allocations show in both."""
+    import os
+    from multiprocessing import shared_memory
+
+    from tetris.bench_soak_memory import _proc_memory
+
+    mib = 2 ** 20
+    rss0, private0, shared0 = _proc_memory(os.getpid())
+    seg = shared_memory.SharedMemory(create=True, size=32 * mib)
+    try:
+        seg.buf[::4096] = b"\x01" * len(seg.buf[::4096])      # touch every page
+        rss1, private1, shared1 = _proc_memory(os.getpid())
+        own = bytearray(32 * mib)                               # zero-filled: touched
+        rss2, private2, _ = _proc_memory(os.getpid())
+    finally:
+        seg.close()
+        seg.unlink()
+    assert shared1 - shared0 >= 30 * mib and rss1 - rss0 >= 30 * mib
+    assert private1 - private0 < 4 * mib
+    assert private2 - private1 >= 30 * mib and rss2 - rss1 >= 30 * mib
+    assert len(own) == 32 * mib
