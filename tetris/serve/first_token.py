@@ -75,4 +75,6 @@ class EarlyFirstToken:
         seq.tokens.append(int(first_token))
         if check_stop(seq, int(first_token), self.decode) is not None:
             return None
-        return FirstTokenStream(seq.to_output((int(first_token),)))
+        # the dispatcher's outputs carry no prompt (an empty tuple), this one included
+        return FirstTokenStream(msgspec.structs.replace(seq.to_output((int(first_token),)),
+                                                        prompt_token_ids=()))
