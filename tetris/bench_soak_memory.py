@@ -122,8 +122,9 @@ def _proc_memory(pid: int) -> tuple[int, int, int]:
     private = ``RssAnon``: the process's own pages (heaps, pymalloc arenas, stacks). shared =
     ``RssShmem``: pages of shared memory it has touched, here Ray's object store (/dev/shm):
     an argument past Ray's inline limit (100 kB, e.g. a 24k-token prompt as a tuple) is read
-    from the store in place, and as the store places objects at new offsets the reader touches
-    new pages, so RSS climbs towards the store's size without the process holding anything.
+    from the store in place, and as the store places objects at new offsets the reader can
+    touch new pages, which RSS counts though the process holds nothing (a few MiB in a soak:
+    docs/soak.md).
     RSS also counts file pages (``RssFile``: shared libraries).
     """
     fields = {}
@@ -169,7 +170,7 @@ class HeapProbe:
     def _targets(self) -> dict[str, tuple[str, object]]:
         import ray
 
-        out = {aid: lh for aid, lh in self.pool.items()}
+        out = dict(self.pool)
         for aid, (cls, _pid, name) in _alive_table().items():
             if cls.startswith(self.memory.prefix) and name:
                 try:

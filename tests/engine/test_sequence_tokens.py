@@ -6,7 +6,8 @@ from array import array
 
 import pytest
 
-from tetris.engine.request import Sequence, Tokens, int32_tokens
+from tetris.actors.token_ids import compact_tokens
+from tetris.engine.request import Sequence, Tokens
 from tetris.sampling_params import SamplingParams
 
 
@@ -40,9 +41,9 @@ def test_the_prompt_costs_four_bytes_a_token_and_an_int32_buffer_is_not_copied()
     seq = _seq(ids)
     assert seq.prompt_token_ids is ids                       # the caller's buffer, as is
     assert seq.prompt_token_ids.itemsize * len(ids) == 400_000
-    assert int32_tokens([1, 2, 3]) == array("i", [1, 2, 3])
+    assert compact_tokens([1, 2, 3]) == array("i", [1, 2, 3])
     with pytest.raises(ValueError, match="int32"):
-        int32_tokens([1, 2 ** 40])
+        compact_tokens([1, 2 ** 40])
 
 
 def test_equality_with_other_token_sequences():

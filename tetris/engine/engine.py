@@ -19,7 +19,8 @@ from tetris.engine.batcher import Batcher
 from tetris.engine.block_manager import BlockManager, OutOfBlocksError
 from tetris.engine.kv_cache import KVCache
 from tetris.engine.model_runner import ModelRunner
-from tetris.engine.request import FinishReason, RequestOutput, Sequence, SequenceStatus, int32_tokens
+from tetris.actors.token_ids import compact_tokens
+from tetris.engine.request import FinishReason, RequestOutput, Sequence, SequenceStatus
 from tetris.engine.sampling import check_stop, make_generator, sample
 from tetris.sampling_params import SamplingParams
 
@@ -118,7 +119,7 @@ class LLMEngine:
         if request_id in self._seqs:
             raise ValueError(f"request {request_id!r} is already running")
         try:
-            prompt = int32_tokens(prompt_token_ids)   # one int32 buffer (request.Tokens)
+            prompt = compact_tokens(prompt_token_ids)   # one int32 buffer (request.Tokens)
         except ValueError as e:
             raise ValueError(f"prompt token ids must be integers in the vocabulary "
                              f"[0, {self.vocab_size}): {e}") from None

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from tetris.actors.token_ids import compact_tokens
 from tetris.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -90,17 +91,6 @@ class Tokens:
         return f"Tokens(prompt={len(self.prompt)}, generated={self.generated!r})"
 
 
-def int32_tokens(token_ids: Iterable[int]) -> array:
-    """``token_ids`` as an int32 ``array('i')`` (as is when it already is one); ValueError for
-    an id that is not an int32 integer."""
-    if isinstance(token_ids, array) and token_ids.typecode == "i":
-        return token_ids
-    try:
-        return array("i", [int(t) for t in token_ids])
-    except (OverflowError, TypeError) as e:
-        raise ValueError(f"token ids must be int32 integers: {e}") from None
-
-
 class SequenceStatus(enum.Enum):
     RECEIVING = "receiving"  # holds blocks; its KV is being written by a prefill instance
     WAITING = "waiting"
@@ -151,7 +141,7 @@ class Sequence:
         max_total_tokens: int,
     ) -> None:
         self.request_id = request_id
-        self.prompt_token_ids = int32_tokens(prompt_token_ids)   # not copied if already one
+        self.prompt_token_ids = compact_tokens(prompt_token_ids)   # not copied if already one
         self.tokens = Tokens(self.prompt_token_ids)
         self.params = params
         self.generator = generator
