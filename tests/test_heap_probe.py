@@ -28,6 +28,7 @@ def test_report_reads_rss_malloc_and_object_counts():
     assert m is not None and m["in_use"] > 0 and m["arena"] > 0   # glibc here
     assert r["python"]["objects"] >= sum(r["python"]["types"].values()) > 0
     assert r["tracemalloc"] is None   # not tracing unless asked
+    assert r["pymalloc"]["arenas"] >= 1 and r["pymalloc"]["arena_size"] == 2 ** 20
 
 
 def test_diff_names_the_kept_type_and_the_malloc_growth():
@@ -44,6 +45,54 @@ def test_diff_names_the_kept_type_and_the_malloc_growth():
     del kept
     with pytest.raises(ValueError, match="different processes"):
         heap_diff(before, after | {"pid": -1})
+
+
+def test_pymalloc_arenas_and_the_memory_map_follow_small_objects():
+    """300k small tuples (and their ints) live in pymalloc's arenas: the arena count, the
+    live-block bytes and the map's ``other_anon`` (where those arenas are mapped) all grow by
+    about their size; freeing them gives the arenas back (nothing else pins them, they were
+    filled in one go)."""
+    before = heap_report()
+    kept = [(i, i + 1) for i in range(300_000)]   # a 56 B tuple and two 32 B ints: ~34 MiB of blocks
+    during = heap_report()
+    d = heap_diff(before, during)
+    assert 28 <= d["pymalloc_blocks_mib"] <= 42
+    assert 28 <= d["pymalloc_arenas_mib"] <= 46
+    assert d["maps_mib"]["other_anon"] >= 25                  # the arenas' pages, touched
+    assert abs(d["maps_mib"]["thread_stacks"]) < 1 and abs(d["maps_mib"]["malloc_arenas"]) < 2
+    del kept
+    after = heap_report()
+    assert heap_diff(during, after)["pymalloc_arenas_mib"] <= -25
+
+
+def test_memory_map_puts_thread_stacks_and_thread_arenas_in_their_own_kinds():
+    """Every thread has an 8 MiB stack mapping (glibc may reuse an exited thread's, so the count
+    of mappings, not their growth, is checked); a thread that mallocs mid-size blocks gets a
+    glibc arena of its own, 64 MiB-aligned."""
+    import threading
+
+    before = heap_probe.memory_map()
+    release = threading.Event()
+    held = []
+
+    def allocate():
+        held.extend(bytearray(b"x" * 100_000) for _ in range(80))   # 8 MB, under mmap threshold
+        release.wait()
+
+    threads = [threading.Thread(target=release.wait) for _ in range(4)]
+    threads.append(threading.Thread(target=allocate))
+    for t in threads:
+        t.start()
+    while len(held) < 80:
+        time.sleep(0.01)
+    during = heap_probe.memory_map()
+    release.set()
+    for t in threads:
+        t.join()
+    assert during["threads"] - before["threads"] == 5
+    assert during["thread_stack_maps"] >= 5 and during["thread_stacks"] >= 5 * 4096
+    assert during["malloc_arenas"] - before["malloc_arenas"] >= 7 * 2 ** 20
+    assert set(heap_probe.MAP_KINDS) <= set(during)
 
 
 def test_tracing_names_the_allocation_site_that_grew():

@@ -399,6 +399,10 @@ def _show_heap(heap: dict, growth: dict) -> None:
         types = ", ".join(f"{t.rsplit('.', 1)[-1]} +{n}" for t, n in list(d["types_grown"].items())[:4])
         print(f"  heap {label}: RSS {d['rss_mib']:+.1f} MiB, malloc in use "
               f"{d.get('malloc_in_use_mib', math.nan):+.1f} MiB, malloc free "
-              f"{d.get('malloc_free_mib', math.nan):+.1f} MiB, objects {d['objects']:+d} ({types})")
+              f"{d.get('malloc_free_mib', math.nan):+.1f} MiB, pymalloc arenas "
+              f"{d.get('pymalloc_arenas_mib', math.nan):+.1f} MiB, objects {d['objects']:+d} ({types})")
+        if "maps_mib" in d:
+            print("    private by mapping: " + ", ".join(
+                f"{kind} {mib:+.1f}" for kind, mib in d["maps_mib"].items()) + f" MiB; threads {d['threads']:+d}")
         for site in d.get("top_sites", [])[:3]:
             print(f"    {site['size_diff'] / 2 ** 20:+.2f} MiB at {site['frames'][-1]}")

@@ -11,6 +11,13 @@ them apart:
   ints, floats and strings are not tracked, but the lists and dicts holding them are), and
   ``pymalloc_blocks``, the blocks Python's small-object allocator has out (objects up to 512 B
   live in its own mmapped arenas, which ``malloc`` does not see);
+- ``pymalloc``: Python's small-object allocator's arenas (1 MiB each on 3.10+), how many it holds
+  and how much of them is in live blocks (from ``sys._debugmallocstats``): an arena returns to
+  the system only when its last block is freed, so a few survivors pin a whole MiB;
+- ``maps``: the process's private (anonymous) memory by kind of mapping, from
+  ``/proc/self/smaps``: the main heap, glibc's thread arenas, thread stacks, private copies of
+  file pages, and everything else mapped anonymously (pymalloc arenas, malloc's big blocks,
+  native libraries' own pools). This is what the soak's criterion measures, split;
 - ``tracemalloc``: when tracing was started, the allocation sites whose live bytes grew most
   since the start, from Python's own allocator hooks (this is the leak finder; tracing costs
   time and memory, so it runs only while asked for).
@@ -29,14 +36,17 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import threading
-import uuid
 import os
+import re
 import sys
+import tempfile
+import threading
 import tracemalloc
+import uuid
 from collections import Counter
 
-__all__ = ["heap_report", "heap_diff", "trace_start", "trace_stop", "ray_call", "malloc_stats"]
+__all__ = ["heap_report", "heap_diff", "trace_start", "trace_stop", "ray_call", "malloc_stats",
+           "memory_map", "pymalloc_stats"]
 
 _MIB = 2 ** 20
 _baseline: tracemalloc.Snapshot | None = None
@@ -65,6 +75,109 @@ def malloc_stats() -> dict | None:
             "free": m.fordblks, "top_releasable": m.keepcost}
 
 
+_ARENA_ALIGN = 64 * _MIB        # glibc's HEAP_MAX_SIZE on 64-bit: thread arenas start aligned to it
+_STACK_KIB = 8192               # pthread's default stack (RLIMIT_STACK), what threading uses
+_MAP_HEAD = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ (\d+)\s*(.*)$")
+MAP_KINDS = ("heap", "stack", "malloc_arenas", "thread_stacks", "file_copies", "other_anon")
+
+
+def memory_map(pid: int | str = "self") -> dict:
+    """Private anonymous bytes (smaps ``Anonymous``) by kind of mapping (module docstring), plus
+    ``threads`` (the process's thread count) and ``thread_stack_maps`` (8 MiB stacks mapped: live
+    threads', and those glibc caches from exited threads for reuse). Shared memory (Ray's
+    object store) is not in it."""
+    kinds = dict.fromkeys(MAP_KINDS, 0)
+    kinds["thread_stack_maps"] = 0
+    kind = None
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = _MAP_HEAD.match(line)
+            if head:
+                start, end, perms, inode, path = head.groups()
+                size_kib = (int(end, 16) - int(start, 16)) // 1024
+                if path == "[heap]":
+                    kind = "heap"
+                elif path.startswith("[stack"):
+                    kind = "stack"
+                elif inode != "0" or path.startswith("/"):
+                    kind = "file_copies"
+                elif path.startswith("["):       # [vdso], [vvar], [anon:...]: other
+                    kind = "other_anon"
+                elif int(start, 16) % _ARENA_ALIGN == 0 and size_kib <= _ARENA_ALIGN // 1024:
+                    kind = "malloc_arenas"
+                elif size_kib == _STACK_KIB and "w" in perms:
+                    kind = "thread_stacks"
+                    kinds["thread_stack_maps"] += 1
+                else:
+                    kind = "other_anon"
+            elif kind is not None and line.startswith("Anonymous:"):
+                kinds[kind] += int(line.split()[1]) * 1024
+    kinds["threads"] = len(os.listdir(f"/proc/{pid}/task"))
+    return kinds
+
+
+_stats_lock = threading.Lock()
+_PYMALLOC_LINES = {"# arenas allocated current": "arenas", "# arenas highwater mark": "arenas_peak",
+                   "# bytes in allocated blocks": "blocks_bytes",
+                   "# bytes in available blocks": "free_block_bytes"}
+
+
+def pymalloc_stats() -> dict | None:
+    """pymalloc's arenas now: ``arenas`` held (and ``arena_bytes``), their high-water mark, bytes
+    in live blocks and in free blocks of used pools. None where Python was built without it, and
+    while tracemalloc traces (its hooks replace the allocator, and CPython then prints nothing).
+
+    ``sys._debugmallocstats`` prints to the C stderr, so fd 2 points at a temporary file for the
+    call (C stdio flushed before it points back); lines other threads write meanwhile are copied
+    back to stderr afterwards."""
+    if not hasattr(sys, "_debugmallocstats"):
+        return None
+    with _stats_lock, tempfile.TemporaryFile(mode="w+b") as tmp:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        try:
+            os.dup2(tmp.fileno(), 2)
+            sys._debugmallocstats()
+            _libc_fflush()        # C stderr may be buffered (a Ray worker's is): empty it here
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        tmp.seek(0)
+        text = tmp.read().decode(errors="replace")
+    out: dict = {}
+    foreign = []
+    for line in text.splitlines():
+        key, _, value = line.partition("=")
+        name = _PYMALLOC_LINES.get(key.strip())
+        if name:
+            out[name] = int(value.strip().replace(",", ""))
+        elif "bytes/arena" in key:
+            out["arena_size"] = int(key.split("*")[1].split()[0])
+        elif not _is_mallocstats_line(line):
+            foreign.append(line)
+    if foreign:
+        sys.stderr.write("\n".join(foreign) + "\n")
+    if "arenas" not in out:
+        return None
+    out["arena_bytes"] = out["arenas"] * out.get("arena_size", _MIB)
+    return out
+
+
+def _libc_fflush() -> None:
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
+
+
+_MALLOCSTATS_LINE = re.compile(r"^(\s*$|-+\s|Small block threshold|class |#|\s*\d|Total|arena map|"
+                               r"\d+ (arenas|unused pools|free))")
+
+
+def _is_mallocstats_line(line: str) -> bool:
+    return bool(_MALLOCSTATS_LINE.match(line))
+
+
 def _rss() -> int:
     with open(f"/proc/{os.getpid()}/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -82,7 +195,8 @@ def heap_report(top_types: int = 200, top_sites: int = 15) -> dict:
     """This process's memory now (module docstring): RSS, malloc, objects by type, tracemalloc."""
     gc.collect()
     counts = _type_counts()
-    out = {"pid": os.getpid(), "rss": _rss(), "malloc": malloc_stats(),
+    out = {"pid": os.getpid(), "rss": _rss(), "malloc": malloc_stats(), "maps": memory_map(),
+           "pymalloc": pymalloc_stats(),
            "python": {"objects": sum(counts.values()), "pymalloc_blocks": sys.getallocatedblocks(),
                       "types": dict(counts.most_common(top_types))},
            "tracemalloc": None}
@@ -184,6 +298,13 @@ def heap_diff(before: dict, after: dict, top: int = 10) -> dict:
     if mb and ma:
         out["malloc_in_use_mib"] = (ma["in_use"] - mb["in_use"]) / _MIB
         out["malloc_free_mib"] = (ma["free"] - mb["free"]) / _MIB
+    pb, pa = before.get("pymalloc"), after.get("pymalloc")
+    if pb and pa:
+        out["pymalloc_arenas_mib"] = (pa["arena_bytes"] - pb["arena_bytes"]) / _MIB
+        out["pymalloc_blocks_mib"] = (pa["blocks_bytes"] - pb["blocks_bytes"]) / _MIB
+    if before.get("maps") and after.get("maps"):
+        out["maps_mib"] = {k: (after["maps"][k] - before["maps"][k]) / _MIB for k in MAP_KINDS}
+        out["threads"] = after["maps"]["threads"] - before["maps"]["threads"]
     tb, ta = before["python"]["types"], after["python"]["types"]
     grown = {t: ta[t] - tb.get(t, 0) for t in ta if ta[t] - tb.get(t, 0) > 0}
     out["objects"] = after["python"]["objects"] - before["python"]["objects"]

@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 
+from tetris import heap_probe
 from tetris.bench_soak import (add_args, deployment_capacity, held_is_zero, run, run_soak,
                                soak_arrivals, soak_rates, verdict)
 from tetris.bench_soak_memory import rss_growth
@@ -160,6 +161,7 @@ def test_short_soak_has_no_failures_samples_every_actor_and_releases_all(serve_h
     for name, d in heap.items():
         assert "error" not in d, (name, d)
         assert np.isfinite(d["rss_mib"]) and "malloc_in_use_mib" in d and d["traced_mib"] > 0, name
+        assert set(d["maps_mib"]) == set(heap_probe.MAP_KINDS), name   # (pymalloc: none when traced)
 
 
 def test_private_memory_leaves_out_touched_shared_pages():
