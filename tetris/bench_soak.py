@@ -402,7 +402,7 @@ def _show_heap(heap: dict, growth: dict) -> None:
               f"{d.get('malloc_free_mib', math.nan):+.1f} MiB, pymalloc arenas "
               f"{d.get('pymalloc_arenas_mib', math.nan):+.1f} MiB, objects {d['objects']:+d} ({types})")
         if "maps_mib" in d:
-            print("    private by mapping: " + ", ".join(
-                f"{kind} {mib:+.1f}" for kind, mib in d["maps_mib"].items()) + f" MiB; threads {d['threads']:+d}")
+            kinds = ", ".join(f"{kind} {mib:+.1f}" for kind, mib in d["maps_mib"].items())
+            print(f"    private by mapping (MiB): {kinds}; threads {d['threads']:+d}")
         for site in d.get("top_sites", [])[:3]:
             print(f"    {site['size_diff'] / 2 ** 20:+.2f} MiB at {site['frames'][-1]}")
