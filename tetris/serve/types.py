@@ -11,14 +11,19 @@
         print(piece.new_text, end="")                                       # GenerationDelta
 
 A request carries either ``prompt`` (text, tokenized by the server, BOS added) or
-``prompt_token_ids``. Bad input raises ``ValueError`` with the same message an HTTP client
+``prompt_token_ids`` (a tuple or list of ints, or an int32 ``array('i')``). On its way to the
+server (pickled by Ray) the ids travel as one int32 buffer, whatever the caller gave, so the
+ingress never holds a long prompt as Python int objects. Bad input raises ``ValueError`` with the same message an HTTP client
 would get in its error body; overload raises ``tetris.serve.backend.Overloaded``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
+from tetris.actors.token_ids import compact_tokens
 from tetris.sampling_params import SamplingParams
 
 __all__ = ["GenerationRequest", "Generation", "GenerationDelta"]
@@ -26,13 +31,28 @@ __all__ = ["GenerationRequest", "Generation", "GenerationDelta"]
 
 class GenerationRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prompt: str | None = None
-    prompt_token_ids: tuple[int, ...] | None = None
+    prompt_token_ids: Sequence[int] | None = None
     sampling: SamplingParams = SamplingParams()
     request_id: str | None = None   # default: a fresh one
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.prompt_token_ids is None):
             raise ValueError("give exactly one of prompt and prompt_token_ids")
+
+    def __reduce__(self):
+        """Pickled with the prompt as one int32 buffer (4 bytes a token, no objects).
+
+        A tuple of Python ints unpickles into one int object per token past 256 (32 bytes of
+        pymalloc each): a burst of long prompts in flight then leaves the ingress holding
+        pymalloc arenas that a few later survivors pin (docs/soak.md). Ids that are not int32
+        integers travel as given, so the server rejects them with the API's own error."""
+        ids = self.prompt_token_ids
+        if ids is not None:
+            try:
+                ids = compact_tokens(ids)
+            except ValueError:
+                pass
+        return (GenerationRequest, (self.prompt, ids, self.sampling, self.request_id))
 
 
 class Generation(msgspec.Struct, frozen=True):
