@@ -47,48 +47,75 @@ def test_diff_names_the_kept_type_and_the_malloc_growth():
         heap_diff(before, after | {"pid": -1})
 
 
+_SMALL_OBJECTS = """
+import json
+from tetris.heap_probe import heap_diff, heap_report
+before = heap_report()
+kept = [(i, i + 1) for i in range(300_000)]   # a 56 B tuple and two 32 B ints: ~34 MiB of blocks
+during = heap_report()
+del kept
+after = heap_report()
+print(json.dumps([heap_diff(before, during), heap_diff(during, after)]))
+"""
+
+
 def test_pymalloc_arenas_and_the_memory_map_follow_small_objects():
     """300k small tuples (and their ints) live in pymalloc's arenas: the arena count, the
     live-block bytes and the map's ``other_anon`` (where those arenas are mapped) all grow by
     about their size; freeing them gives the arenas back (nothing else pins them, they were
-    filled in one go)."""
-    before = heap_report()
-    kept = [(i, i + 1) for i in range(300_000)]   # a 56 B tuple and two 32 B ints: ~34 MiB of blocks
-    during = heap_report()
-    d = heap_diff(before, during)
-    assert 28 <= d["pymalloc_blocks_mib"] <= 42
-    assert 28 <= d["pymalloc_arenas_mib"] <= 46
-    assert d["maps_mib"]["other_anon"] >= 25                  # the arenas' pages, touched
-    assert abs(d["maps_mib"]["thread_stacks"]) < 1 and abs(d["maps_mib"]["malloc_arenas"]) < 2
-    del kept
-    after = heap_report()
-    assert heap_diff(during, after)["pymalloc_arenas_mib"] <= -25
+    filled in one go). In a fresh interpreter: in the test session's own, Ray's threads map
+    and unmap memory meanwhile, which moves ``other_anon`` by megabytes."""
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _SMALL_OBJECTS], capture_output=True, text=True,
+                         timeout=120, check=True)
+    grew, freed = json.loads(out.stdout)
+    assert 28 <= grew["pymalloc_blocks_mib"] <= 42
+    assert 28 <= grew["pymalloc_arenas_mib"] <= 46
+    assert grew["maps_mib"]["other_anon"] >= 25                  # the arenas' pages, touched
+    assert abs(grew["maps_mib"]["thread_stacks"]) < 1 and abs(grew["maps_mib"]["malloc_arenas"]) < 2
+    assert freed["pymalloc_arenas_mib"] <= -25 and freed["maps_mib"]["other_anon"] <= -20
+
+
+_THREADS = """
+import json, threading, time
+from tetris.heap_probe import memory_map
+before = memory_map()
+release = threading.Event()
+held = []
+
+def allocate():
+    held.extend(bytearray(b"x" * 100_000) for _ in range(80))   # 8 MB, under the mmap threshold
+    release.wait()
+
+threads = [threading.Thread(target=release.wait) for _ in range(4)]
+threads.append(threading.Thread(target=allocate))
+for t in threads:
+    t.start()
+while len(held) < 80:
+    time.sleep(0.01)
+during = memory_map()
+release.set()
+for t in threads:
+    t.join()
+print(json.dumps([before, during]))
+"""
 
 
 def test_memory_map_puts_thread_stacks_and_thread_arenas_in_their_own_kinds():
     """Every thread has an 8 MiB stack mapping (glibc may reuse an exited thread's, so the count
     of mappings, not their growth, is checked); a thread that mallocs mid-size blocks gets a
-    glibc arena of its own, 64 MiB-aligned."""
-    import threading
+    glibc arena of its own, 64 MiB-aligned. In a fresh interpreter with glibc's defaults (the
+    test session has Ray's threads, which come and go)."""
+    import json
+    import os
+    import subprocess
 
-    before = heap_probe.memory_map()
-    release = threading.Event()
-    held = []
-
-    def allocate():
-        held.extend(bytearray(b"x" * 100_000) for _ in range(80))   # 8 MB, under mmap threshold
-        release.wait()
-
-    threads = [threading.Thread(target=release.wait) for _ in range(4)]
-    threads.append(threading.Thread(target=allocate))
-    for t in threads:
-        t.start()
-    while len(held) < 80:
-        time.sleep(0.01)
-    during = heap_probe.memory_map()
-    release.set()
-    for t in threads:
-        t.join()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", _THREADS], capture_output=True, text=True,
+                         timeout=120, check=True, env=env)
+    before, during = json.loads(out.stdout)
     assert during["threads"] - before["threads"] == 5
     assert during["thread_stack_maps"] >= 5 and during["thread_stacks"] >= 5 * 4096
     assert during["malloc_arenas"] - before["malloc_arenas"] >= 7 * 2 ** 20
