@@ -13,8 +13,9 @@
 A request carries either ``prompt`` (text, tokenized by the server, BOS added) or
 ``prompt_token_ids`` (a tuple or list of ints, or an int32 ``array('i')``). On its way to the
 server (pickled by Ray) the ids travel as one int32 buffer, whatever the caller gave, so the
-ingress never holds a long prompt as Python int objects. Bad input raises ``ValueError`` with the same message an HTTP client
-would get in its error body; overload raises ``tetris.serve.backend.Overloaded``.
+ingress never holds a long prompt as Python int objects. Bad input raises ``ValueError`` with
+the same message an HTTP client would get in its error body; overload raises
+``tetris.serve.backend.Overloaded``.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class GenerationRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
                 ids = compact_tokens(ids)
             except ValueError:
                 pass
-        return (GenerationRequest, (self.prompt, ids, self.sampling, self.request_id))
+        return (type(self), (self.prompt, ids, self.sampling, self.request_id))
 
 
 class Generation(msgspec.Struct, frozen=True):
