@@ -15,11 +15,11 @@ from collections.abc import Sequence as Seq
 
 import msgspec
 
+from tetris.actors.token_ids import compact_tokens
 from tetris.engine.batcher import Batcher
 from tetris.engine.block_manager import BlockManager, OutOfBlocksError
 from tetris.engine.kv_cache import KVCache
 from tetris.engine.model_runner import ModelRunner
-from tetris.actors.token_ids import compact_tokens
 from tetris.engine.request import FinishReason, RequestOutput, Sequence, SequenceStatus
 from tetris.engine.sampling import check_stop, make_generator, sample
 from tetris.sampling_params import SamplingParams
