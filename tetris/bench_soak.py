@@ -12,7 +12,7 @@ and no actor's memory grows by more than 5% after warm-up").
    Time scale ``s`` as in ``tetris bench fidelity``: emulated time and arrival gaps x s.
 3. Memory: every ``--sample-every`` s, the memory of every actor of the app (Serve replicas,
    the Serve controller and proxy, prefill workers, decode ranks), plus one sample after the
-   drain: RSS, and the private part of it (``RssAnon``) that the criterion reads; RSS also
+   drain: RSS, and the private (anonymous) part of it that the criterion reads; RSS also
    counts the pages of Ray's shared object store a process has touched (bench_soak_memory).
    Growth per actor = mean of its last 3 samples / its first sample at or after warm-up - 1.
 4. Verdict: ``failed == 0`` and ``max_growth <= 5%`` (an actor lost or restarted fails the

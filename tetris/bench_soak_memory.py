@@ -117,23 +117,39 @@ class ActorMemory:
 
 
 def _proc_memory(pid: int) -> tuple[int, int, int]:
-    """(RSS, private, shared) bytes of a process from /proc/PID/status.
+    """(RSS, private, shared) bytes of a process.
 
-    private = ``RssAnon``: the process's own pages (heaps, pymalloc arenas, stacks). shared =
-    ``RssShmem``: pages of shared memory it has touched, here Ray's object store (/dev/shm):
-    an argument past Ray's inline limit (100 kB, e.g. a 24k-token prompt as a tuple) is read
-    from the store in place, and as the store places objects at new offsets the reader can
-    touch new pages, which RSS counts though the process holds nothing (a few MiB in a soak:
-    docs/soak.md).
-    RSS also counts file pages (``RssFile``: shared libraries).
+    private = anonymous pages: the process's own memory (heaps, pymalloc arenas, stacks).
+    shared = ``RssShmem``: pages of shared memory it has touched, here Ray's object store
+    (/dev/shm): an argument past Ray's inline limit (100 kB, e.g. a 24k-token prompt as a
+    tuple) is read from the store in place, and as the store places objects at new offsets the
+    reader can touch new pages, which RSS counts though the process holds nothing (a few MiB in
+    a soak: docs/soak.md). RSS also counts file pages (shared libraries).
+
+    RSS and private come from ``/proc/PID/smaps_rollup``, which walks the page tables. The
+    counters in ``/proc/PID/status`` are cheaper but can lag: kernels before 6.2 keep them per
+    thread and fold them in only every 64 page faults, so 32 MiB faulted in as 16 huge pages
+    may not show at all. ``status`` is the fallback where ``smaps_rollup`` is missing.
     """
+    status = _kib_fields(f"/proc/{pid}/status", ("VmRSS", "RssAnon", "RssShmem"))
+    try:
+        rollup = _kib_fields(f"/proc/{pid}/smaps_rollup", ("Rss", "Anonymous"))
+    except FileNotFoundError:
+        rollup = {}
+    if "Rss" in rollup and "Anonymous" in rollup:
+        return rollup["Rss"], rollup["Anonymous"], status.get("RssShmem", 0)
+    return status["VmRSS"], status["RssAnon"], status.get("RssShmem", 0)
+
+
+def _kib_fields(path: str, keys: tuple[str, ...]) -> dict[str, int]:
+    """The ``Key:  N kB`` lines of a /proc file named in ``keys``, in bytes."""
     fields = {}
-    with open(f"/proc/{pid}/status") as f:
+    with open(path) as f:
         for line in f:
-            if line.startswith(("VmRSS:", "RssAnon:", "RssShmem:")):
-                key, value = line.split(":", 1)
+            key, _, value = line.partition(":")
+            if key in keys:
                 fields[key] = int(value.split()[0]) * 1024
-    return fields["VmRSS"], fields["RssAnon"], fields.get("RssShmem", 0)
+    return fields
 
 
 def pool_actor_handles(live) -> dict[str, tuple[str, object]]:
@@ -271,7 +287,7 @@ def plot_rss(actors: list[dict], warmup_s: float, path: str | Path) -> Path:
         t, rss, private = zip(*a["series"])
         axes[0].plot(t, rss, lw=1, label=a["label"])
         axes[1].plot(t, private, lw=1, label=a["label"])
-    for ax, what in zip(axes, ("RSS", "private memory (RssAnon), the criterion")):
+    for ax, what in zip(axes, ("RSS", "private (anonymous) memory, the criterion")):
         ax.axvline(warmup_s, color="k", ls="--", lw=0.8)
         ax.set_xlabel("wall time since first arrival (s)")
         ax.set_ylabel("MiB")
