@@ -129,12 +129,12 @@ def _proc_memory(pid: int) -> tuple[int, int, int]:
     RSS and private come from ``/proc/PID/smaps_rollup``, which walks the page tables. The
     counters in ``/proc/PID/status`` are cheaper but can lag: kernels before 6.2 keep them per
     thread and fold them in only every 64 page faults, so 32 MiB faulted in as 16 huge pages
-    may not show at all. ``status`` is the fallback where ``smaps_rollup`` is missing.
+    may not show at all. ``status`` is the fallback where ``smaps_rollup`` cannot be read.
     """
     status = _kib_fields(f"/proc/{pid}/status", ("VmRSS", "RssAnon", "RssShmem"))
     try:
         rollup = _kib_fields(f"/proc/{pid}/smaps_rollup", ("Rss", "Anonymous"))
-    except FileNotFoundError:
+    except OSError:     # no such file on this kernel, not ours to read, or just exited
         rollup = {}
     if "Rss" in rollup and "Anonymous" in rollup:
         return rollup["Rss"], rollup["Anonymous"], status.get("RssShmem", 0)
