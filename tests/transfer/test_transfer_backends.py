@@ -70,3 +70,27 @@ def test_nixl_agents_write_with_notification():
     finally:
         a.close()
         b.close()
+
+
+def test_a_replaced_nixl_peer_is_reached_at_its_new_address():
+    """A receiver's process is replaced (a restarted decode rank): its agent comes back under
+    the same name with new metadata, and the sender's next ``add_peer`` swaps the old peer for
+    the new one, so writes land in the new process's memory."""
+    reason = nixl_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    a = make_agent("nixl-replace-a", backend="nixl")
+    old = make_agent("nixl-replace-b", backend="nixl")
+    try:
+        _write_and_notify(a, old)
+        old_info = old.info()
+        a.add_peer(old_info)                        # the same info again: nothing to do
+        old.close()
+        new = make_agent("nixl-replace-b", backend="nixl")
+        try:
+            assert new.info().metadata != old_info.metadata
+            _write_and_notify(a, new)               # add_peer(new.info()) replaces the peer
+        finally:
+            new.close()
+    finally:
+        a.close()

@@ -39,7 +39,9 @@ class TransferAgent(abc.ABC):
         """Metadata a peer passes to ``add_peer`` (sent through Ray by the owners)."""
 
     @abc.abstractmethod
-    def add_peer(self, info: AgentInfo) -> None: ...
+    def add_peer(self, info: AgentInfo) -> None:
+        """Make ``info``'s agent reachable. Idempotent; a known name with new metadata (its
+        process was replaced) replaces the old peer."""
 
     @abc.abstractmethod
     def remove_peer(self, name: str) -> None: ...

@@ -72,7 +72,7 @@ class EmulatedAgent(TransferAgent):
                 _LOCAL[name] = self
         self._inbox: list[tuple[str, bytes]] = []
         self._regions: dict[int, int] = {}     # data_ptr (or id) -> region address
-        self._peers: set[str] = set()
+        self._peers: dict[str, bytes] = {}      # name -> the metadata it was added with
         self._link_free = 0.0                  # when this agent's link is next idle
         self.bytes_written = 0                 # wire bytes (the paper's: × bytes_per_wire_byte)
 
@@ -83,16 +83,19 @@ class EmulatedAgent(TransferAgent):
     def add_peer(self, info: AgentInfo) -> None:
         if info.backend != self.backend:
             raise ValueError(f"peer {info.name!r} uses backend {info.backend!r}, this agent {self.backend!r}")
-        if info.name in self._peers:
+        known = self._peers.get(info.name)
+        if known == info.metadata:
             return
+        if known is not None:   # the peer was replaced (a restarted process): forget the old one
+            self.remove_peer(info.name)
         if self._nixl is not None:
             self._nixl.add_remote_agent(info.metadata)
-        self._peers.add(info.name)
+        self._peers[info.name] = info.metadata
 
     def remove_peer(self, name: str) -> None:
         if name in self._peers and self._nixl is not None:
             self._nixl.remove_remote_agent(name)
-        self._peers.discard(name)
+        self._peers.pop(name, None)
 
     def register(self, buffer: torch.Tensor) -> RegionDesc:
         # Meta tensors (no storage) are welcome: nothing is ever written into a region.

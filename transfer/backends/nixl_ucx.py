@@ -34,7 +34,7 @@ class NixlAgent(TransferAgent):
         if "UCX" not in self._agent.backends:
             raise RuntimeError(f"NIXL agent {name!r} has no UCX backend (plugins: {self._agent.plugin_list})")
         self._registered: dict[int, object] = {}   # data_ptr -> nixlRegDList
-        self._peers: set[str] = set()
+        self._peers: dict[str, bytes] = {}      # name -> the metadata it was added with
 
     def info(self) -> AgentInfo:
         return AgentInfo(name=self.name, backend=self.backend, metadata=self._agent.get_agent_metadata())
@@ -42,15 +42,18 @@ class NixlAgent(TransferAgent):
     def add_peer(self, info: AgentInfo) -> None:
         if info.backend != self.backend:
             raise ValueError(f"peer {info.name!r} uses backend {info.backend!r}, this agent {self.backend!r}")
-        if info.name in self._peers:
+        known = self._peers.get(info.name)
+        if known == info.metadata:
             return
+        if known is not None:   # the peer was replaced (a restarted process): forget the old one
+            self.remove_peer(info.name)
         self._agent.add_remote_agent(info.metadata)
-        self._peers.add(info.name)
+        self._peers[info.name] = info.metadata
 
     def remove_peer(self, name: str) -> None:
         if name in self._peers:
             self._agent.remove_remote_agent(name)
-            self._peers.discard(name)
+            del self._peers[name]
 
     def register(self, buffer: torch.Tensor) -> RegionDesc:
         if not buffer.is_contiguous():
