@@ -6,7 +6,7 @@ import pytest
 
 from tetris.scheduler.decode_latency import DecodeLatencyModel
 from tetris.scheduler.rate import ImprovementRateTable, RateMonitor, RateTableError
-from tetris.scheduler.router import DecodeRouter, RouterError
+from tetris.scheduler.router import DecodeRouter, NoInstanceUp, RouterError
 
 # Our Fig. 2a grid: batch 1-64, 4k-128k tokens per request, where the KV fits the TP size.
 GRID = [(b, c) for b in (1, 2, 4, 8, 16, 32, 64) for c in (4096, 8192, 16384, 32768, 65536, 131072)]
@@ -54,6 +54,27 @@ def test_router_prefers_freeness_and_counts_virtual_usage():
         r.release(0, 1)
     with pytest.raises(RouterError):
         r.reserve(5, 1)
+
+
+def test_router_skips_instances_marked_down_and_says_when_none_is_up():
+    r = DecodeRouter([1000, 1000, 1000])
+    r.update(0, 500, 1)
+    r.update(2, 600, 1)
+    r.update(1, 900, 1)                  # the freest
+    assert r.choose(10) == 1
+    r.set_up(1, False)
+    assert r.choose(10) == 2             # the freest of those up
+    r.reserve(1, 50)                     # bookings made before it went down still count
+    r.release(1, 50)
+    r.set_up(0, False)
+    r.set_up(2, False)
+    with pytest.raises(NoInstanceUp, match="all 3 decode instances are down"):
+        r.choose(10)
+    assert not isinstance(NoInstanceUp("x"), ValueError)   # not the client's fault: no 400
+    r.set_up(1, True)
+    assert r.choose(10) == 1
+    with pytest.raises(RouterError):
+        r.set_up(3, False)
 
 
 def test_rate_table_lookup_and_roundtrip(tmp_path):

@@ -25,8 +25,9 @@ class _Result(msgspec.Struct):
 
 
 class FakePrefill:
-    def __init__(self, delay: float = 0.01) -> None:
+    def __init__(self, delay: float = 0.01, receivers=((0, 1),)) -> None:
         self.delay = delay
+        self.receivers = receivers   # the decode instances' receiver ids it may be given
         self.committed: list[str] = []
         self.ran: list[str] = []
         self.released: list[str] = []
@@ -36,7 +37,7 @@ class FakePrefill:
         self.committed.append(plan.request_id)
 
     async def run(self, plan, token_ids, sampling, kv_receivers):
-        assert kv_receivers == (0, 1)
+        assert kv_receivers in self.receivers
         self.ran.append(plan.request_id)
         await asyncio.sleep(self.delay)
         return _Result(first_token=token_ids[-1] % 7, elapsed_s=self.delay)
@@ -168,6 +169,41 @@ def test_overload_is_refused_without_holding_anything():
         return await first
 
     assert asyncio.run(two())[-1].finished
+
+
+class _InstanceDecode(FakeDecode):
+    """Records which decode instance each request was reserved on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.instance_of: dict[str, int] = {}
+
+    async def reserve(self, instance, request_id, prompt, sampling) -> None:
+        self.instance_of[request_id] = instance
+        await super().reserve(instance, request_id, prompt, sampling)
+
+    async def stats(self):
+        return [None, None]
+
+
+def test_a_decode_instance_marked_down_gets_no_requests_until_it_is_up():
+    decode = _InstanceDecode()
+    d = Dispatcher(load_deployment(None), FakePrefill(receivers=((0, 1), (2, 3))), decode,
+                   node_of=[0, 0, 1, 1],
+                   decode_capacities=[4096, 4096])
+    d.set_decode_up(0, False)
+    for k in range(3):
+        assert asyncio.run(_collect(d, _req(f"r{k}")))[-1].finished
+    assert set(decode.instance_of.values()) == {1} and d.stats()["decode_down"] == [0]
+    d.set_decode_up(1, False)
+    with pytest.raises(Overloaded, match="all 2 decode instances are down") as e:
+        asyncio.run(_collect(d, _req("none")))
+    assert e.value.retry_after_s > 0 and "none" not in decode.instance_of
+    assert d.held() == {"inflight": 0, "queue_bookings": 0, "virtual_usage": 0,
+                        "virtual_requests": 0, "cleanups": 0}
+    d.set_decode_up(0, True)
+    assert asyncio.run(_collect(d, _req("back")))[-1].finished
+    assert decode.instance_of["back"] == 0 and d.stats()["decode_down"] == [1]
 
 
 def test_concurrent_requests_commit_in_planning_order_and_spread_over_the_pool():

@@ -18,11 +18,15 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["DecodeRouter", "RouterError"]
+__all__ = ["DecodeRouter", "NoInstanceUp", "RouterError"]
 
 
 class RouterError(ValueError):
     """Unknown instance or request, or an invalid slot count."""
+
+
+class NoInstanceUp(RuntimeError):
+    """Every decode instance is marked down (``set_up``): nothing to route to right now."""
 
 
 class DecodeRouter:
@@ -35,6 +39,7 @@ class DecodeRouter:
         self.free_slots: list[int] = caps
         self.batch_size: list[int] = [0] * len(caps)
         self.virtual: list[int] = [0] * len(caps)
+        self.down: set[int] = set()   # instances not to route to (broken, being restarted)
 
     @property
     def num_instances(self) -> int:
@@ -49,16 +54,27 @@ class DecodeRouter:
 
         When no instance has room now, the freest one anyway: the request waits in that
         instance's queue rather than being refused. Ties: smaller batch, then lower index.
+        Instances marked down are skipped; ``NoInstanceUp`` when that is all of them.
         """
         if request_kv_tokens < 0:
             raise RouterError(f"request_kv_tokens must be non-negative, got {request_kv_tokens}")
         best, best_key = 0, None
         for i in range(self.num_instances):
+            if i in self.down:
+                continue
             room = self.free_slots[i] - self.virtual[i] >= request_kv_tokens
             key = (not room, -self.freeness(i), self.batch_size[i], i)
             if best_key is None or key < best_key:
                 best, best_key = i, key
+        if best_key is None:
+            raise NoInstanceUp(f"all {self.num_instances} decode instances are down")
         return best
+
+    def set_up(self, instance: int, up: bool) -> None:
+        """Route to ``instance`` again, or stop routing to it (requests already there stay
+        booked until released)."""
+        self._check(instance)
+        (self.down.discard if up else self.down.add)(instance)
 
     def reserve(self, instance: int, kv_tokens: int) -> None:
         """Count a request's slots as used while its KV is in flight (virtual usage)."""

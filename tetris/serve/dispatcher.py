@@ -51,7 +51,7 @@ from tetris.scheduler.latency import PrefillLatencyModel, PrefillProfile, load_p
 from tetris.scheduler.policies import policy_from_config
 from tetris.scheduler.pool import PoolState
 from tetris.scheduler.rate import ImprovementRateTable, RateMonitor
-from tetris.scheduler.router import DecodeRouter
+from tetris.scheduler.router import DecodeRouter, NoInstanceUp
 from tetris.serve.backend import Overloaded
 from tetris.serve.first_token import EarlyFirstToken
 from tetris.serve.metrics import ServingMetrics
@@ -225,6 +225,11 @@ class Dispatcher:
         self.queue.hold([int(i) for i in instances], self.clock() + seconds)
         return self.stats()
 
+    def set_decode_up(self, instance: int, up: bool) -> None:
+        """Route new requests to decode ``instance`` again, or stop (it broke and is being
+        restarted); requests already there end as the instance lets them."""
+        self.router.set_up(int(instance), bool(up))
+
     # -- requests ---------------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; closing the iterator early aborts it everywhere."""
@@ -300,7 +305,10 @@ class Dispatcher:
 
     async def _route(self, req: GenerateRequest, tl: RequestTimeline) -> int:
         kv_tokens = len(req.prompt_token_ids) + req.sampling.max_tokens
-        instance = self.router.choose(kv_tokens)
+        try:
+            instance = self.router.choose(kv_tokens)
+        except NoInstanceUp as e:
+            raise Overloaded(f"{e}: restarting, retry shortly", retry_after_s=2.0) from None
         self.router.reserve(instance, kv_tokens)
         self._virtual[req.request_id] = (instance, kv_tokens)
         tl.decode_instance = instance
@@ -376,6 +384,7 @@ class Dispatcher:
         now = self.clock()
         return {"running": len(self._inflight), "waiting": 0,
                 "improvement_rate": self.improvement_rate,
+                "decode_down": sorted(self.router.down),
                 "queue_times": [t - now for t in self.queue.queue_times(now)]}
 
     def held(self) -> dict:
