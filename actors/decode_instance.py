@@ -94,6 +94,9 @@ class DecodeInstance:
         self._loop_task: asyncio.Task | None = None
         self._stats: EngineStats | None = None
         self._broken: BaseException | None = None
+        self._restarting = False
+        self.restarts = 0
+        self._senders: dict[int, object] = {}   # kept to connect replacement ranks
         self._agent_infos: list[AgentInfo] = []
         self.rounds = 0   # rounds sent to the ranks (tests check that idle means no rounds)
         # rank 0's engine step time of recent rounds that produced tokens (benchmarks)
@@ -139,7 +142,49 @@ class DecodeInstance:
 
     async def connect_senders(self, peers: dict[int, object]) -> None:
         """Sender actors keyed by sender id; each rank's pump answers them."""
+        self._senders.update(peers)
         await asyncio.gather(*[r.connect_senders.remote(dict(peers)) for r in self.ranks])
+
+    # -- health ---------------------------------------------------------------------------
+    @property
+    def broken(self) -> BaseException | None:
+        """Why the instance stopped serving (a round failed: a rank died or diverged), or None."""
+        return self._broken
+
+    async def check(self, timeout_s: float = 10.0) -> BaseException | None:
+        """``broken``, after making sure every rank is still alive: an idle instance sends no
+        rounds, so a rank that died meanwhile would otherwise fail the next request first. A
+        rank too busy to answer within ``timeout_s`` counts as alive."""
+        if self._broken is None and self.ranks and not self._restarting:
+            try:
+                await asyncio.wait_for(asyncio.gather(
+                    *[r.__ray_ready__.remote() for r in self.ranks]), timeout_s)
+            except ray.exceptions.RayActorError as e:
+                self._break(e)
+            except asyncio.TimeoutError:
+                pass
+        return self._broken
+
+    async def restart(self) -> None:
+        """Replace every rank: new actors, TP group, engines and transfer agents, connected to
+        the same senders. The requests it held have already failed (``DecodeError``). Senders
+        must ``add_peer`` the new ``agent_infos`` (same names, new addresses) before they can
+        stream to it again; until this returns, new requests are refused."""
+        self._restarting = True
+        try:
+            await self.shutdown()
+            self._broken = None
+            self._commands.clear()
+            self._stats = None
+            await self.start()
+            if self._senders:
+                await self.connect_senders(self._senders)
+            self.restarts += 1
+        except BaseException as e:
+            self._broken = e if isinstance(e, Exception) else RuntimeError("restart cancelled")
+            raise
+        finally:
+            self._restarting = False
 
     # -- requests -------------------------------------------------------------------------
     async def reserve(self, request_id: str, prompt_token_ids, sampling: SamplingParams) -> None:
@@ -219,8 +264,9 @@ class DecodeInstance:
             self._loop_task = None
         self._fail_all(DecodeError(f"decode instance {self.instance} shut down"))
         if self.ranks:
-            with contextlib.suppress(Exception):
-                await asyncio.gather(*[r.shutdown.remote() for r in self.ranks])
+            with contextlib.suppress(Exception):   # a dead rank answers at once; a hung one not
+                await asyncio.wait_for(asyncio.gather(*[r.shutdown.remote() for r in self.ranks]),
+                                       timeout=30.0)
             for r in self.ranks:
                 ray.kill(r)
             self.ranks = []
@@ -230,6 +276,8 @@ class DecodeInstance:
 
     # -- internals ------------------------------------------------------------------------
     def _open(self, request_id: str, *, receiving: bool) -> _Request:
+        if self._restarting:
+            raise DecodeError(f"decode instance {self.instance} is restarting")
         if self._broken is not None:
             raise DecodeError(f"decode instance {self.instance} is broken: {self._broken}")
         if self._loop_task is None:
@@ -272,6 +320,7 @@ class DecodeInstance:
             if not req.admitted.done():
                 req.admitted.set_exception(error)
             req.queue.put_nowait(error)
+            self._keep_ended(request_id, req)   # a stream opened later still gets the error
 
     def _busy(self) -> tuple[bool, bool]:
         """(the engines have work to step, some rank still receives KV)."""
@@ -305,8 +354,16 @@ class DecodeInstance:
             raise
         except Exception as exc:  # noqa: BLE001 - a rank died or diverged: fail everything
             log.exception("decode instance %d: round failed", self.instance)
-            self._broken = exc
-            self._fail_all(DecodeError(f"decode instance {self.instance} failed: {exc}"))
+            self._break(exc)
+
+    def _break(self, exc: BaseException) -> None:
+        """Stop serving: fail every request it holds; ``restart`` brings it back."""
+        if self._broken is not None:
+            return
+        self._broken = exc
+        self._fail_all(DecodeError(f"decode instance {self.instance} failed: {exc}"))
+        if self._loop_task is not None and self._loop_task is not asyncio.current_task():
+            self._loop_task.cancel()   # found by ``check``: no more rounds to dead ranks
 
     def _route(self, cmds: list[Command], replies: list[StepReply]) -> None:
         self._stats = replies[0].stats

@@ -152,14 +152,16 @@ def cluster(ray_session, loop):
         ray.kill(s)
 
 
-async def _send_kv(senders, request_id: str, kv: list[torch.Tensor], chunks, layers: int | None = None):
-    """Rank r gets heads [r, r+1) (Hkv 2 over TP 2) of every chunk from sender r."""
+async def _send_kv(senders, request_id: str, kv: list[torch.Tensor], chunks, layers: int | None = None,
+                   receivers: tuple[int, ...] = (0, 1)):
+    """Rank r (receiver ``receivers[r]``) gets heads [r, r+1) (Hkv 2 over TP 2) of every chunk
+    from sender r."""
     n = kv[0].shape[0]
     refs = []
     for r, s in enumerate(senders):
         shard = [layer_kv[:, :, r:r + 1].contiguous() for layer_kv in kv]
         for c, chunk in enumerate(chunks):
-            refs.append(s.send.remote(request_id, r, n, c, chunk, shard,
+            refs.append(s.send.remote(request_id, receivers[r], n, c, chunk, shard,
                                       len(kv) if layers is None else layers))
     await asyncio.gather(*refs)
 
@@ -368,3 +370,61 @@ def test_rank_in_process_tp1_commands_and_rejections(reference):
         assert rank.held().empty
     finally:
         rank.shutdown()
+
+
+def test_a_dead_rank_breaks_the_instance_and_a_restart_brings_it_back(ray_session, loop, reference):
+    """A TP rank dies while the instance is idle: ``check`` finds it and fails nothing else;
+    a request on the broken instance is refused with ``DecodeError``; ``restart`` replaces the
+    ranks (new transfer agents under the same names), the senders re-add the new agents, and a
+    KV-fed request then decodes exactly as before. Nothing is left held, no old rank lives."""
+    reason = nixl_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    inst = DecodeInstance(DEPLOYMENT, 1, transfer=TRANSFER)   # receivers 2, 3
+    senders = [TestSenderActor.remote(r, TRANSFER) for r in range(2)]   # ids < pool_size
+    prompt = _prompt(10, 8)
+    want, kv = reference.generate(prompt), reference.prompt_kv(prompt)
+
+    async def wire():
+        infos = await inst.agent_infos()
+        await asyncio.gather(*[s.connect.remote([infos[r]], {inst.receiver_ids[r]: inst.ranks[r]})
+                               for r, s in enumerate(senders)])
+
+    async def kv_fed(rid: str) -> list:
+        await inst.reserve(rid, prompt, GREEDY)
+        inst.commit(rid, want[0])
+        await _send_kv(senders, rid, kv, [(0, 4), (4, 10)], receivers=inst.receiver_ids)
+        return await _collect(inst, rid)
+
+    async def body():
+        await inst.start()
+        await wire()
+        await inst.connect_senders(dict(enumerate(senders)))
+        before = await kv_fed("before")
+        old = list(inst.ranks)
+        assert await inst.check() is None
+        ray.kill(old[1])
+        deadline = time.monotonic() + 30
+        while await inst.check() is None:
+            assert time.monotonic() < deadline, "the dead rank was never noticed"
+            await asyncio.sleep(0.1)
+        assert isinstance(inst.broken, ray.exceptions.RayActorError)
+        with pytest.raises(DecodeError, match="broken"):
+            await inst.add("refused", prompt, GREEDY)
+        await inst.restart()
+        assert inst.broken is None and inst.restarts == 1 and inst.ranks[0] is not old[0]
+        await wire()                      # the senders learn the new agents' addresses
+        after = await kv_fed("after")
+        await _wait_empty(inst, senders)
+        return before, after, old
+
+    try:
+        before, after, old = loop.run_until_complete(body())
+        assert list(before[-1].token_ids) == want == list(after[-1].token_ids)
+        for rank in old:                  # the survivor was killed too: no orphan actors
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(rank.__ray_ready__.remote(), timeout=30)
+    finally:
+        loop.run_until_complete(inst.shutdown())
+        for s in senders:
+            ray.kill(s)

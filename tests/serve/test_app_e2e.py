@@ -318,3 +318,53 @@ def test_admin_rate_table_round_trip_and_bad_table_refused(app):
         prof = c.get(f"{base}/admin/latency_profile").json()
         assert c.put(f"{base}/admin/latency_profile", json=prof).json() == prof
         assert json.dumps(prof)
+
+
+def test_a_dead_decode_rank_is_replaced_and_the_system_serves_again(app, engine):
+    """Runs last in this module: it kills a TP rank of the only decode instance. The
+    dispatcher's health check finds it, stops routing there (a request meanwhile gets a 429
+    with Retry-After, or a 5xx if it was already on the dying instance), restarts the instance
+    with new ranks, hands the prefill workers the new transfer agents, and routes to it again:
+    the next request decodes exactly as the engine does, and nothing is left held."""
+    import time
+
+    import ray
+    from ray import serve
+
+    from tetris.serve.app import APP_NAME
+
+    _, base = app
+    decode = serve.get_deployment_handle("DecodePoolServer", APP_NAME)
+    dispatcher = serve.get_deployment_handle("DispatcherServer", APP_NAME)
+    old = decode.peers.remote().result()
+    ray.kill(old[1][0])                                  # TP rank 1 of decode instance 0
+    deadline = time.monotonic() + 240
+    while dispatcher.stats.remote().result()["decode_restarts"].get(0, 0) < 1:
+        assert time.monotonic() < deadline, "the decode instance was never restarted"
+        r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "meanwhile",
+                                                       "max_tokens": 2}, timeout=120)
+        assert r.status_code in (200, 429, 500), r.text
+        if r.status_code == 429:
+            assert int(r.headers["retry-after"]) >= 1
+        time.sleep(0.5)
+    new = decode.peers.remote().result()
+    assert set(new) == set(old)
+    assert all(new[rid][0]._actor_id != old[rid][0]._actor_id for rid in old)   # new ranks
+    assert dispatcher.stats.remote().result()["decode_down"] == []
+
+    prompt = _prompt(300, 9)
+    r = asyncio.run(_complete_once(base, prompt, 16))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == _reference(engine, [prompt], 16)[0].text
+    held = None
+    for _ in range(100):
+        held = _held(base)
+        if _idle(held):
+            break
+        time.sleep(0.2)
+    assert _idle(held), json.dumps(held, indent=1)
+
+
+async def _complete_once(base, prompt, n):
+    async with httpx.AsyncClient(timeout=120) as c:
+        return await _complete(c, base, prompt, n)

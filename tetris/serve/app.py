@@ -24,6 +24,8 @@ workers' actor handles.
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +43,8 @@ from tetris.serve.types import Generation, GenerationDelta, GenerationRequest
 
 __all__ = ["build_app", "app_builder", "APP_NAME", "Ingress", "DispatcherServer",
            "PrefillPoolServer", "DecodePoolServer"]
+
+log = logging.getLogger(__name__)
 
 APP_NAME = "tetris"
 # control processes: mostly waiting, never refused a slot; the process environment that keeps
@@ -129,6 +133,20 @@ class DecodePoolServer:
         for inst in self.instances:
             await inst.connect_senders(senders)
 
+    async def health(self) -> list[str | None]:
+        """Per instance: None when serving, else why it broke (a dead rank is found here even
+        while the instance is idle)."""
+        return [None if (err := await inst.check()) is None else f"{type(err).__name__}: {err}"
+                for inst in self.instances]
+
+    async def recover(self, instance: int) -> dict:
+        """Restart a broken instance; returns its receivers' new (rank handle, agent info), which
+        the prefill workers must be given before they can stream to it."""
+        inst = self.instances[instance]
+        await inst.restart()
+        infos = await inst.agent_infos() if inst.transfer is not None else [None] * inst.tp_size
+        return {rid: (rank, info) for rid, rank, info in zip(inst.receiver_ids, inst.ranks, infos)}
+
     async def reserve(self, instance: int, request_id: str, prompt, sampling) -> None:
         await self.instances[instance].reserve(request_id, prompt, sampling)
 
@@ -194,6 +212,9 @@ class _DecodeHandleClient:
             if _is_full(e):
                 raise Overloaded(f"decode instance {instance} has no KV room: {e}",
                                  retry_after_s=getattr(e, "retry_after_s", 1.0)) from None
+            if _is_decode_error(e):   # broken or restarting: the dispatcher heals it
+                raise Overloaded(f"decode instance {instance} is unavailable: {e}",
+                                 retry_after_s=2.0) from None
             raise
 
     async def commit(self, instance, request_id, first_token) -> None:
@@ -220,6 +241,12 @@ def _is_full(err: BaseException) -> bool:
     return isinstance(err, DecodeFull) or "DecodeFull" in type(err).__name__
 
 
+def _is_decode_error(err: BaseException) -> bool:
+    from tetris.actors.decode_instance import DecodeError
+
+    return isinstance(err, DecodeError) or "DecodeError" in type(err).__name__
+
+
 @serve.deployment(ray_actor_options=_NO_CPU, max_ongoing_requests=4096)
 class DispatcherServer:
     """The dispatcher (``tetris.serve.dispatcher``) on a uvloop event loop."""
@@ -231,6 +258,9 @@ class DispatcherServer:
         self.dispatcher = None
         self._lock = asyncio.Lock()
         self._load_task = None
+        self._backoff: dict[int, float] = {}     # decode instance -> its last restart wait (s)
+        self._retry_at: dict[int, float] = {}
+        self.restarts: dict[int, int] = {}       # decode instance -> restarts that succeeded
 
     async def ready(self):
         """Wire the pools together and build the dispatcher (once)."""
@@ -266,7 +296,39 @@ class DispatcherServer:
                         self.metrics.set_kv_usage(i, 1.0 - s.free_blocks / s.total_blocks)
             except Exception:  # noqa: BLE001 - load polling is best effort
                 pass
+            try:
+                await self._heal_decode()
+            except Exception as e:  # noqa: BLE001 - tried again at the next poll
+                log.warning("decode health check failed: %s", e)
             await asyncio.sleep(0.5)
+
+    async def _heal_decode(self) -> None:
+        """Take broken decode instances out of routing, restart them, give the prefill workers
+        their new transfer agents, and route to them again. A failed restart is retried with
+        a doubling wait (1 s up to 60 s)."""
+        now = time.monotonic()
+        for i, err in enumerate(await self._decode_h.health.remote()):
+            if err is None:
+                continue
+            if i not in self.dispatcher.router.down:
+                log.error("decode instance %d broke (%s): routing around it and restarting", i, err)
+                self.dispatcher.set_decode_up(i, False)
+            if now < self._retry_at.get(i, 0.0):
+                continue
+            try:
+                peers = await self._decode_h.recover.remote(i)
+                if self.deployment.transfer is not None:
+                    await self._prefill_h.connect_receivers.remote(peers)
+            except Exception as e:  # noqa: BLE001 - stays down; tried again later
+                wait = min(60.0, 2 * self._backoff.get(i, 0.5))
+                self._backoff[i], self._retry_at[i] = wait, time.monotonic() + wait
+                log.error("decode instance %d: restart failed (%s); next try in %.0f s", i, e, wait)
+                continue
+            self._backoff.pop(i, None)
+            self._retry_at.pop(i, None)
+            self.dispatcher.set_decode_up(i, True)
+            self.restarts[i] = self.restarts.get(i, 0) + 1
+            log.warning("decode instance %d restarted; routing to it again", i)
 
     async def warmup(self) -> dict:
         """Wire the pools now (``tetris serve`` calls this before it prints the URL)."""
@@ -279,7 +341,7 @@ class DispatcherServer:
             yield out
 
     async def stats(self) -> dict:
-        return (await self.ready()).stats()
+        return (await self.ready()).stats() | {"decode_restarts": dict(self.restarts)}
 
     async def held(self) -> dict:
         d = await self.ready()
