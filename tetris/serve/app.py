@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -136,8 +135,8 @@ class DecodePoolServer:
     async def health(self) -> list[str | None]:
         """Per instance: None when serving, else why it broke (a dead rank is found here even
         while the instance is idle)."""
-        return [None if (err := await inst.check()) is None else f"{type(err).__name__}: {err}"
-                for inst in self.instances]
+        errors = await asyncio.gather(*[inst.check() for inst in self.instances])
+        return [None if err is None else f"{type(err).__name__}: {err}" for err in errors]
 
     async def recover(self, instance: int) -> dict:
         """Restart a broken instance; returns its receivers' new (rank handle, agent info), which
@@ -258,9 +257,8 @@ class DispatcherServer:
         self.dispatcher = None
         self._lock = asyncio.Lock()
         self._load_task = None
-        self._backoff: dict[int, float] = {}     # decode instance -> its last restart wait (s)
-        self._retry_at: dict[int, float] = {}
-        self.restarts: dict[int, int] = {}       # decode instance -> restarts that succeeded
+        self._healing: dict[int, asyncio.Task] = {}   # decode instance -> its restart task
+        self.restarts: dict[int, int] = {}            # decode instance -> restarts that succeeded
 
     async def ready(self):
         """Wire the pools together and build the dispatcher (once)."""
@@ -303,32 +301,34 @@ class DispatcherServer:
             await asyncio.sleep(0.5)
 
     async def _heal_decode(self) -> None:
-        """Take broken decode instances out of routing, restart them, give the prefill workers
-        their new transfer agents, and route to them again. A failed restart is retried with
-        a doubling wait (1 s up to 60 s)."""
-        now = time.monotonic()
+        """Take broken decode instances out of routing and restart each in a task of its own
+        (load polling goes on meanwhile)."""
         for i, err in enumerate(await self._decode_h.health.remote()):
-            if err is None:
+            if err is None or i in self._healing:
                 continue
             if i not in self.dispatcher.router.down:
                 log.error("decode instance %d broke (%s): routing around it and restarting", i, err)
                 self.dispatcher.set_decode_up(i, False)
-            if now < self._retry_at.get(i, 0.0):
-                continue
+            task = asyncio.get_running_loop().create_task(self._restart_decode(i))
+            self._healing[i] = task
+            task.add_done_callback(lambda _t, i=i: self._healing.pop(i, None))
+
+    async def _restart_decode(self, i: int) -> None:
+        """Restart decode instance ``i``, give the prefill workers its new transfer agents and
+        route to it again; a failed try waits 1, 2, 4, ... up to 60 s before the next."""
+        wait = 1.0
+        while True:
             try:
                 peers = await self._decode_h.recover.remote(i)
-                if self.deployment.transfer is not None:
-                    await self._prefill_h.connect_receivers.remote(peers)
-            except Exception as e:  # noqa: BLE001 - stays down; tried again later
-                wait = min(60.0, 2 * self._backoff.get(i, 0.5))
-                self._backoff[i], self._retry_at[i] = wait, time.monotonic() + wait
+                await self._prefill_h.connect_receivers.remote(peers)
+                break
+            except Exception as e:  # noqa: BLE001 - stays down; tried again
                 log.error("decode instance %d: restart failed (%s); next try in %.0f s", i, e, wait)
-                continue
-            self._backoff.pop(i, None)
-            self._retry_at.pop(i, None)
-            self.dispatcher.set_decode_up(i, True)
-            self.restarts[i] = self.restarts.get(i, 0) + 1
-            log.warning("decode instance %d restarted; routing to it again", i)
+                await asyncio.sleep(wait)
+                wait = min(60.0, 2 * wait)
+        self.dispatcher.set_decode_up(i, True)
+        self.restarts[i] = self.restarts.get(i, 0) + 1
+        log.warning("decode instance %d restarted; routing to it again", i)
 
     async def warmup(self) -> dict:
         """Wire the pools now (``tetris serve`` calls this before it prints the URL)."""
