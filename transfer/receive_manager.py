@@ -192,6 +192,10 @@ class ReceiveManager:
     def _check_handshake(self, hs: Handshake) -> str | None:
         if hs.receiver_id != self.receiver_id:
             return f"handshake for decode instance {hs.receiver_id} reached {self.receiver_id}"
+        if self.config.dedicated_backends and not 0 <= hs.sender_id < self.config.pool_size:
+            # backend i serves prefill instance i: any other sender would never get a grant
+            return (f"sender {hs.sender_id} is outside the prefill pool of {self.config.pool_size} "
+                    f"instances that this receiver's dedicated backends serve")
         want = (self.num_layers, self.kv_heads, self.head_dim, _dtype_name(self.dtype))
         got = (hs.num_layers, hs.kv_heads, hs.head_dim, hs.dtype)
         if got != want:

@@ -89,6 +89,21 @@ def test_dedicated_backends_serve_each_sender_without_ordering():
     _run_until(c, lambda ev: any(isinstance(e, RequestReady) for e in ev))
 
 
+def test_dedicated_backends_refuse_a_sender_outside_the_pool_at_its_handshake():
+    """Backend i serves prefill instance i: a sender id past the pool would wait for a grant
+    that never comes, so its handshake is refused at once, with the reason."""
+    cfg = TransferConfig(num_backends=2, pool_size=2, backend_buffer_bytes=1024, send_buffer_bytes=1024,
+                         bulk_chunk_bytes=1024)
+    c = Cluster(2, cfg)
+    _add(c, 0, "r", 0, (0, 8), [(0, 8)], 8)
+    hs = c.senders[0].shards[("r", 0, 0)].handshake
+    c.receiver.deliver(_handshake_like(hs, sender_id=5), c.now)
+    reasons = [e.reason for e in c.receiver.poll(c.now) if isinstance(e, MessageRejected)]
+    assert len(reasons) == 1 and "sender 5 is outside the prefill pool of 2" in reasons[0]
+    errors = [env for env in c.receiver.drain_outbox() if isinstance(env.msg, TransferError)]
+    assert [env.dst_id for env in errors] == [5]
+
+
 def _one_shard(c, rid="r", L=16):
     kv = source_kv(L, seed=5)
     _add(c, 0, rid, 0, (0, L), [(0, L)], L, kv=kv, layers=range(LAYERS))
