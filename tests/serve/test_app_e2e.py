@@ -351,6 +351,9 @@ def test_a_dead_decode_rank_is_replaced_and_the_system_serves_again(app, engine)
     assert set(new) == set(old)
     assert all(new[rid][0]._actor_id != old[rid][0]._actor_id for rid in old)   # new ranks
     assert dispatcher.stats.remote().result()["decode_down"] == []
+    metrics = httpx.get(f"{base}/metrics", timeout=60).text.splitlines()
+    assert f'tetris:decode_instance_up{{instance="0",model_name="{MODEL}"}} 1.0' in metrics
+    assert f'tetris:decode_instance_restarts_total{{instance="0",model_name="{MODEL}"}} 1.0' in metrics
 
     prompt = _prompt(300, 9)
     r = asyncio.run(_complete_once(base, prompt, 16))

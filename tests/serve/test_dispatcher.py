@@ -189,9 +189,17 @@ class _InstanceDecode(FakeDecode):
 def test_a_decode_instance_marked_down_gets_no_requests_until_it_is_up():
     decode = _InstanceDecode()
     d = Dispatcher(load_deployment(None), FakePrefill(receivers=((0, 1), (2, 3))), decode,
-                   node_of=[0, 0, 1, 1],
-                   decode_capacities=[4096, 4096])
+                   node_of=[0, 0, 1, 1], decode_capacities=[4096, 4096],
+                   metrics=ServingMetrics("tiny", requests=False))
+
+    def up_gauge() -> list[str]:
+        return [ln for ln in d.metrics.render().decode().splitlines()
+                if ln.startswith("tetris:decode_instance_up{")]
+
+    assert up_gauge() == ['tetris:decode_instance_up{instance="0",model_name="tiny"} 1.0',
+                          'tetris:decode_instance_up{instance="1",model_name="tiny"} 1.0']
     d.set_decode_up(0, False)
+    assert up_gauge()[0].endswith(" 0.0") and up_gauge()[1].endswith(" 1.0")
     for k in range(3):
         assert asyncio.run(_collect(d, _req(f"r{k}")))[-1].finished
     assert set(decode.instance_of.values()) == {1} and d.stats()["decode_down"] == [0]

@@ -328,6 +328,7 @@ class DispatcherServer:
                 wait = min(60.0, 2 * wait)
         self.dispatcher.set_decode_up(i, True)
         self.restarts[i] = self.restarts.get(i, 0) + 1
+        self.metrics.count_decode_restart(i)
         log.warning("decode instance %d restarted; routing to it again", i)
 
     async def warmup(self) -> dict:

@@ -167,6 +167,9 @@ class Dispatcher:
         self.policy = self._make_policy(self.profile)
         self.queue = LiveQueue(node_of)
         self.router = DecodeRouter(decode_capacities)
+        if metrics is not None:
+            for i in range(self.router.num_instances):
+                metrics.set_decode_up(i, True)
         self.monitor = self._make_monitor(rate_table)
         self.improvement_rate = (self.monitor.improvement_rate if self.monitor is not None
                                  else sc.improvement_rate)
@@ -229,6 +232,8 @@ class Dispatcher:
         """Route new requests to decode ``instance`` again, or stop (it broke and is being
         restarted); requests already there end as the instance lets them."""
         self.router.set_up(int(instance), bool(up))
+        if self.metrics is not None:
+            self.metrics.set_decode_up(int(instance), bool(up))
 
     # -- requests ---------------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:

@@ -36,6 +36,7 @@ class ServingMetrics:
         self.ttft = self.itl = self.e2e = self.prompt_tokens = self.generation_tokens = None
         self.requests = self.running = self.waiting = None
         self.queue = self.chunks = self.sp_size = self.kv_usage = self.improvement_rate = None
+        self.decode_up = self.decode_restarts = None
         if requests:
             self.ttft = hist("tetris:time_to_first_token_seconds", "Time to first token.")
             self.itl = hist("tetris:inter_token_latency_seconds", "Gap between streamed tokens.",
@@ -66,6 +67,12 @@ class ServingMetrics:
             self.improvement_rate = Gauge("tetris:improvement_rate",
                                           "Current CDSP improvement rate (theta).", labels,
                                           registry=r)
+            self.decode_up = Gauge("tetris:decode_instance_up",
+                                   "1 while a decode instance is routed to, 0 while it is down "
+                                   "(broken, restarting).", labels + ["instance"], registry=r)
+            self.decode_restarts = Counter("tetris:decode_instance_restarts",
+                                           "Restarts of broken decode instances.",
+                                           labels + ["instance"], registry=r)
             series += [self.queue, self.chunks, self.sp_size, self.improvement_rate]
         # Expose every series at zero from the start, so dashboards and rate() see them.
         for metric in series:
@@ -109,6 +116,14 @@ class ServingMetrics:
     def set_kv_usage(self, instance: int, usage: float) -> None:
         if self.kv_usage is not None:
             self.kv_usage.labels(self._model, str(instance)).set(usage)
+
+    def set_decode_up(self, instance: int, up: bool) -> None:
+        if self.decode_up is not None:
+            self.decode_up.labels(self._model, str(instance)).set(1.0 if up else 0.0)
+
+    def count_decode_restart(self, instance: int) -> None:
+        if self.decode_restarts is not None:
+            self.decode_restarts.labels(self._model, str(instance)).inc()
 
     def set_improvement_rate(self, theta: float) -> None:
         if self.improvement_rate is not None:
