@@ -100,6 +100,7 @@ class PrefillPool:
         self._tickets = ChunkTickets(n)
         self._transfer = None          # TransferConfig once enable_transfer ran
         self._receivers: dict = {}     # receiver id -> (actor handle, AgentInfo)
+        self.replacements = 0          # dead workers replaced so far
         try:
             self._form_world()
         except BaseException:
@@ -205,12 +206,15 @@ class PrefillPool:
         dead = [i for i, err in failed.errors if isinstance(err, ray.exceptions.RayActorError)]
         alive = [i for i in touched if i not in dead]
         self._abort_quietly(request_id, alive)
-        if failed.method == "execute" and (failed.group_size > 1 or dead):
+        # A dead worker is replaced whichever phase found it (the first call a dead worker
+        # gets is usually ``prepare``); the world, which counted it, is formed again.
+        if dead or (failed.method == "execute" and failed.group_size > 1):
             with self._gate.exclusive():
                 for i in dead:
                     self.workers[i] = self._spawn(i)
                 self._form_world()
                 self._restore_transfer(dead)
+                self.replacements += len(dead)
 
     def _task(self, plan, k, r, lay, token_ids, seq, opts: "_RunOptions") -> ChunkTask:
         c = plan.chunks[k]
@@ -332,14 +336,24 @@ class PrefillPool:
         return {i: st for i, st in enumerate(states) if st["shards"] or st["sent"] or st["failed"]}
 
     def _restore_transfer(self, instances: list[int]) -> None:
-        """Replaced workers get the send side and receivers again (receivers must be given the
-        new actor handles by their owner: ``pool.workers[i]``)."""
+        """Replaced workers get the send side and the receivers again, and every receiver is
+        told the new actors, so that its grants reach them and not the dead ones (the
+        receivers' owner keeps its own table: ``replacements`` tells it to refresh)."""
         if self._transfer is None or not instances:
             return
         ray.get([self.workers[i].enable_transfer.remote(self._transfer) for i in instances])
         if self._receivers:
             ray.get([self.workers[i].connect_receivers.remote(dict(self._receivers))
                      for i in instances])
+            new = {i: self.workers[i] for i in instances}
+            for rid, ref in [(rid, h.connect_senders.remote(new))
+                             for rid, (h, _info) in sorted(self._receivers.items())]:
+                try:
+                    ray.get(ref, timeout=self.timeout_s)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                    # a receiver that is gone is being replaced by its owner, who connects
+                    # the current workers to its successor
+                    log.warning("receiver %d did not take the replaced senders: %s", rid, e)
 
     def shutdown(self) -> None:
         try:

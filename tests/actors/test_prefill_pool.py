@@ -180,6 +180,24 @@ def test_failed_worker_frees_request_and_pool_keeps_serving(pool, model):
                                                         pool.node_of), _prompt(700, 2))
 
 
+def test_a_killed_worker_is_replaced_and_its_instance_serves_again(pool, model):
+    """A worker that died is found by the first call it gets (``prepare``): the request fails
+    and frees everything, the worker is replaced and the world formed again, and a plan on its
+    instance then matches the single-instance reference."""
+    import ray
+
+    plan = forced_plan("killed", 600, "200x2,restx4", pool.node_of)
+    victim = plan.chunks[0].instances[1]
+    old, replaced = pool.workers[victim], pool.replacements
+    ray.kill(old)
+    with pytest.raises(PrefillError, match=rf"prefill instance {victim}"):
+        pool.run(plan, _prompt(600, 4))
+    assert pool.workers[victim] is not old and pool.replacements == replaced + 1
+    assert all(not held for held in pool.held_requests().values())
+    _check_against_reference(pool, model, forced_plan("after-kill", 600, "200x2,restx4",
+                                                        pool.node_of), _prompt(600, 5))
+
+
 def test_out_of_kv_blocks_fails_in_prepare_and_frees_earlier_chunks(pool):
     plan = forced_plan("huge", 12100, "100x1,restx1", pool.node_of)
     with pytest.raises(PrefillError, match="chunk 1 failed .* during prepare: KVCapacityError"):

@@ -73,6 +73,10 @@ class PrefillPoolServer:
         """sender id -> (actor handle, agent info)."""
         return {i: (w, self.infos[i]) for i, w in enumerate(self.pool.workers)}
 
+    async def replacements(self) -> int:
+        """Dead workers replaced so far: when it moves, the decode side refreshes its senders."""
+        return self.pool.replacements
+
     async def connect_receivers(self, peers: dict) -> None:
         await self._call(self.pool.connect_receivers, peers)
 
@@ -258,6 +262,7 @@ class DispatcherServer:
         self._lock = asyncio.Lock()
         self._load_task = None
         self._healing: dict[int, asyncio.Task] = {}   # decode instance -> its restart task
+        self._replacements_seen = 0                   # prefill workers replaced, as last seen
         self.restarts: dict[int, int] = {}            # decode instance -> restarts that succeeded
 
     async def ready(self):
@@ -296,6 +301,7 @@ class DispatcherServer:
                 pass
             try:
                 await self._heal_decode()
+                await self._refresh_senders()
             except Exception as e:  # noqa: BLE001 - tried again at the next poll
                 log.warning("decode health check failed: %s", e)
             await asyncio.sleep(0.5)
@@ -312,6 +318,16 @@ class DispatcherServer:
             task = asyncio.get_running_loop().create_task(self._restart_decode(i))
             self._healing[i] = task
             task.add_done_callback(lambda _t, i=i: self._healing.pop(i, None))
+
+    async def _refresh_senders(self) -> None:
+        """After the prefill pool replaced dead workers (it already told the running decode
+        ranks), the decode instances keep the new handles too, for their next restart."""
+        n = await self._prefill_h.replacements.remote()
+        if n == self._replacements_seen:
+            return
+        senders = await self._prefill_h.peers.remote()
+        await self._decode_h.connect_senders.remote({i: h for i, (h, _) in senders.items()})
+        self._replacements_seen = n
 
     async def _restart_decode(self, i: int) -> None:
         """Restart decode instance ``i``, give the prefill workers its new transfer agents and
