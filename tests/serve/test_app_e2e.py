@@ -320,6 +320,37 @@ def test_admin_rate_table_round_trip_and_bad_table_refused(app):
         assert json.dumps(prof)
 
 
+def test_a_dead_prefill_worker_is_replaced_and_streams_kv_to_decode_again(app, engine):
+    """Kills prefill worker 0. The first request whose plan reaches it fails (a 5xx), the pool
+    replaces it, and the decode ranks learn the new sender at once: a later request planned
+    onto instance 0 streams its KV from the replacement and decodes as the engine does."""
+    import time
+
+    import ray
+    from ray import serve
+
+    from tetris.serve.app import APP_NAME
+
+    _, base = app
+    prefill = serve.get_deployment_handle("PrefillPoolServer", APP_NAME)
+    ray.kill(prefill.peers.remote().result()[0][0])
+    prompt = _prompt(600, 10)
+    want = _reference(engine, [prompt], 12)[0].text
+    deadline = time.monotonic() + 240
+    while True:
+        # instances 1-3 held for a moment: the plan lands on instance 0, dead or replaced
+        httpx.post(f"{base}/admin/drain", json={"instances": [1, 2, 3], "seconds": 1.0}, timeout=60)
+        r = asyncio.run(_complete_once(base, prompt, 12))
+        if r.status_code == 200:
+            break
+        assert r.status_code >= 500, r.text
+        assert time.monotonic() < deadline, "prefill instance 0 never served again"
+    assert prefill.replacements.remote().result() == 1
+    plans = httpx.get(f"{base}/admin/plans", timeout=60).json()
+    assert 0 in plans[-1]["chunks"][0]["instances"]
+    assert r.json()["choices"][0]["text"] == want
+
+
 def test_a_dead_decode_rank_is_replaced_and_the_system_serves_again(app, engine):
     """Runs last in this module: it kills a TP rank of the only decode instance. The
     dispatcher's health check finds it, stops routing there (a request meanwhile gets a 429
