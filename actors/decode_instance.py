@@ -25,6 +25,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 
@@ -47,6 +48,7 @@ __all__ = ["DecodeInstance", "DecodeFull", "DecodeError"]
 log = logging.getLogger(__name__)
 
 _MAX_ENDED = 4096   # ended requests kept for a stream not yet opened (see DecodeInstance._ended)
+_ALIVE_FRESH_S = 1.0   # a round answered this recently proves every rank alive (``check``)
 
 
 class _Request:
@@ -95,6 +97,7 @@ class DecodeInstance:
         self._stats: EngineStats | None = None
         self._broken: BaseException | None = None
         self._restarting = False
+        self._answered_at = -math.inf   # when every rank last answered a round
         self.restarts = 0
         self._senders: dict[int, object] = {}   # kept to connect replacement ranks
         self._agent_infos: list[AgentInfo] = []
@@ -153,9 +156,11 @@ class DecodeInstance:
 
     async def check(self, timeout_s: float = 10.0) -> BaseException | None:
         """``broken``, after making sure every rank is still alive: an idle instance sends no
-        rounds, so a rank that died meanwhile would otherwise fail the next request first. A
-        rank too busy to answer within ``timeout_s`` counts as alive."""
-        if self._broken is None and self.ranks and not self._restarting:
+        rounds, so a rank that died meanwhile would otherwise fail the next request first. Every
+        rank answering a round proves it alive, so a busy instance is not pinged. A rank too
+        busy to answer within ``timeout_s`` counts as alive."""
+        fresh = time.monotonic() - self._answered_at < _ALIVE_FRESH_S
+        if self._broken is None and self.ranks and not self._restarting and not fresh:
             try:
                 await asyncio.wait_for(asyncio.gather(
                     *[r.__ray_ready__.remote() for r in self.ranks]), timeout_s)
@@ -165,20 +170,22 @@ class DecodeInstance:
                 pass
         return self._broken
 
-    async def restart(self) -> None:
+    async def restart(self, senders: dict[int, object] | None = None) -> None:
         """Replace every rank: new actors, TP group, engines and transfer agents, connected to
-        the same senders. The requests it held have already failed (``DecodeError``). Senders
-        must ``add_peer`` the new ``agent_infos`` (same names, new addresses) before they can
-        stream to it again; until this returns, new requests are refused."""
+        the senders it had, updated by ``senders`` (sender id -> actor; a replaced prefill
+        worker is a new actor). The requests it held have already failed (``DecodeError``).
+        Senders must ``add_peer`` the new ``agent_infos`` (same names, new addresses) before
+        they can stream to it again; until this returns, new requests are refused."""
         self._restarting = True
         try:
             await self.shutdown()
             self._broken = None
+            self._answered_at = -math.inf
             self._commands.clear()
             self._stats = None
             await self.start()
-            if self._senders:
-                await self.connect_senders(self._senders)
+            if self._senders or senders:
+                await self.connect_senders({**self._senders, **(senders or {})})
             self.restarts += 1
         except BaseException as e:
             self._broken = e if isinstance(e, Exception) else RuntimeError("restart cancelled")
@@ -346,6 +353,7 @@ class DecodeInstance:
                 cmds, self._commands = self._commands, []
                 t0 = time.perf_counter()
                 replies = await asyncio.gather(*[r.step.remote(cmds) for r in self.ranks])
+                self._answered_at = time.monotonic()
                 if replies[0].step_s:
                     self.round_times.append(time.perf_counter() - t0)
                 self.rounds += 1

@@ -337,8 +337,7 @@ class PrefillPool:
 
     def _restore_transfer(self, instances: list[int]) -> None:
         """Replaced workers get the send side and the receivers again, and every receiver is
-        told the new actors, so that its grants reach them and not the dead ones (the
-        receivers' owner keeps its own table: ``replacements`` tells it to refresh)."""
+        told the new actors, so that its grants reach them and not the dead ones."""
         if self._transfer is None or not instances:
             return
         ray.get([self.workers[i].enable_transfer.remote(self._transfer) for i in instances])

@@ -74,7 +74,7 @@ class PrefillPoolServer:
         return {i: (w, self.infos[i]) for i, w in enumerate(self.pool.workers)}
 
     async def replacements(self) -> int:
-        """Dead workers replaced so far: when it moves, the decode side refreshes its senders."""
+        """Dead workers replaced so far."""
         return self.pool.replacements
 
     async def connect_receivers(self, peers: dict) -> None:
@@ -142,11 +142,12 @@ class DecodePoolServer:
         errors = await asyncio.gather(*[inst.check() for inst in self.instances])
         return [None if err is None else f"{type(err).__name__}: {err}" for err in errors]
 
-    async def recover(self, instance: int) -> dict:
-        """Restart a broken instance; returns its receivers' new (rank handle, agent info), which
-        the prefill workers must be given before they can stream to it."""
+    async def recover(self, instance: int, senders: dict) -> dict:
+        """Restart a broken instance connected to ``senders`` (sender id -> actor); returns its
+        receivers' new (rank handle, agent info), which the prefill workers must be given
+        before they can stream to it."""
         inst = self.instances[instance]
-        await inst.restart()
+        await inst.restart(senders)
         infos = await inst.agent_infos() if inst.transfer is not None else [None] * inst.tp_size
         return {rid: (rank, info) for rid, rank, info in zip(inst.receiver_ids, inst.ranks, infos)}
 
@@ -212,10 +213,12 @@ class _DecodeHandleClient:
         try:
             await self.h.reserve.remote(instance, request_id, prompt, sampling)
         except Exception as e:
-            if _is_full(e):
+            from tetris.actors.decode_instance import DecodeError, DecodeFull
+
+            if _raised(e, DecodeFull):
                 raise Overloaded(f"decode instance {instance} has no KV room: {e}",
                                  retry_after_s=getattr(e, "retry_after_s", 1.0)) from None
-            if _is_decode_error(e):   # broken or restarting: the dispatcher heals it
+            if _raised(e, DecodeError):   # broken or restarting: the dispatcher heals it
                 raise Overloaded(f"decode instance {instance} is unavailable: {e}",
                                  retry_after_s=2.0) from None
             raise
@@ -238,16 +241,15 @@ class _DecodeHandleClient:
         return await self.h.stats.remote()
 
 
-def _is_full(err: BaseException) -> bool:
-    from tetris.actors.decode_instance import DecodeFull
+def _handles(peers: dict) -> dict:
+    """id -> actor handle, from a ``peers()`` table of id -> (handle, agent info)."""
+    return {i: handle for i, (handle, _info) in peers.items()}
 
-    return isinstance(err, DecodeFull) or "DecodeFull" in type(err).__name__
 
-
-def _is_decode_error(err: BaseException) -> bool:
-    from tetris.actors.decode_instance import DecodeError
-
-    return isinstance(err, DecodeError) or "DecodeError" in type(err).__name__
+def _raised(err: BaseException, cls: type) -> bool:
+    """Whether ``err`` is ``cls`` raised in another process (Ray re-raises it as a subclass
+    of both its own error type and ``cls``, or under a name that contains ``cls``'s)."""
+    return isinstance(err, cls) or cls.__name__ in type(err).__name__
 
 
 @serve.deployment(ray_actor_options=_NO_CPU, max_ongoing_requests=4096)
@@ -262,7 +264,6 @@ class DispatcherServer:
         self._lock = asyncio.Lock()
         self._load_task = None
         self._healing: dict[int, asyncio.Task] = {}   # decode instance -> its restart task
-        self._replacements_seen = 0                   # prefill workers replaced, as last seen
         self.restarts: dict[int, int] = {}            # decode instance -> restarts that succeeded
 
     async def ready(self):
@@ -277,7 +278,7 @@ class DispatcherServer:
             senders = await self._prefill_h.peers.remote()
             receivers = await self._decode_h.peers.remote()
             await self._prefill_h.connect_receivers.remote(receivers)
-            await self._decode_h.connect_senders.remote({i: h for i, (h, _) in senders.items()})
+            await self._decode_h.connect_senders.remote(_handles(senders))
             node_of = await self._prefill_h.node_map.remote()
             dc = self.deployment.decode
             self.metrics = ServingMetrics(self.deployment.model.name, requests=False)
@@ -301,7 +302,6 @@ class DispatcherServer:
                 pass
             try:
                 await self._heal_decode()
-                await self._refresh_senders()
             except Exception as e:  # noqa: BLE001 - tried again at the next poll
                 log.warning("decode health check failed: %s", e)
             await asyncio.sleep(0.5)
@@ -319,23 +319,15 @@ class DispatcherServer:
             self._healing[i] = task
             task.add_done_callback(lambda _t, i=i: self._healing.pop(i, None))
 
-    async def _refresh_senders(self) -> None:
-        """After the prefill pool replaced dead workers (it already told the running decode
-        ranks), the decode instances keep the new handles too, for their next restart."""
-        n = await self._prefill_h.replacements.remote()
-        if n == self._replacements_seen:
-            return
-        senders = await self._prefill_h.peers.remote()
-        await self._decode_h.connect_senders.remote({i: h for i, (h, _) in senders.items()})
-        self._replacements_seen = n
-
     async def _restart_decode(self, i: int) -> None:
-        """Restart decode instance ``i``, give the prefill workers its new transfer agents and
-        route to it again; a failed try waits 1, 2, 4, ... up to 60 s before the next."""
+        """Restart decode instance ``i`` connected to the prefill workers as they are now (the
+        pool may have replaced some since), give them its new transfer agents and route to it
+        again; a failed try waits 1, 2, 4, ... up to 60 s before the next."""
         wait = 1.0
         while True:
             try:
-                peers = await self._decode_h.recover.remote(i)
+                senders = await self._prefill_h.peers.remote()
+                peers = await self._decode_h.recover.remote(i, _handles(senders))
                 await self._prefill_h.connect_receivers.remote(peers)
                 break
             except Exception as e:  # noqa: BLE001 - stays down; tried again
