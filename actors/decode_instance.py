@@ -10,7 +10,10 @@ Lifecycle of a request fed by KV streaming:
    rank reported ready (either order), a ``Commit`` joins the next round's commands.
 4. ``stream(id)`` yields the engine's outputs (rank 0's), first token first, until finished.
 5. A transfer failure on any rank aborts the request on every rank and the stream raises
-   ``DecodeError``; ``abort(id)`` does the same at the caller's request (idempotent).
+   ``DecodeError``; ``abort(id)`` does the same at the caller's request (idempotent). When the
+   instance itself breaks (a rank died), every request fails with ``DecodeInstanceLost``: the
+   dispatcher runs them again elsewhere, resuming each from the tokens its client already has
+   (``reserve(..., generated=...)``).
 
 ``add`` is the local path: the decode instance prefills the prompt itself.
 
@@ -32,7 +35,7 @@ from collections.abc import AsyncIterator
 import ray
 
 from tetris.actors.decode_messages import (Abort, Add, Command, Commit, DecodeError, DecodeFull,
-                                           Reserve, StepReply, TokenDelta)
+                                           DecodeInstanceLost, Reserve, StepReply, TokenDelta)
 from tetris.actors.decode_rank import DecodeRankActor
 from tetris.actors.placement import PLACEMENT_TIMEOUT_S, Placement, place_decode
 from tetris.actors.token_ids import compact_tokens
@@ -43,7 +46,7 @@ from tetris.sampling_params import SamplingParams
 from tetris.transfer.messages import AgentInfo
 from tetris.transfer.states import TransferConfig
 
-__all__ = ["DecodeInstance", "DecodeFull", "DecodeError"]
+__all__ = ["DecodeInstance", "DecodeFull", "DecodeError", "DecodeInstanceLost"]
 
 log = logging.getLogger(__name__)
 
@@ -194,11 +197,18 @@ class DecodeInstance:
             self._restarting = False
 
     # -- requests -------------------------------------------------------------------------
-    async def reserve(self, request_id: str, prompt_token_ids, sampling: SamplingParams) -> None:
-        """Hold blocks on every rank for a prompt prefilled elsewhere; ``DecodeFull`` if no room."""
+    async def reserve(self, request_id: str, prompt_token_ids, sampling: SamplingParams,
+                      generated=()) -> None:
+        """Hold blocks on every rank for a prompt prefilled elsewhere; ``DecodeFull`` if no room.
+
+        ``generated``: output tokens the client already has (resuming a request whose instance
+        was lost); the prefill computes their KV with the prompt's, and the outputs go on
+        from them (their ``token_ids`` start with them)."""
         prompt = compact_tokens(prompt_token_ids)
+        generated = tuple(int(t) for t in generated)
         req = self._open(request_id, receiving=True)
-        self._submit(Reserve(request_id, prompt, sampling))
+        req.token_ids.extend(generated)
+        self._submit(Reserve(request_id, prompt, sampling, generated))
         await req.admitted
 
     async def add(self, request_id: str, prompt_token_ids, sampling: SamplingParams) -> None:
@@ -269,7 +279,7 @@ class DecodeInstance:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
             self._loop_task = None
-        self._fail_all(DecodeError(f"decode instance {self.instance} shut down"))
+        self._fail_all(DecodeInstanceLost(f"decode instance {self.instance} shut down"))
         if self.ranks:
             with contextlib.suppress(Exception):   # a dead rank answers at once; a hung one not
                 await asyncio.wait_for(asyncio.gather(*[r.shutdown.remote() for r in self.ranks]),
@@ -284,9 +294,9 @@ class DecodeInstance:
     # -- internals ------------------------------------------------------------------------
     def _open(self, request_id: str, *, receiving: bool) -> _Request:
         if self._restarting:
-            raise DecodeError(f"decode instance {self.instance} is restarting")
+            raise DecodeInstanceLost(f"decode instance {self.instance} is restarting")
         if self._broken is not None:
-            raise DecodeError(f"decode instance {self.instance} is broken: {self._broken}")
+            raise DecodeInstanceLost(f"decode instance {self.instance} is broken: {self._broken}")
         if self._loop_task is None:
             raise RuntimeError("call start() first")
         if request_id in self._requests:
@@ -369,7 +379,7 @@ class DecodeInstance:
         if self._broken is not None:
             return
         self._broken = exc
-        self._fail_all(DecodeError(f"decode instance {self.instance} failed: {exc}"))
+        self._fail_all(DecodeInstanceLost(f"decode instance {self.instance} failed: {exc}"))
         if self._loop_task is not None and self._loop_task is not asyncio.current_task():
             self._loop_task.cancel()   # found by ``check``: no more rounds to dead ranks
 

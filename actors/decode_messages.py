@@ -12,10 +12,11 @@ import msgspec
 
 from tetris.actors.token_ids import TokenIds
 from tetris.engine.engine import EngineStats
+from tetris.errors import InstanceLost
 from tetris.sampling_params import SamplingParams
 
 __all__ = ["Reserve", "Commit", "Add", "Abort", "Command", "Rejected", "Failed", "TokenDelta", "StepReply",
-           "RankHeld", "DecodeFull", "DecodeError"]
+           "RankHeld", "DecodeFull", "DecodeError", "DecodeInstanceLost"]
 
 
 class Reserve(msgspec.Struct, frozen=True, tag="reserve"):
@@ -24,6 +25,9 @@ class Reserve(msgspec.Struct, frozen=True, tag="reserve"):
     request_id: str
     prompt_token_ids: TokenIds
     sampling: SamplingParams
+    # output tokens the client already has (a request resumed after its instance was lost):
+    # their KV comes with the prompt's (``LLMEngine.reserve``)
+    generated: tuple[int, ...] = ()
 
 
 class Commit(msgspec.Struct, frozen=True, tag="commit"):
@@ -125,3 +129,8 @@ class DecodeFull(Exception):
 
 class DecodeError(Exception):
     """A request failed on the decode instance (e.g. its KV transfer); it holds nothing now."""
+
+
+class DecodeInstanceLost(DecodeError, InstanceLost):
+    """The decode instance broke (a TP rank died, or it shut down) under the request: the
+    request was fine and can be run again on an instance that is up."""

@@ -224,16 +224,17 @@ class DecodeRank:
         engine = self._engine()
         if self.pump is None:
             return Rejected(cmd.request_id, "this decode instance has no KV transfer enabled")
-        if not engine.can_reserve(len(cmd.prompt_token_ids)):
+        kv_tokens = len(cmd.prompt_token_ids) + len(cmd.generated)
+        if not engine.can_reserve(kv_tokens):
             stats = engine.stats()
-            return Rejected(cmd.request_id, f"{len(cmd.prompt_token_ids)} prompt tokens do not fit "
+            return Rejected(cmd.request_id, f"{kv_tokens} prompt tokens do not fit "
                             f"{stats.free_blocks} free blocks of {stats.block_size}", full=True)
         # Under the pump's lock: no handshake may see the engine's blocks before the manager does.
         with self.pump.locked() as manager:
             self._blocks.lend(engine.reserve_blocks(cmd.request_id, cmd.prompt_token_ids,
-                                                    cmd.sampling))
+                                                    cmd.sampling, cmd.generated))
             try:
-                ok = manager.reserve(cmd.request_id, len(cmd.prompt_token_ids), time.monotonic())
+                ok = manager.reserve(cmd.request_id, kv_tokens, time.monotonic())
             finally:
                 self._blocks.lend(None)
             if not ok:

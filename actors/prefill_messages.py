@@ -24,6 +24,7 @@ import msgspec
 
 from tetris.actors.token_ids import TokenIds
 from tetris.actors.zigzag import Ranges
+from tetris.errors import InstanceLost
 from tetris.sampling_params import SamplingParams
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "ChunkResult",
     "PrefillResult",
     "PrefillError",
+    "PrefillWorkerLost",
 ]
 
 # "overlap": layer i+1's moves run during layer i's MLP (paper Fig. 6-b);
@@ -43,6 +45,11 @@ BalanceMode = Literal["overlap", "blocking", "off"]
 
 class PrefillError(RuntimeError):
     """A request's prefill failed; its KV has been freed on every member that held any."""
+
+
+class PrefillWorkerLost(PrefillError, InstanceLost):
+    """A prefill worker died during the request's chunk (it has been replaced): the request
+    was fine and can be planned again."""
 
 
 class Move(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

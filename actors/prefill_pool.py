@@ -9,7 +9,9 @@ Lifecycle of one request (``run``):
    every member ``execute``s (cache balancing + ring attention + MLP, layer by layer).
 4. The member holding the last prompt token returns the first output token.
 5. On any failure, every member that may hold part of the request frees it, and the caller
-   gets a ``PrefillError`` naming the chunk and the worker; the pool keeps serving.
+   gets a ``PrefillError`` naming the chunk and the worker; the pool keeps serving. A worker
+   that died is replaced before ``run`` raises, and the error is then ``PrefillWorkerLost``:
+   nothing was wrong with the request, and a new plan for it can run at once.
 The KV stays on the workers until ``release`` (after hand-off) or ``abort``.
 
 ``run`` is thread-safe. Chunks start on each instance in commit order (``commit``, tickets of
@@ -40,6 +42,7 @@ from tetris.actors.prefill_messages import (
     ChunkTask,
     PrefillError,
     PrefillResult,
+    PrefillWorkerLost,
 )
 from tetris.actors.prefill_worker import PrefillWorkerActor
 from tetris.actors.token_ids import TokenIds, compact_tokens, token_slices
@@ -254,8 +257,10 @@ class PrefillPool:
             errors.sort(key=lambda te: _is_secondary(te[1]))
             t, err = errors[0]
             others = ", ".join(str(e[0].instance) for e in errors[1:])
+            # a dead member is replaced (``_recover``) before the caller sees the error
+            lost = any(isinstance(e, ray.exceptions.RayActorError) for _t, e in errors)
             raise _ChunkFailed(method, len(tasks), [(e[0].instance, e[1]) for e in errors],
-                               PrefillError(
+                               (PrefillWorkerLost if lost else PrefillError)(
                 f"request {plan.request_id} chunk {k} failed on prefill instance {t.instance} "
                 f"(node {self.node_of[t.instance]}) during {method}: {type(err).__name__}: "
                 f"{_first_line(err)}" + (f"; also failed: instances {others}" if others else "")

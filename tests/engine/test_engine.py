@@ -222,6 +222,59 @@ def test_prefilled_request_joins_and_continues_like_a_local_one(tiny_model, refe
     assert engine.num_free_blocks == 64
 
 
+def _resume(engine, model, rid, prompt, params, generated):
+    """Reserve ``prompt`` with ``generated`` already out, write their KV, commit the next token;
+    the outputs until finished."""
+    slots = engine.reserve(rid, prompt, params, generated)
+    assert len(slots) == len(prompt) + len(generated)
+    kv, first = _prefill_kv(model, list(prompt) + list(generated))
+    for i, (k, v) in enumerate(kv):
+        write_kv(engine.cache.k[i], engine.cache.v[i], k, v, torch.tensor(slots))
+    engine.commit_prefilled(rid, first)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    return outs
+
+
+def test_a_resumed_request_goes_on_from_the_tokens_already_streamed(tiny_model, reference):
+    model, tok = tiny_model
+    prompts, expected = reference
+    prompt, ref = prompts[1], expected[1]
+    full = LLMEngine(model, tok, num_blocks=64, block_size=4).generate([prompt], GREEDY)[0]
+    engine = LLMEngine(model, tok, num_blocks=64, block_size=4)
+    outs = _resume(engine, model, "r", prompt, GREEDY, ref[:5])
+    # the first output carries the 5 resumed tokens and the new one, and the whole text
+    assert outs[0].token_ids == tuple(ref[:6]) and outs[0].new_token_ids == (ref[5],)
+    assert list(outs[-1].token_ids) == ref and outs[-1].finish_reason == "length"
+    assert outs[-1].text == full.text and "".join(o.new_text for o in outs) == full.text
+    assert engine.num_free_blocks == 64
+
+    # a stop string across the resume point is found as in the run that lost nothing
+    stop = full.text[3:7]
+    params = msgspec.structs.replace(GREEDY, stop=(stop,))
+    cut = LLMEngine(model, tok, num_blocks=64, block_size=4).generate([prompt], params)[0]
+    assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.index(stop)]
+    n_before = next(n for n in range(1, 12) if len(tok.decode(ref[:n])) >= 5)
+    again = _resume(engine, model, "s", prompt, params, ref[:n_before])
+    assert (again[-1].text, again[-1].finish_reason) == (cut.text, "stop")
+    assert again[-1].token_ids == cut.token_ids
+
+
+def test_resumed_tokens_that_already_end_the_request_are_refused(tiny_model):
+    model, tok = tiny_model
+    engine = LLMEngine(model, tok, num_blocks=16, block_size=4)
+    short = msgspec.structs.replace(GREEDY, max_tokens=3)
+    with pytest.raises(ValueError, match="already ends the request at its token 3 of 3"):
+        engine.reserve("a", [1, 2, 3], short, [4, 5, 6])
+    with pytest.raises(ValueError, match="already ends the request at its token 2"):
+        engine.reserve("b", [1, 2, 3], msgspec.structs.replace(GREEDY, stop_token_ids=(9,)),
+                       [4, 9, 5])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.reserve("c", [1, 2, 3], GREEDY, [4, 10_000])
+    assert engine.num_free_blocks == 16 and not engine.has_unfinished()
+
+
 def test_reserved_request_can_be_aborted_and_rejects_bad_commits(tiny_model):
     model, tok = tiny_model
     engine = LLMEngine(model, tok, num_blocks=8, block_size=4)

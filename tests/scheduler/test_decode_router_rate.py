@@ -77,6 +77,19 @@ def test_router_skips_instances_marked_down_and_says_when_none_is_up():
         r.set_up(3, False)
 
 
+def test_router_avoids_the_instance_that_lost_a_request_unless_it_is_the_only_one_up():
+    r = DecodeRouter([1000, 1000])
+    r.update(0, 900, 1)                  # the freest
+    r.update(1, 100, 1)                  # no room for 500 tokens
+    assert r.choose(500) == 0
+    assert r.choose(500, avoid={0}) == 1          # even without room: it waits there
+    r.set_up(1, False)
+    assert r.choose(500, avoid={0}) == 0          # the only one up
+    r.set_up(0, False)
+    with pytest.raises(NoInstanceUp):
+        r.choose(500, avoid={0})
+
+
 def test_rate_table_lookup_and_roundtrip(tmp_path):
     t = ImprovementRateTable([2.0, 1.0, 3.0], [0.3, 0.1, 0.6], description="test")
     assert t.rates == [1.0, 2.0, 3.0]

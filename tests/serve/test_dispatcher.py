@@ -62,7 +62,7 @@ class FakeDecode:
     def receiver_ids(self, instance: int) -> tuple[int, ...]:
         return (2 * instance, 2 * instance + 1)
 
-    async def reserve(self, instance, request_id, prompt, sampling) -> None:
+    async def reserve(self, instance, request_id, prompt, sampling, generated=()) -> None:
         if self.full:
             raise Overloaded("no KV room", retry_after_s=2.0)
         self.reserved[request_id] = (len(prompt), sampling.max_tokens)
@@ -178,7 +178,7 @@ class _InstanceDecode(FakeDecode):
         super().__init__()
         self.instance_of: dict[str, int] = {}
 
-    async def reserve(self, instance, request_id, prompt, sampling) -> None:
+    async def reserve(self, instance, request_id, prompt, sampling, generated=()) -> None:
         self.instance_of[request_id] = instance
         await super().reserve(instance, request_id, prompt, sampling)
 
@@ -288,7 +288,7 @@ class _RecordingDecode(FakeDecode):
         super().__init__()
         self.prompt = None
 
-    async def reserve(self, instance, request_id, prompt, sampling) -> None:
+    async def reserve(self, instance, request_id, prompt, sampling, generated=()) -> None:
         self.prompt = prompt
         await super().reserve(instance, request_id, prompt, sampling)
 

@@ -171,22 +171,30 @@ class LLMEngine:
         return self.blocks.can_allocate(num_prompt_tokens + 1)
 
     def reserve(self, request_id: str, prompt_token_ids: Seq[int],
-                params: SamplingParams) -> list[int]:
+                params: SamplingParams, generated: Seq[int] = ()) -> list[int]:
         """Hold KV blocks for a prompt computed elsewhere; returns each position's cache slot.
 
         Slot ``s`` of layer ``i`` is ``cache.k[i].view(-1, Hkv, D)[s]`` (likewise ``v``):
         write the prompt's K/V there (``write_kv`` takes the slots as a tensor), then call
         ``commit_prefilled``. Raises ``OutOfBlocksError`` without room: check ``can_reserve``.
+
+        ``generated``: a request resumed after the instance that ran it was lost. These output
+        tokens were already streamed to the client; their KV comes with the prompt's (slots
+        for both are returned), they count towards ``max_tokens`` and stop strings, and the
+        outputs go on from them (``_resume``).
         """
-        table = self.reserve_blocks(request_id, prompt_token_ids, params)
+        table = self.reserve_blocks(request_id, prompt_token_ids, params, generated)
         bs = self.blocks.block_size
-        return [table[p // bs] * bs + p % bs for p in range(len(prompt_token_ids))]
+        n = len(prompt_token_ids) + len(generated)
+        return [table[p // bs] * bs + p % bs for p in range(n)]
 
     def reserve_blocks(self, request_id: str, prompt_token_ids: Seq[int],
-                       params: SamplingParams) -> list[int]:
+                       params: SamplingParams, generated: Seq[int] = ()) -> list[int]:
         """``reserve`` returning the block table (block ids in position order) instead of a slot
         per position: a long prompt's slot list is ~36 bytes a token of short-lived ints."""
         seq = self._new_sequence(request_id, prompt_token_ids, params)
+        if generated:
+            self._resume(seq, generated)
         if not self.can_reserve(seq.num_tokens):
             raise OutOfBlocksError(
                 f"{request_id}: {seq.num_tokens} prompt tokens need "
@@ -197,6 +205,21 @@ class LLMEngine:
         seq.status = SequenceStatus.RECEIVING
         self._seqs[request_id] = seq
         return list(seq.block_table)
+
+    def _resume(self, seq: Sequence, generated: Seq[int]) -> None:
+        """Put ``generated`` back as ``seq``'s output: the text and stop state are rebuilt by
+        replaying each token as the step that made it did, so the text goes on exactly as
+        before. The first output after ``commit_prefilled`` carries the whole text again
+        (nothing was sent from this engine yet); the caller trims what its client has."""
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        for i, token in enumerate(generated):
+            token = int(token)
+            if not 0 <= token < self.vocab_size:
+                raise ValueError(f"resumed token {token} is outside the vocabulary")
+            seq.tokens.append(token)
+            if check_stop(seq, token, decode) is not None:
+                raise ValueError(f"{seq.request_id}: the resumed output already ends the request "
+                                 f"at its token {i + 1} of {len(generated)}")
 
     def commit_prefilled(self, request_id: str, first_token: int) -> None:
         """The reserved prompt's KV is complete and the prefill side sampled ``first_token``.

@@ -49,12 +49,14 @@ class DecodeRouter:
         # An idle instance counts as batch 1: its freeness is then just its free slots.
         return (self.free_slots[instance] - self.virtual[instance]) / max(1, self.batch_size[instance])
 
-    def choose(self, request_kv_tokens: int) -> int:
+    def choose(self, request_kv_tokens: int, avoid: frozenset[int] | set[int] = frozenset()) -> int:
         """The freest instance with room for ``request_kv_tokens``.
 
         When no instance has room now, the freest one anyway: the request waits in that
         instance's queue rather than being refused. Ties: smaller batch, then lower index.
         Instances marked down are skipped; ``NoInstanceUp`` when that is all of them.
+        Instances in ``avoid`` (one that just lost the request) are chosen only when no other
+        instance is up.
         """
         if request_kv_tokens < 0:
             raise RouterError(f"request_kv_tokens must be non-negative, got {request_kv_tokens}")
@@ -63,7 +65,7 @@ class DecodeRouter:
             if i in self.down:
                 continue
             room = self.free_slots[i] - self.virtual[i] >= request_kv_tokens
-            key = (not room, -self.freeness(i), self.batch_size[i], i)
+            key = (i in avoid, not room, -self.freeness(i), self.batch_size[i], i)
             if best_key is None or key < best_key:
                 best, best_key = i, key
         if best_key is None:

@@ -36,6 +36,7 @@ from ray import serve
 from tetris.actors.process_env import runtime_env
 from tetris.actors.token_ids import compact_tokens
 from tetris.config import DeploymentConfig, load_deployment
+from tetris.errors import InstanceLost
 from tetris.serve.backend import Overloaded
 from tetris.serve.protocol import GenerateRequest
 from tetris.serve.types import Generation, GenerationDelta, GenerationRequest
@@ -151,8 +152,9 @@ class DecodePoolServer:
         infos = await inst.agent_infos() if inst.transfer is not None else [None] * inst.tp_size
         return {rid: (rank, info) for rid, rank, info in zip(inst.receiver_ids, inst.ranks, infos)}
 
-    async def reserve(self, instance: int, request_id: str, prompt, sampling) -> None:
-        await self.instances[instance].reserve(request_id, prompt, sampling)
+    async def reserve(self, instance: int, request_id: str, prompt, sampling,
+                      generated=()) -> None:
+        await self.instances[instance].reserve(request_id, prompt, sampling, generated)
 
     async def commit(self, instance: int, request_id: str, first_token: int) -> None:
         self.instances[instance].commit(request_id, first_token)
@@ -192,7 +194,10 @@ class _PrefillHandleClient:
         await self.h.commit.remote(plan)
 
     async def run(self, plan, token_ids, sampling, kv_receivers):
-        return await self.h.run.remote(plan, token_ids, sampling, kv_receivers)
+        try:
+            return await self.h.run.remote(plan, token_ids, sampling, kv_receivers)
+        except Exception as e:
+            raise _lost(e) from None
 
     async def release(self, request_id: str) -> None:
         await self.h.release.remote(request_id)
@@ -209,9 +214,9 @@ class _DecodeHandleClient:
     def receiver_ids(self, instance: int) -> tuple[int, ...]:
         return self.receivers[instance]
 
-    async def reserve(self, instance, request_id, prompt, sampling) -> None:
+    async def reserve(self, instance, request_id, prompt, sampling, generated=()) -> None:
         try:
-            await self.h.reserve.remote(instance, request_id, prompt, sampling)
+            await self.h.reserve.remote(instance, request_id, prompt, sampling, generated)
         except Exception as e:
             from tetris.actors.decode_instance import DecodeError, DecodeFull
 
@@ -224,13 +229,18 @@ class _DecodeHandleClient:
             raise
 
     async def commit(self, instance, request_id, first_token) -> None:
-        await self.h.commit.remote(instance, request_id, first_token)
+        try:
+            await self.h.commit.remote(instance, request_id, first_token)
+        except Exception as e:
+            raise _lost(e) from None
 
     async def stream(self, instance, request_id) -> AsyncIterator:
         gen = self.h.options(stream=True).stream.remote(instance, request_id)
         try:
             async for out in gen:
                 yield out
+        except Exception as e:
+            raise _lost(e) from None
         finally:
             gen.cancel()
 
@@ -244,6 +254,14 @@ class _DecodeHandleClient:
 def _handles(peers: dict) -> dict:
     """id -> actor handle, from a ``peers()`` table of id -> (handle, agent info)."""
     return {i: handle for i, (handle, _info) in peers.items()}
+
+
+def _lost(err: BaseException) -> BaseException:
+    """``err`` as an ``InstanceLost`` when a pool raised one (the dispatcher then runs the
+    request again), else ``err`` itself."""
+    if _raised(err, InstanceLost) and type(err) is not InstanceLost:
+        return InstanceLost(str(err).strip().splitlines()[-1])
+    return err
 
 
 def _raised(err: BaseException, cls: type) -> bool:

@@ -25,6 +25,12 @@ Lifecycle of one request (``generate``), on the dispatcher's monotonic clock:
 5. at the first decode output the KV has arrived: the prefill side frees its copy and the
    router its virtual usage. On completion, abort, client disconnect or error, ``_cleanup``
    frees whatever is still held, on both sides, exactly once.
+6. if a prefill worker or the decode instance dies under the request (``InstanceLost``), what
+   that run holds is freed and the request runs again from 1 under a fresh id, avoiding the
+   lost decode instance: its prefill covers the prompt plus the output tokens the client
+   already has, the decode instance takes those as output already made, and the stream goes on
+   where the client's stopped. Greedy requests resume exactly; a sampled one goes on with
+   fresh random draws.
 
 The two sides are reached through ``PrefillClient`` and ``DecodeClient``: Serve deployment
 handles in the app (``tetris.serve.app``), plain objects in tests.
@@ -43,9 +49,10 @@ from typing import Any, Protocol
 
 import msgspec
 
-from tetris.actors.token_ids import TokenIds
+from tetris.actors.token_ids import TokenIds, compact_tokens
 from tetris.config import DeploymentConfig
 from tetris.engine.request import RequestOutput
+from tetris.errors import InstanceLost
 from tetris.plan import PrefillPlan
 from tetris.scheduler.latency import PrefillLatencyModel, PrefillProfile, load_profile
 from tetris.scheduler.policies import policy_from_config
@@ -53,7 +60,7 @@ from tetris.scheduler.pool import PoolState
 from tetris.scheduler.rate import ImprovementRateTable, RateMonitor
 from tetris.scheduler.router import DecodeRouter, NoInstanceUp
 from tetris.serve.backend import Overloaded
-from tetris.serve.first_token import EarlyFirstToken
+from tetris.serve.first_token import EarlyFirstToken, StreamCursor
 from tetris.serve.metrics import ServingMetrics
 from tetris.serve.protocol import GenerateRequest
 
@@ -63,8 +70,27 @@ __all__ = ["Dispatcher", "LiveQueue", "PrefillClient", "DecodeClient", "RequestT
 log = logging.getLogger(__name__)
 
 DEFAULT_PROFILE = "a100-llama3-8b-tp1"
-_COMPLETED = ("stop", "length")
-_HOLD = "\x00hold"                 # the booking key of a drain hold (no request id has it)   # finish reasons after which nothing is left to abort
+_COMPLETED = ("stop", "length")   # finish reasons after which nothing is left to abort
+_HOLD = "\x00hold"                # the booking key of a drain hold (no request id has it)
+_RETRY = "#retry"                 # a run of a request after a lost instance: "<id>#retry<n>"
+
+
+def _attempt_id(request_id: str, retries: int) -> str:
+    """The id the pools know run ``retries`` of a request by: the request's own id for the first
+    run, a fresh one for each run again (a lost instance may still hold the earlier run)."""
+    return request_id if not retries else f"{request_id}{_RETRY}{retries}"
+
+
+class _Sent:
+    """What the client of one request already has, and where its current run is."""
+
+    __slots__ = ("token_ids", "chars", "stage", "lost_decode")
+
+    def __init__(self) -> None:
+        self.token_ids: tuple[int, ...] = ()   # output tokens yielded so far
+        self.chars = 0                         # characters of text yielded so far
+        self.stage = "routing"
+        self.lost_decode: int | None = None    # the decode instance the last run lost
 
 
 class PrefillClient(Protocol):
@@ -76,7 +102,8 @@ class PrefillClient(Protocol):
 
 class DecodeClient(Protocol):
     def receiver_ids(self, instance: int) -> tuple[int, ...]: ...
-    async def reserve(self, instance: int, request_id: str, prompt: TokenIds, sampling) -> None: ...
+    async def reserve(self, instance: int, request_id: str, prompt: TokenIds, sampling,
+                      generated: tuple[int, ...] = ()) -> None: ...
     async def commit(self, instance: int, request_id: str, first_token: int) -> None: ...
     def stream(self, instance: int, request_id: str) -> AsyncIterator[RequestOutput]: ...
     async def abort(self, instance: int, request_id: str) -> None: ...
@@ -138,6 +165,7 @@ class RequestTimeline(msgspec.Struct):
     ttft_estimate: float = 0.0
     tokens: int = 0
     outcome: str = ""
+    retries: int = 0              # runs again after a lost prefill worker or decode instance
 
     def breakdown(self) -> dict[str, float]:
         """queue, prefill and hand-off (KV transfer tail + admission + first decode round);
@@ -154,7 +182,14 @@ class Dispatcher:
                  metrics: ServingMetrics | None = None, max_pending: int = 256,
                  rate_table: ImprovementRateTable | None = None,
                  clock: Callable[[], float] = time.monotonic, keep_timelines: int = 1024,
-                 first_token: EarlyFirstToken | None = None) -> None:
+                 first_token: EarlyFirstToken | None = None, retries: int = 2,
+                 retry_wait_s: float = 60.0, retry_poll_s: float = 0.5) -> None:
+        if retries < 0 or retry_wait_s < 0 or retry_poll_s <= 0:
+            raise ValueError(f"retries and retry_wait_s must be >= 0 and retry_poll_s > 0, got "
+                             f"{retries}, {retry_wait_s}, {retry_poll_s}")
+        self.retries = retries
+        self.retry_wait_s = retry_wait_s
+        self.retry_poll_s = retry_poll_s
         self.deployment = deployment
         self.first_token = first_token   # None: the first token comes with the decode stream
         self.prefill = prefill
@@ -237,53 +272,45 @@ class Dispatcher:
 
     # -- requests ---------------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs; closing the iterator early aborts it everywhere."""
+        """Stream one request's outputs; closing the iterator early aborts it everywhere.
+
+        A request whose prefill worker or decode instance dies under it (``InstanceLost``) is
+        run again, up to ``retries`` times: planned anew, routed to a decode instance that is
+        up (waiting up to ``retry_wait_s`` for one), and resumed from the output tokens its
+        client already has (``_attempt``). The client sees one stream, each token once.
+        """
         # The prompt stays the request's int32 array on every hop (actors/token_ids.py).
         rid, prompt = req.request_id, req.prompt_token_ids
         if rid in self._inflight:
             raise ValueError(f"request {rid!r} is already running")
         if len(self._inflight) >= self.max_pending:
             raise Overloaded(f"{len(self._inflight)} requests in flight (limit {self.max_pending})")
-        now = self.clock()
         # The ingress's arrival stamp is another process's clock: time from here on.
-        tl = RequestTimeline(rid, len(prompt), arrival=now)
+        tl = RequestTimeline(rid, len(prompt), arrival=self.clock())
         self._inflight[rid] = tl
-        stage = "routing"
+        sent = _Sent()
         try:
-            instance = await self._route(req, tl)
-            stage = "planning"
-            plan = await self._plan(req, tl)
-            stage = "prefill"
-            result = await self.prefill.run(plan, prompt, req.sampling,
-                                            self.decode.receiver_ids(instance))
-            tl.prefill_end = self.clock()
-            tl.prefill_start = tl.prefill_end - float(result.elapsed_s)
-            if self.metrics is not None:
-                self.metrics.observe_queue(max(0.0, tl.prefill_start - tl.arrival))
-            self.queue.finish(rid)
-            stage = "decode"
-            early = None if self.first_token is None else self.first_token.open(req, int(result.first_token))
-            if early is not None:
-                tl.first_token = self.clock()
-                yield early.first
-            await self.decode.commit(instance, rid, int(result.first_token))
-            async with contextlib.aclosing(self.decode.stream(instance, rid)) as stream:
-                async for out in stream:
-                    if not tl.first_output:
-                        tl.first_output = self.clock()
-                        await self._kv_arrived(rid)
-                    tl.tokens = len(out.token_ids)
-                    if early is not None and (out := early.follow(out)) is None:
-                        continue
-                    if len(out.prompt_token_ids):
-                        # Outputs leave without the prompt, whatever the decode side sent:
-                        # the ingress puts back what the public API needs from its own copy.
-                        out = msgspec.structs.replace(out, prompt_token_ids=())
-                    yield out
-                    if out.finished:
-                        tl.outcome = out.finish_reason or "stop"
-                        return
-            raise RuntimeError(f"request {rid}: the decode stream ended without a final output")
+            while True:
+                try:
+                    async with contextlib.aclosing(self._attempt(req, tl, sent)) as attempt:
+                        async for out in attempt:
+                            sent.token_ids = out.token_ids
+                            sent.chars += len(out.new_text)
+                            yield out
+                            if out.finished:
+                                tl.outcome = out.finish_reason or "stop"
+                                return
+                    raise RuntimeError(f"request {rid}: the decode stream ended without a final output")
+                except InstanceLost as e:
+                    if tl.retries >= self.retries:
+                        raise
+                    log.warning("request %s lost its instance during %s (%s); running it again "
+                                "from its %d output tokens", rid, sent.stage, e, len(sent.token_ids))
+                    await self._free(_attempt_id(rid, tl.retries), tl.decode_instance, completed=False)
+                    sent.lost_decode = tl.decode_instance if sent.stage == "decode" else None
+                    tl.retries += 1
+                    if self.metrics is not None:
+                        self.metrics.count_retry(sent.stage)
         except (Overloaded, ValueError):
             tl.outcome = "refused"
             raise
@@ -295,7 +322,7 @@ class Dispatcher:
             raise
         except Exception as e:
             tl.outcome = "error"
-            log.warning("request %s failed during %s: %s", rid, stage, e)
+            log.warning("request %s failed during %s: %s", rid, sent.stage, e)
             raise
         finally:
             # The cleanup outlives a cancelled caller. It runs in a fresh context: Ray Serve
@@ -308,24 +335,96 @@ class Dispatcher:
             task.add_done_callback(self._cleanups.discard)
             await asyncio.shield(task)
 
-    async def _route(self, req: GenerateRequest, tl: RequestTimeline) -> int:
+    async def _attempt(self, req: GenerateRequest, tl: RequestTimeline,
+                       sent: "_Sent") -> AsyncIterator[RequestOutput]:
+        """One run of the request: route, plan, prefill, decode. A run after a lost instance
+        prefills the prompt plus the output tokens the client has and decodes on from them;
+        its outputs are trimmed to what the client does not have yet."""
+        rid, aid = req.request_id, _attempt_id(req.request_id, tl.retries)
+        resumed = sent.token_ids
+        prompt = req.prompt_token_ids
+        if resumed:
+            prompt = compact_tokens(prompt) + TokenIds("i", resumed)
+        sent.stage = "routing"
+        instance = await (self._route(req, aid, tl) if not tl.retries
+                          else self._reroute(req, aid, tl, sent))
+        sent.stage = "planning"
+        plan = await self._plan(aid, len(prompt), tl)
+        sent.stage = "prefill"
+        result = await self.prefill.run(plan, prompt, req.sampling,
+                                        self.decode.receiver_ids(instance))
+        if not resumed:   # the run that gives the client its first token times the TTFT
+            tl.prefill_end = self.clock()
+            tl.prefill_start = tl.prefill_end - float(result.elapsed_s)
+            if self.metrics is not None:
+                self.metrics.observe_queue(max(0.0, tl.prefill_start - tl.arrival))
+        self.queue.finish(aid)
+        sent.stage = "decode"
+        cursor: StreamCursor | None = None
+        if resumed:
+            cursor = StreamCursor(len(resumed), sent.chars)
+        elif self.first_token is not None:
+            cursor = self.first_token.open(req, int(result.first_token))
+            if cursor is not None:
+                tl.first_token = self.clock()
+                yield cursor.first
+        await self.decode.commit(instance, aid, int(result.first_token))
+        kv_arrived = False
+        async with contextlib.aclosing(self.decode.stream(instance, aid)) as stream:
+            async for out in stream:
+                if not kv_arrived:
+                    kv_arrived = True
+                    tl.first_output = tl.first_output or self.clock()
+                    await self._kv_arrived(aid)
+                tl.tokens = len(out.token_ids)
+                if cursor is not None and (out := cursor.follow(out)) is None:
+                    continue
+                if len(out.prompt_token_ids) or out.request_id != rid:
+                    # Outputs leave without the prompt, whatever the decode side sent (the
+                    # ingress puts back what the public API needs from its own copy), and
+                    # under the client's request id, whichever run made them.
+                    out = msgspec.structs.replace(out, prompt_token_ids=(), request_id=rid)
+                yield out
+                if out.finished:
+                    return
+
+    async def _route(self, req: GenerateRequest, aid: str, tl: RequestTimeline,
+                     avoid: frozenset[int] = frozenset(), generated: tuple[int, ...] = ()) -> int:
         kv_tokens = len(req.prompt_token_ids) + req.sampling.max_tokens
         try:
-            instance = self.router.choose(kv_tokens)
+            instance = self.router.choose(kv_tokens, avoid)
         except NoInstanceUp as e:
             raise Overloaded(f"{e}: restarting, retry shortly", retry_after_s=2.0) from None
         self.router.reserve(instance, kv_tokens)
-        self._virtual[req.request_id] = (instance, kv_tokens)
+        self._virtual[aid] = (instance, kv_tokens)
         tl.decode_instance = instance
-        await self.decode.reserve(instance, req.request_id, req.prompt_token_ids, req.sampling)
+        await self.decode.reserve(instance, aid, req.prompt_token_ids, req.sampling, generated)
         return instance
 
-    async def _plan(self, req: GenerateRequest, tl: RequestTimeline) -> PrefillPlan:
+    async def _reroute(self, req: GenerateRequest, aid: str, tl: RequestTimeline,
+                       sent: "_Sent") -> int:
+        """Route a run after a lost instance: another decode instance if one is up, else the
+        lost one once it is back (restarted by its healer); ``retry_wait_s`` at most."""
+        avoid = frozenset() if sent.lost_decode is None else frozenset({sent.lost_decode})
+        deadline = self.clock() + self.retry_wait_s
+        while True:
+            try:
+                return await self._route(req, aid, tl, avoid, sent.token_ids)
+            except Overloaded as e:
+                entry = self._virtual.pop(aid, None)
+                if entry is not None:
+                    self.router.release(*entry)
+                if self.clock() >= deadline:
+                    raise RuntimeError(f"request {req.request_id}: no decode instance took it back "
+                                       f"within {self.retry_wait_s:g} s of losing its own: {e}") from None
+                await asyncio.sleep(self.retry_poll_s)
+
+    async def _plan(self, aid: str, prompt_tokens: int, tl: RequestTimeline) -> PrefillPlan:
         async with self._plan_lock:
             now = self.clock()
-            self._update_theta(now)
-            plan = self.policy.plan(req.request_id, len(req.prompt_token_ids), now,
-                                    self.queue.pool_state(now),
+            if not tl.retries:   # a run again is not an arrival
+                self._update_theta(now)
+            plan = self.policy.plan(aid, prompt_tokens, now, self.queue.pool_state(now),
                                     improvement_rate=self.improvement_rate)
             self.queue.commit(plan)
             await self.prefill.commit(plan)
@@ -348,33 +447,39 @@ class Dispatcher:
             if self.metrics is not None:
                 self.metrics.set_improvement_rate(theta)
 
-    async def _kv_arrived(self, rid: str) -> None:
+    async def _kv_arrived(self, aid: str) -> None:
         """The decode instance has all the KV: drop the prefill copy and the virtual usage."""
-        entry = self._virtual.pop(rid, None)
+        entry = self._virtual.pop(aid, None)
         if entry is not None:
             self.router.release(*entry)
-        await self.prefill.release(rid)
+        await self.prefill.release(aid)
 
     async def _cleanup(self, rid: str, tl: RequestTimeline) -> None:
         """Free everything the request still holds; every step is idempotent."""
         tl.finished = self.clock()
         self._inflight.pop(rid, None)
-        self.queue.finish(rid)
-        entry = self._virtual.pop(rid, None)
+        await self._free(_attempt_id(rid, tl.retries), tl.decode_instance,
+                         completed=tl.outcome in _COMPLETED)
+        self.timelines.append(tl)
+
+    async def _free(self, aid: str, decode_instance: int, *, completed: bool) -> None:
+        """Free what one run of a request holds: bookings, virtual usage and, unless it
+        completed, its state on both pools (a lost instance's answers are logged, not raised)."""
+        self.queue.finish(aid)
+        entry = self._virtual.pop(aid, None)
         if entry is not None:
             self.router.release(*entry)
-        if tl.outcome not in _COMPLETED:
+        if completed:
+            return
+        try:
+            await self.prefill.abort(aid)
+        except Exception as e:  # noqa: BLE001 - cleanup must reach every side
+            log.warning("cleanup of %s on the prefill pool: %s", aid, e)
+        if decode_instance >= 0:
             try:
-                await self.prefill.abort(rid)
-            except Exception as e:  # noqa: BLE001 - cleanup must reach every side
-                log.warning("cleanup of %s on the prefill pool: %s", rid, e)
-            if tl.decode_instance >= 0:
-                try:
-                    await self.decode.abort(tl.decode_instance, rid)
-                except Exception as e:  # noqa: BLE001
-                    log.warning("cleanup of %s on decode instance %d: %s", rid,
-                                tl.decode_instance, e)
-        self.timelines.append(tl)
+                await self.decode.abort(decode_instance, aid)
+            except Exception as e:  # noqa: BLE001
+                log.warning("cleanup of %s on decode instance %d: %s", aid, decode_instance, e)
 
     # -- load -------------------------------------------------------------------------------
     async def refresh_decode_load(self) -> list[Any]:

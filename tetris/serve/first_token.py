@@ -25,16 +25,18 @@ from tetris.engine.request import RequestOutput, Sequence
 from tetris.engine.sampling import check_stop
 from tetris.serve.protocol import GenerateRequest
 
-__all__ = ["EarlyFirstToken", "FirstTokenStream"]
+__all__ = ["EarlyFirstToken", "FirstTokenStream", "StreamCursor"]
 
 
-class FirstTokenStream:
-    """One request's stream after its first token was sent: trims what the client has."""
+class StreamCursor:
+    """How much of one request's stream its client already has (``ids_sent`` output tokens,
+    ``chars_sent`` characters), over a decode stream that starts again from its beginning:
+    the stream after an early first token, or after a request was resumed on another
+    instance. ``follow`` trims each output to what the client does not have yet."""
 
-    def __init__(self, first: RequestOutput) -> None:
-        self.first = first
-        self._ids_sent = len(first.token_ids)
-        self._chars_sent = len(first.new_text)
+    def __init__(self, ids_sent: int, chars_sent: int) -> None:
+        self._ids_sent = ids_sent
+        self._chars_sent = chars_sent
         self._engine_chars = 0   # characters the decode engine has released so far
 
     def follow(self, out: RequestOutput) -> RequestOutput | None:
@@ -47,6 +49,14 @@ class FirstTokenStream:
         if not new_ids and not new_text and not out.finished:
             return None
         return msgspec.structs.replace(out, new_token_ids=tuple(new_ids), new_text=new_text)
+
+
+class FirstTokenStream(StreamCursor):
+    """One request's stream after its first token was sent: trims what the client has."""
+
+    def __init__(self, first: RequestOutput) -> None:
+        super().__init__(len(first.token_ids), len(first.new_text))
+        self.first = first
 
 
 class EarlyFirstToken:

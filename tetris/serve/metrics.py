@@ -36,7 +36,7 @@ class ServingMetrics:
         self.ttft = self.itl = self.e2e = self.prompt_tokens = self.generation_tokens = None
         self.requests = self.running = self.waiting = None
         self.queue = self.chunks = self.sp_size = self.kv_usage = self.improvement_rate = None
-        self.decode_up = self.decode_restarts = None
+        self.decode_up = self.decode_restarts = self.retries = None
         if requests:
             self.ttft = hist("tetris:time_to_first_token_seconds", "Time to first token.")
             self.itl = hist("tetris:inter_token_latency_seconds", "Gap between streamed tokens.",
@@ -73,6 +73,10 @@ class ServingMetrics:
             self.decode_restarts = Counter("tetris:decode_instance_restarts",
                                            "Restarts of broken decode instances.",
                                            labels + ["instance"], registry=r)
+            self.retries = Counter("tetris:request_retries",
+                                   "Requests run again after the prefill worker or decode instance "
+                                   "serving them died, by the stage it died in.",
+                                   labels + ["stage"], registry=r)
             series += [self.queue, self.chunks, self.sp_size, self.improvement_rate]
         # Expose every series at zero from the start, so dashboards and rate() see them.
         for metric in series:
@@ -124,6 +128,10 @@ class ServingMetrics:
     def count_decode_restart(self, instance: int) -> None:
         if self.decode_restarts is not None:
             self.decode_restarts.labels(self._model, str(instance)).inc()
+
+    def count_retry(self, stage: str) -> None:
+        if self.retries is not None:
+            self.retries.labels(self._model, stage).inc()
 
     def set_improvement_rate(self, theta: float) -> None:
         if self.improvement_rate is not None:

@@ -1,0 +1,258 @@
+"""Requests that lose their prefill worker or decode instance run again and resume where the
+client's stream stopped (``Dispatcher.generate``), against in-process fakes (no Ray).
+
+The fakes share one toy model, ``_next``: the next token is a function of every token before
+it. A run that resumes from the wrong place, repeats a token or drops one gives a different
+stream from the run that lost nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from tetris.config import load_deployment
+from tetris.engine.request import RequestOutput
+from tetris.errors import InstanceLost
+from tetris.sampling_params import SamplingParams
+from tetris.serve.dispatcher import Dispatcher
+from tetris.serve.first_token import EarlyFirstToken
+from tetris.serve.metrics import ServingMetrics
+from tetris.serve.protocol import GenerateRequest
+
+_IDLE = {"inflight": 0, "queue_bookings": 0, "virtual_usage": 0, "virtual_requests": 0,
+         "cleanups": 0}
+
+
+def _next(tokens) -> int:
+    return (sum(tokens) * 31 + len(tokens)) % 26
+
+
+def _text(tokens) -> str:
+    return "".join(chr(ord("a") + t) for t in tokens)
+
+
+class _Result(msgspec.Struct):
+    first_token: int
+    elapsed_s: float
+
+
+class ToyPrefill:
+    """Samples ``_next`` of the prompt it is given; ``lose`` runs raise ``InstanceLost``."""
+
+    def __init__(self, lose: int = 0) -> None:
+        self.lose = lose
+        self.ran: list[tuple[str, int]] = []     # (run id, prompt tokens)
+        self.aborted: list[str] = []
+        self.released: list[str] = []
+
+    async def commit(self, plan) -> None:
+        pass
+
+    async def run(self, plan, token_ids, sampling, kv_receivers):
+        self.ran.append((plan.request_id, len(token_ids)))
+        await asyncio.sleep(0)
+        if self.lose:
+            self.lose -= 1
+            raise InstanceLost("prefill worker 1 died")
+        return _Result(_next(list(token_ids)), 0.001)
+
+    async def release(self, request_id: str) -> None:
+        self.released.append(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+class ToyDecode:
+    """Decodes ``_next`` over prompt + outputs, as an engine that resumes from ``generated``
+    would: the first output of a run carries every output token and the whole text again.
+    ``lose_after[i]``: instance ``i`` dies after streaming that many outputs (once)."""
+
+    def __init__(self, instances: int = 1, lose_after: dict[int, int] | None = None,
+                 on_lose=None) -> None:
+        self.instances = instances
+        self.lose_after = dict(lose_after or {})
+        self.on_lose = on_lose   # called with the instance as it dies
+        self.runs: dict[str, dict] = {}
+        self.reserved_on: list[tuple[str, int, tuple[int, ...]]] = []
+        self.aborted: list[str] = []
+
+    def receiver_ids(self, instance: int) -> tuple[int, ...]:
+        return (instance,)
+
+    async def reserve(self, instance, request_id, prompt, sampling, generated=()) -> None:
+        self.reserved_on.append((request_id, instance, tuple(generated)))
+        self.runs[request_id] = {"prompt": list(prompt), "out": list(generated),
+                                 "max": sampling.max_tokens}
+
+    async def commit(self, instance, request_id, first_token) -> None:
+        self.runs[request_id]["out"].append(first_token)
+
+    async def stream(self, instance, request_id):
+        run = self.runs[request_id]
+        out, sent_chars, streamed = run["out"], 0, 0
+        while True:
+            done = len(out) >= run["max"]
+            text = _text(out)
+            yield RequestOutput(request_id, (), tuple(out), (out[-1],), text,
+                                text[sent_chars:], done, "length" if done else None)
+            sent_chars, streamed = len(text), streamed + 1
+            if done:
+                self.runs.pop(request_id)
+                return
+            if self.lose_after.get(instance) == streamed:
+                del self.lose_after[instance]
+                if self.on_lose is not None:
+                    self.on_lose(instance)
+                raise InstanceLost(f"decode instance {instance} failed: rank 1 died")
+            await asyncio.sleep(0)
+            out.append(_next(run["prompt"] + out))
+
+    async def abort(self, instance, request_id) -> None:
+        self.aborted.append(request_id)
+        self.runs.pop(request_id, None)
+
+    async def stats(self):
+        return [None] * self.instances
+
+
+def _dispatcher(prefill, decode, instances: int = 1, **kw) -> Dispatcher:
+    return Dispatcher(load_deployment(None), prefill, decode, node_of=[0, 0, 1, 1],
+                      decode_capacities=[1 << 20] * instances,
+                      metrics=ServingMetrics("tiny", requests=False), **kw)
+
+
+def _reference(prompt: list[int], n: int) -> list[int]:
+    out: list[int] = []
+    for _ in range(n):
+        out.append(_next(prompt + out))
+    return out
+
+
+async def _collect(d: Dispatcher, rid: str, prompt: list[int], n: int) -> list[RequestOutput]:
+    req = GenerateRequest(rid, tuple(prompt), SamplingParams(max_tokens=n))
+    return [o async for o in d.generate(req)]
+
+
+def _client_view(outs: list[RequestOutput]) -> tuple[list[int], str]:
+    """What a streaming client assembles from the deltas."""
+    return [t for o in outs for t in o.new_token_ids], "".join(o.new_text for o in outs)
+
+
+def _retries(d: Dispatcher) -> dict[str, float]:
+    return {ln.split('stage="')[1].split('"')[0]: float(ln.rsplit(" ", 1)[1])
+            for ln in d.metrics.render().decode().splitlines()
+            if ln.startswith("tetris:request_retries_total{")}
+
+
+PROMPT = list(range(3, 40))
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_a_decode_instance_lost_mid_stream_resumes_on_another_with_each_token_once(early):
+    prefill, decode = ToyPrefill(), ToyDecode(instances=2, lose_after={0: 4})
+    first = EarlyFirstToken(_text, (), 1 << 20) if early else None
+    d = _dispatcher(prefill, decode, instances=2, first_token=first)
+    outs = asyncio.run(_collect(d, "a", PROMPT, 12))
+    ref = _reference(PROMPT, 12)
+    assert _client_view(outs) == (ref, _text(ref))
+    assert list(outs[-1].token_ids) == ref and outs[-1].text == _text(ref)
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    assert {o.request_id for o in outs} == {"a"}
+    # the run again went to the other instance and was told the four tokens the client had
+    assert decode.reserved_on == [("a", 0, ()), ("a#retry1", 1, tuple(ref[:4]))]
+    assert prefill.ran == [("a", len(PROMPT)), ("a#retry1", len(PROMPT) + 4)]
+    # the lost run was freed on both sides; the second completed and released its prefill KV
+    assert decode.aborted == ["a"] and prefill.aborted == ["a"]
+    assert prefill.released == ["a", "a#retry1"]
+    tl = d.timelines[-1]
+    assert tl.retries == 1 and tl.outcome == "length" and tl.decode_instance == 1
+    assert d.held() == _IDLE and _retries(d) == {"decode": 1.0}
+
+
+def test_a_lost_prefill_worker_replans_the_request_before_any_token():
+    prefill, decode = ToyPrefill(lose=1), ToyDecode()
+    d = _dispatcher(prefill, decode)
+    outs = asyncio.run(_collect(d, "p", PROMPT, 5))
+    ref = _reference(PROMPT, 5)
+    assert _client_view(outs) == (ref, _text(ref))
+    assert prefill.ran == [("p", len(PROMPT)), ("p#retry1", len(PROMPT))]
+    # a lost prefill keeps its (healthy) decode instance in routing
+    assert [r[1:] for r in decode.reserved_on] == [(0, ()), (0, ())]
+    assert "p" in decode.aborted and "p" in prefill.aborted
+    assert d.held() == _IDLE and _retries(d) == {"prefill": 1.0}
+
+
+def test_with_one_decode_instance_the_run_again_waits_until_it_is_back():
+    prefill = ToyPrefill()
+    d = None
+
+    def broke(instance):
+        # as the Serve healer does: out of routing at once, back once restarted
+        d.set_decode_up(instance, False)
+        asyncio.get_running_loop().call_later(0.2, d.set_decode_up, instance, True)
+
+    decode = ToyDecode(lose_after={0: 2}, on_lose=broke)
+    d = _dispatcher(prefill, decode, retry_poll_s=0.01)
+    outs = asyncio.run(_collect(d, "w", PROMPT, 6))
+    ref = _reference(PROMPT, 6)
+    assert _client_view(outs) == (ref, _text(ref))
+    assert decode.reserved_on == [("w", 0, ()), ("w#retry1", 0, tuple(ref[:2]))]
+    (tl,) = d.timelines
+    assert tl.finished - tl.arrival >= 0.2       # it waited for the instance
+    assert d.held() == _IDLE and d.stats()["decode_down"] == []
+
+
+def test_no_instance_back_within_the_wait_fails_the_request_and_frees_it():
+    prefill = ToyPrefill()
+    d = None
+    decode = ToyDecode(lose_after={0: 1}, on_lose=lambda i: d.set_decode_up(i, False))
+    d = _dispatcher(prefill, decode, retry_wait_s=0.05, retry_poll_s=0.01)
+    outs = []
+
+    async def main():
+        async for o in d.generate(GenerateRequest("x", tuple(PROMPT), SamplingParams(max_tokens=5))):
+            outs.append(o)
+
+    with pytest.raises(RuntimeError, match="no decode instance took it back within 0.05 s"):
+        asyncio.run(main())
+    assert len(outs) == 1 and d.timelines[-1].outcome == "error"
+    assert [r[0] for r in decode.reserved_on] == ["x"]
+    assert d.held() == _IDLE
+
+
+def test_retries_are_bounded_and_the_last_loss_reaches_the_caller():
+    prefill, decode = ToyPrefill(lose=3), ToyDecode()
+    d = _dispatcher(prefill, decode, retries=2)
+    with pytest.raises(InstanceLost, match="prefill worker 1 died"):
+        asyncio.run(_collect(d, "b", PROMPT, 4))
+    assert [r[0] for r in prefill.ran] == ["b", "b#retry1", "b#retry2"]
+    assert sorted(prefill.aborted) == ["b", "b#retry1", "b#retry2"]
+    assert d.timelines[-1].retries == 2 and d.timelines[-1].outcome == "error"
+    assert d.held() == _IDLE
+
+    none = _dispatcher(ToyPrefill(lose=1), ToyDecode(), retries=0)
+    with pytest.raises(InstanceLost):
+        asyncio.run(_collect(none, "c", PROMPT, 4))
+    with pytest.raises(ValueError, match="retries"):
+        _dispatcher(ToyPrefill(), ToyDecode(), retries=-1)
+
+
+def test_a_client_that_leaves_during_the_run_again_frees_both_runs():
+    prefill, decode = ToyPrefill(), ToyDecode(instances=2, lose_after={0: 3})
+    d = _dispatcher(prefill, decode, instances=2)
+
+    async def main():
+        gen = d.generate(GenerateRequest("z", tuple(PROMPT), SamplingParams(max_tokens=50)))
+        outs = [await anext(gen) for _ in range(5)]   # 3 from the first run, 2 from the second
+        await gen.aclose()
+        return outs
+
+    outs = asyncio.run(main())
+    ref = _reference(PROMPT, 5)
+    assert _client_view(outs)[0] == ref
+    assert sorted(decode.aborted) == ["z", "z#retry1"] and decode.runs == {}
+    assert d.timelines[-1].outcome == "aborted" and d.held() == _IDLE
