@@ -24,7 +24,6 @@ transfer messages this rank saw (the fidelity benchmark's control-plane cost).
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 import time
@@ -78,7 +77,8 @@ class DecodeRank:
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank {tp_rank} outside a TP group of {tp_size}")
         # Several ranks share few cores: one intra-op thread each avoids oversubscription.
-        os.environ["OMP_NUM_THREADS"] = str(threads)
+        # (torch.set_num_threads sizes the pool torch uses; the process's OMP_NUM_THREADS,
+        # read when OpenMP started, is not changed by writing it now)
         torch.set_num_threads(threads)
         self.instance = instance
         self.tp_rank = tp_rank

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from datetime import timedelta
 
 import ray
@@ -116,7 +115,8 @@ class PrefillWorker:
                  prefill_cfg: PrefillConfig, *, profile: str | None = None,
                  threads: int = 1) -> None:
         # Several workers share few cores: one intra-op thread each avoids oversubscription.
-        os.environ["OMP_NUM_THREADS"] = str(threads)
+        # (torch.set_num_threads sizes the pool torch uses; the process's OMP_NUM_THREADS,
+        # read when OpenMP started, is not changed by writing it now)
         torch.set_num_threads(threads)
         self.instance = instance
         self.node = node
