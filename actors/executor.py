@@ -37,14 +37,15 @@ class FaultInjected(RuntimeError):
     """Raised by a test hook to simulate a worker failing in the middle of a chunk."""
 
 
-def sample_first_token(logits: torch.Tensor, params: SamplingParams | None) -> int:
-    """The first output token from the last prompt token's logits [V], as the engine samples."""
+def sample_first_token(logits: torch.Tensor, params: SamplingParams | None,
+                       prompt_tokens: int) -> int:
+    """The first output token from the last prompt token's logits [V], as the engine samples
+    it: a seeded draw is keyed by (seed, position ``prompt_tokens``) (engine/sampling.py)."""
     if params is None or params.greedy:
         return int(logits.argmax().item())
-    from tetris.engine.sampling import make_generator, process_logits
+    from tetris.engine.sampling import draw, process_logits
 
-    gen = make_generator(params.seed) if params.seed is not None else None
-    return int(torch.multinomial(process_logits(logits, params), 1, generator=gen).item())
+    return draw(process_logits(logits, params), params.seed, prompt_tokens)
 
 
 class Executor(Protocol):
@@ -167,7 +168,7 @@ class ModelExecutor:
             return None, None
         idx = int((q_pos == last).nonzero()[0, 0])
         logits = self.model.logits(self.model.final_norm(hidden[idx: idx + 1]))[0]
-        token = sample_first_token(logits, task.sampling)
+        token = sample_first_token(logits, task.sampling, task.prompt_tokens)
         return token, (logits.tolist() if task.return_logits else None)
 
     def _maybe_fail(self, task: ChunkTask, layer: int) -> None:

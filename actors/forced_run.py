@@ -8,8 +8,8 @@ there is no decode instance to hand the pool's KV to in this command). A summary
 (chunks, groups, times, balancing traffic, final KV layout) goes to stderr, so stdout stays the
 completion alone (or one JSON object with ``--json``).
 
-Sampling caveat: with a seed and temperature > 0 the continuation restarts the seeded generator,
-so it differs from a plain ``tetris generate`` run with the same seed; greedy runs agree.
+Seeded sampling agrees with a plain ``tetris generate`` run with the same seed: every draw is
+keyed by (seed, position) (engine/sampling.py), whoever makes it.
 """
 
 from __future__ import annotations

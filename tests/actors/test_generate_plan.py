@@ -28,6 +28,17 @@ def test_forced_plan_greedy_matches_plain_engine(ray_session, capsys):
     assert "chunk 1: [200, " in err and "instances [0, 1, 2, 3]" in err
 
 
+def test_forced_plan_seeded_sampling_matches_plain_engine(ray_session, capsys):
+    """The pool samples the first token, the engine the rest: both draw by (seed, position)."""
+    seeded = ("--temperature", "1.2", "--seed", "9", "--max-tokens", "8")
+    rc, plain, _ = _generate(capsys, *seeded)
+    assert rc == 0
+    rc, planned, _ = _generate(capsys, "--plan", "200x1,restx4", *seeded)
+    assert rc == 0
+    a, b = json.loads(plain), json.loads(planned)
+    assert len(a["token_ids"]) == 8 and b["token_ids"] == a["token_ids"]
+
+
 def test_bad_plan_is_a_clear_error(capsys):
     rc = main(["generate", "--prompt", "abc", "--plan", "2x1,9x2"])
     _, err = capsys.readouterr()

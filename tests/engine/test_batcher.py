@@ -10,7 +10,7 @@ from tetris.sampling_params import SamplingParams
 
 
 def _seq(rid: str, n: int) -> Sequence:
-    return Sequence(rid, [1] * n, SamplingParams(), generator=None,
+    return Sequence(rid, [1] * n, SamplingParams(), seed=None,
                     stop_token_ids=frozenset(), max_total_tokens=10_000)
 
 

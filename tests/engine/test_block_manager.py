@@ -13,7 +13,7 @@ from tetris.sampling_params import SamplingParams
 
 
 def _seq(rid: str, n: int) -> Sequence:
-    return Sequence(rid, list(range(1, n + 1)), SamplingParams(), generator=None,
+    return Sequence(rid, list(range(1, n + 1)), SamplingParams(), seed=None,
                     stop_token_ids=frozenset(), max_total_tokens=10_000)
 
 

@@ -195,8 +195,8 @@ def _prefill_kv(model, prompt):
 
     with torch.inference_mode():
         hidden = model.forward(torch.tensor(prompt), torch.arange(len(prompt)), capture)
-        first = int(model.logits(hidden[-1:]).argmax(-1))
-    return kv, first
+        logits = model.logits(hidden[-1:])[0]
+    return kv, int(logits.argmax(-1)), logits
 
 
 def test_prefilled_request_joins_and_continues_like_a_local_one(tiny_model, reference):
@@ -210,7 +210,7 @@ def test_prefilled_request_joins_and_continues_like_a_local_one(tiny_model, refe
     assert engine.can_reserve(len(prompts[3]))
     slots = engine.reserve("remote", prompts[3], GREEDY)
     assert len(slots) == len(prompts[3])
-    kv, first = _prefill_kv(model, prompts[3])
+    kv, first, _ = _prefill_kv(model, prompts[3])
     slot_tensor = torch.tensor(slots)
     for i, (k, v) in enumerate(kv):
         write_kv(engine.cache.k[i], engine.cache.v[i], k, v, slot_tensor)
@@ -225,9 +225,13 @@ def test_prefilled_request_joins_and_continues_like_a_local_one(tiny_model, refe
 def _resume(engine, model, rid, prompt, params, generated):
     """Reserve ``prompt`` with ``generated`` already out, write their KV, commit the next token;
     the outputs until finished."""
+    from tetris.actors.executor import sample_first_token
+
     slots = engine.reserve(rid, prompt, params, generated)
     assert len(slots) == len(prompt) + len(generated)
-    kv, first = _prefill_kv(model, list(prompt) + list(generated))
+    kv, _, logits = _prefill_kv(model, list(prompt) + list(generated))
+    # sampled as a prefill worker samples the first token of the prompt it is given
+    first = sample_first_token(logits, params, len(prompt) + len(generated))
     for i, (k, v) in enumerate(kv):
         write_kv(engine.cache.k[i], engine.cache.v[i], k, v, torch.tensor(slots))
     engine.commit_prefilled(rid, first)
@@ -259,6 +263,22 @@ def test_a_resumed_request_goes_on_from_the_tokens_already_streamed(tiny_model, 
     again = _resume(engine, model, "s", prompt, params, ref[:n_before])
     assert (again[-1].text, again[-1].finish_reason) == (cut.text, "stop")
     assert again[-1].token_ids == cut.token_ids
+
+
+def test_a_seeded_sampled_request_is_the_same_local_prefilled_elsewhere_and_resumed(tiny_model):
+    model, tok = tiny_model
+    prompt = _prompts([21], seed=3)[0]
+    params = SamplingParams(max_tokens=16, temperature=1.5, top_k=50, seed=11, ignore_eos=True)
+    local = LLMEngine(model, tok, num_blocks=64, block_size=4).generate([prompt], params)[0]
+    ref = list(local.token_ids)
+    assert len(set(ref)) > 4                                # sampled, not one repeated token
+    engine = LLMEngine(model, tok, num_blocks=64, block_size=4)
+    for k in (0, 1, 9):   # prefilled elsewhere; resumed after 1 and after 9 streamed tokens
+        outs = _resume(engine, model, f"k{k}", prompt, params, ref[:k])
+        assert list(outs[-1].token_ids) == ref and outs[-1].text == local.text
+    other = msgspec.structs.replace(params, seed=12)
+    assert list(LLMEngine(model, tok, num_blocks=64, block_size=4)
+                .generate([prompt], other)[0].token_ids) != ref
 
 
 def test_resumed_tokens_that_already_end_the_request_are_refused(tiny_model):

@@ -6,14 +6,13 @@ import pytest
 import torch
 
 from tetris.engine.request import FinishReason, Sequence
-from tetris.engine.sampling import (check_stop, greedy_tokens, make_generator, process_logits,
-                                    sample)
+from tetris.engine.sampling import (check_stop, draw, greedy_tokens, make_generator, position_seed,
+                                    process_logits, sample)
 from tetris.sampling_params import SamplingParams
 
 
 def _seq(params: SamplingParams, seed: int | None = None, stop_ids=(), prompt=(1, 2)):
-    gen = make_generator(seed) if seed is not None else None
-    return Sequence("r", list(prompt), params, generator=gen, stop_token_ids=frozenset(stop_ids),
+    return Sequence("r", list(prompt), params, seed=seed, stop_token_ids=frozenset(stop_ids),
                     max_total_tokens=100)
 
 
@@ -60,18 +59,45 @@ def test_same_seed_same_tokens_regardless_of_batch():
     batch = sample(logits[[0, 1, 2, 3]],
                    [others[0], others[1], _seq(params, seed=123), others[2]])
     assert batch[2] == alone[0]
-    # A sequence's generator advances: 20 draws from seed 123 repeat exactly, and vary.
+    # A draw is keyed by (seed, position): 20 steps from seed 123 repeat exactly, and vary;
+    # the same position drawn again (a resumed request) draws the same.
     a, b = _seq(params, seed=123), _seq(params, seed=123)
-    draws_a = [sample(logits[:1], [a])[0] for _ in range(20)]
-    draws_b = [sample(logits[:1], [b])[0] for _ in range(20)]
+
+    def steps(seq):
+        out = []
+        for _ in range(20):
+            out.append(sample(logits[:1], [seq])[0])
+            seq.tokens.append(out[-1])
+        return out
+
+    draws_a, draws_b = steps(a), steps(b)
     assert draws_a == draws_b and len(set(draws_a)) > 1
+    resumed = _seq(params, seed=123, prompt=(1, 2, *draws_a[:7]))
+    assert steps(resumed)[:13] == draws_a[7:]
+    assert draws_a != steps(_seq(params, seed=124))
+
+
+def test_a_seeded_draw_depends_on_seed_and_position_only():
+    probs = torch.softmax(torch.randn(1000, generator=make_generator(0)), 0)
+    gen = torch.Generator()
+    assert draw(probs, 7, 40) == draw(probs, 7, 40, gen) == draw(probs, 7, 40)
+    by_position = [draw(probs, 7, p) for p in range(200)]
+    by_seed = [draw(probs, s, 40) for s in range(200)]
+    assert len(set(by_position)) > 100 and len(set(by_seed)) > 100
+    # neighbouring seeds and positions are not shifted copies of each other
+    assert sum(x == y for x, y in zip(by_position, [draw(probs, 8, p) for p in range(200)])) < 20
+    assert 0 <= min(position_seed(s, p) for s in (0, 2**64 - 1) for p in (0, 10**6))
+    assert max(position_seed(s, p) for s in (0, 2**64 - 1) for p in (0, 10**6)) < 2**63
 
 
 def test_sampling_follows_the_distribution():
     logits = torch.tensor([[0.0, 1.0, 2.0]])
+    draws = []
     seq = _seq(SamplingParams(temperature=1.0), seed=1)
-    counts = torch.bincount(torch.tensor([sample(logits, [seq])[0] for _ in range(3000)]),
-                            minlength=3).float() / 3000
+    for _ in range(3000):
+        draws.append(sample(logits, [seq])[0])
+        seq.tokens.append(draws[-1])
+    counts = torch.bincount(torch.tensor(draws), minlength=3).float() / 3000
     torch.testing.assert_close(counts, torch.softmax(logits[0], 0), atol=0.03, rtol=0)
 
 
@@ -106,7 +132,7 @@ def test_stop_token_ends_and_stays_out_of_text():
 def test_max_tokens_and_context_limit_give_length():
     seq = _seq(SamplingParams(max_tokens=3))
     assert _feed(seq, [0, 0, 0]) == [None, None, FinishReason.LENGTH]
-    seq = Sequence("r", [1, 2], SamplingParams(max_tokens=50), generator=None,
+    seq = Sequence("r", [1, 2], SamplingParams(max_tokens=50), seed=None,
                    stop_token_ids=frozenset(), max_total_tokens=4)
     assert _feed(seq, [0, 0]) == [None, FinishReason.LENGTH]
 

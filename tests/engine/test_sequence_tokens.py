@@ -12,7 +12,7 @@ from tetris.sampling_params import SamplingParams
 
 
 def _seq(prompt) -> Sequence:
-    return Sequence("r", prompt, SamplingParams(max_tokens=4), generator=None,
+    return Sequence("r", prompt, SamplingParams(max_tokens=4), seed=None,
                     stop_token_ids=frozenset(), max_total_tokens=1 << 20)
 
 

@@ -134,6 +134,19 @@ def test_greedy_output_through_the_full_system_equals_the_engine(app, engine):
     assert len(long_plan["chunks"][-1]["instances"]) > len(long_plan["chunks"][0]["instances"])
 
 
+def test_a_seeded_sampled_request_is_the_same_served_as_on_one_engine(app, engine):
+    """A seeded draw is keyed by (seed, position): the prefill worker that samples the first
+    token and the decode engine that samples the rest draw what one engine would."""
+    _, base = app
+    prompt = _prompt(400, 5)
+    params = SamplingParams(max_tokens=16, temperature=1.3, top_k=40, seed=21, ignore_eos=True)
+    want = engine.generate([prompt], params)[0]
+    assert len(set(want.token_ids)) > 4      # sampled, not greedy-looking
+    r = asyncio.run(_complete_once(base, prompt, 16, temperature=1.3, top_k=40, seed=21))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want.text
+
+
 def test_handle_api_from_a_second_app_gives_the_engines_tokens(app, engine):
     from ray import cloudpickle, serve
 
@@ -434,6 +447,6 @@ def test_a_dead_decode_rank_is_replaced_and_its_streams_resume(app, engine):
     assert _idle(held), json.dumps(held, indent=1)
 
 
-async def _complete_once(base, prompt, n):
+async def _complete_once(base, prompt, n, **extra):
     async with httpx.AsyncClient(timeout=120) as c:
-        return await _complete(c, base, prompt, n)
+        return await _complete(c, base, prompt, n, **extra)

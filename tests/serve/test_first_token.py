@@ -22,7 +22,7 @@ def _engine_stream(prompt, tokens, params, max_len=4096):
     """The outputs a decode engine gives for ``tokens`` (commit_prefilled + steps: the same
     Sequence / check_stop / to_output calls)."""
     stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(EOS))
-    seq = Sequence("r", list(prompt), params, generator=None, stop_token_ids=stop_ids,
+    seq = Sequence("r", list(prompt), params, seed=None, stop_token_ids=stop_ids,
                    max_total_tokens=max_len)
     outs = []
     for t in tokens:

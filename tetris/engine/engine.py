@@ -21,7 +21,7 @@ from tetris.engine.block_manager import BlockManager, OutOfBlocksError
 from tetris.engine.kv_cache import KVCache
 from tetris.engine.model_runner import ModelRunner
 from tetris.engine.request import FinishReason, RequestOutput, Sequence, SequenceStatus
-from tetris.engine.sampling import check_stop, make_generator, sample
+from tetris.engine.sampling import check_stop, sample
 from tetris.sampling_params import SamplingParams
 
 __all__ = ["LLMEngine", "EngineStats"]
@@ -44,7 +44,7 @@ class LLMEngine:
     """Serve ``model`` (a ``LlamaModel``) with a paged cache of ``num_blocks`` x ``block_size``.
 
     ``tokenizer`` is optional: without it outputs carry token ids only and stop strings are
-    refused. ``seed`` seeds the generators of requests that bring no seed of their own.
+    refused. ``seed`` seeds the choice of seed for requests that bring none of their own.
     ``cuda_graphs`` (None: on iff the model is on CUDA) replays captured decode steps for the
     batch sizes ``graph_batch_sizes`` (default: 1, 2, 4, 8, multiples of 16 up to
     ``max_num_seqs``); it holds one KV block back as the padding rows' scratch space. True
@@ -126,15 +126,14 @@ class LLMEngine:
         self._validate_prompt(prompt)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
-        generator = None
+        seed = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-            generator = make_generator(seed)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                        else self._eos)
         # A sequence never outgrows the whole cache, so one that runs alone always fits.
         max_total = min(self.max_model_len, self._usable_blocks * self.blocks.block_size)
-        return Sequence(request_id, prompt, params, generator=generator, stop_token_ids=stop_ids,
+        return Sequence(request_id, prompt, params, seed=seed, stop_token_ids=stop_ids,
                         max_total_tokens=max_total)
 
     def _validate_prompt(self, prompt: Seq[int]) -> None:

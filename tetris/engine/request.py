@@ -136,7 +136,7 @@ class Sequence:
         prompt_token_ids: Iterable[int],
         params: SamplingParams,
         *,
-        generator: torch.Generator | None,
+        seed: int | None,
         stop_token_ids: frozenset[int],
         max_total_tokens: int,
     ) -> None:
@@ -144,7 +144,10 @@ class Sequence:
         self.prompt_token_ids = compact_tokens(prompt_token_ids)   # not copied if already one
         self.tokens = Tokens(self.prompt_token_ids)
         self.params = params
-        self.generator = generator
+        # seeded draws are keyed by (seed, position) (engine/sampling.py); None: torch's global
+        # generator. ``generator`` is the sampler's reusable torch.Generator.
+        self.seed = seed
+        self.generator: torch.Generator | None = None
         self.stop_token_ids = stop_token_ids
         self.max_total_tokens = max_total_tokens
         self.num_computed = 0

@@ -1,9 +1,17 @@
 """Token sampling and stop conditions.
 
 Greedy rows take the argmax. Random rows apply temperature, then top-k, then top-p (nucleus:
-the smallest set of most likely tokens whose probability reaches ``top_p``), then draw from
-their own ``torch.Generator``. Every row is processed on its own, so a request's tokens for a
-given seed do not depend on which other requests share its batch.
+the smallest set of most likely tokens whose probability reaches ``top_p``), then draw. Every
+row is processed on its own, so a request's tokens for a given seed do not depend on which
+other requests share its batch.
+
+A seeded draw is keyed by (seed, position): the token at position ``p`` of the sequence
+(prompt and output counted together) is drawn from a generator seeded with
+``position_seed(seed, p)``, not from a stream that advances with each draw. Whoever samples
+that position draws the same: the prefill worker that samples the first output token, the
+decode engine that samples the rest, the single-instance engine, and a request resumed on
+another instance after a failure (``LLMEngine.reserve(..., generated)``). So a seed gives one
+output whether the request ran locally or disaggregated, with or without a failure.
 
 Logits may arrive in the model's own dtype (bf16/fp16) when every row of the batch is greedy
 (``ModelRunner.execute``): widening to fp32 is exact and order-preserving, so the argmax,
@@ -20,13 +28,39 @@ import torch
 from tetris.engine.request import FinishReason, Sequence
 from tetris.sampling_params import SamplingParams
 
-__all__ = ["sample", "greedy_tokens", "process_logits", "make_generator", "check_stop"]
+__all__ = ["sample", "greedy_tokens", "process_logits", "make_generator", "check_stop",
+           "position_seed", "draw"]
+
+_MASK64 = (1 << 64) - 1
 
 
 def make_generator(seed: int) -> torch.Generator:
     gen = torch.Generator(device="cpu")
     gen.manual_seed(seed)
     return gen
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a request's draw at ``position``: SplitMix64's finalizer over both.
+
+    Mixed so that neighbouring seeds and positions give unrelated draws (torch's CPU generator
+    keeps only the low 32 bits of a seed, which a plain ``seed + position`` would leave
+    correlated). Non-negative and below 2**63."""
+    z = ((seed & _MASK64) ^ ((position + 1) * 0x9E3779B97F4A7C15)) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def draw(probs: torch.Tensor, seed: int | None, position: int,
+         generator: torch.Generator | None = None) -> int:
+    """One token from ``probs`` [V]: keyed by (seed, position), or from torch's global
+    generator when ``seed`` is None. ``generator`` is reused (reseeded) if given."""
+    if seed is None:
+        return int(torch.multinomial(probs, 1).item())
+    gen = generator if generator is not None else torch.Generator(device="cpu")
+    gen.manual_seed(position_seed(seed, position))
+    return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -104,8 +138,11 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
         if seq.params.greedy:
             tokens.append(greedy[row])
             continue
-        probs = process_logits(logits[row], seq.params)
-        tokens.append(int(torch.multinomial(probs, 1, generator=seq.generator).item()))
+        if seq.generator is None and seq.seed is not None:
+            seq.generator = torch.Generator(device="cpu")
+        # the token drawn now takes position num_tokens
+        tokens.append(draw(process_logits(logits[row], seq.params), seq.seed, seq.num_tokens,
+                           seq.generator))
     return tokens
 
 

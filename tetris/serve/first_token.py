@@ -80,7 +80,7 @@ class EarlyFirstToken:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos)
         # Only the output matters here, so the sequence starts empty and its length limit is
         # what the context leaves after the prompt.
-        seq = Sequence(req.request_id, [], params, generator=None, stop_token_ids=stop_ids,
+        seq = Sequence(req.request_id, [], params, seed=None, stop_token_ids=stop_ids,
                        max_total_tokens=self.max_model_len - len(req.prompt_token_ids))
         seq.tokens.append(int(first_token))
         if check_stop(seq, int(first_token), self.decode) is not None:
