@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tetris.engine.request import FinishReason, Sequence
-from tetris.engine.sampling import (check_stop, draw, greedy_tokens, make_generator, position_seed,
+from tetris.engine.sampling import (check_stop, draw, greedy_tokens, position_seed,
                                     process_logits, sample)
 from tetris.sampling_params import SamplingParams
 
@@ -78,7 +78,7 @@ def test_same_seed_same_tokens_regardless_of_batch():
 
 
 def test_a_seeded_draw_depends_on_seed_and_position_only():
-    probs = torch.softmax(torch.randn(1000, generator=make_generator(0)), 0)
+    probs = torch.softmax(torch.randn(1000, generator=torch.Generator().manual_seed(0)), 0)
     gen = torch.Generator()
     assert draw(probs, 7, 40) == draw(probs, 7, 40, gen) == draw(probs, 7, 40)
     by_position = [draw(probs, 7, p) for p in range(200)]

@@ -28,16 +28,9 @@ import torch
 from tetris.engine.request import FinishReason, Sequence
 from tetris.sampling_params import SamplingParams
 
-__all__ = ["sample", "greedy_tokens", "process_logits", "make_generator", "check_stop",
-           "position_seed", "draw"]
+__all__ = ["sample", "greedy_tokens", "process_logits", "check_stop", "position_seed", "draw"]
 
 _MASK64 = (1 << 64) - 1
-
-
-def make_generator(seed: int) -> torch.Generator:
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(seed)
-    return gen
 
 
 def position_seed(seed: int, position: int) -> int:
