@@ -206,18 +206,27 @@ class PrefillPool:
         while its members were communicating, the world is rebuilt (dead actors replaced)
         before the next chunk runs; chunks already running elsewhere finish first.
         """
-        dead = [i for i, err in failed.errors if isinstance(err, ray.exceptions.RayActorError)]
+        dead = {i: failed.handles[i] for i, err in failed.errors
+                if isinstance(err, ray.exceptions.RayActorError)}
         alive = [i for i in touched if i not in dead]
         self._abort_quietly(request_id, alive)
         # A dead worker is replaced whichever phase found it (the first call a dead worker
         # gets is usually ``prepare``); the world, which counted it, is formed again.
         if dead or (failed.method == "execute" and failed.group_size > 1):
-            with self._gate.exclusive():
-                for i in dead:
-                    self.workers[i] = self._spawn(i)
-                self._form_world()
-                self._restore_transfer(dead)
-                self.replacements += len(dead)
+            self._reform(dead)
+
+    def _reform(self, dead: dict) -> None:
+        """Form the world again with the dead workers (instance -> the handle found dead)
+        replaced; chunks running elsewhere finish first. A worker another thread has already
+        replaced is not replaced twice. The replacements get the send side and the current
+        receivers; a receiver they cannot reach is left to its owner to reconnect."""
+        with self._gate.exclusive():
+            fresh = [i for i, handle in dead.items() if self.workers[i] is handle]
+            for i in fresh:
+                self.workers[i] = self._spawn(i)
+            self._form_world()
+            self.replacements += len(fresh)
+            self._restore_transfer(fresh)
 
     def _task(self, plan, k, r, lay, token_ids, seq, opts: "_RunOptions") -> ChunkTask:
         c = plan.chunks[k]
@@ -240,7 +249,8 @@ class PrefillPool:
 
     def _phase(self, plan: PrefillPlan, k: int, tasks: list[ChunkTask], method: str):
         """Run ``method`` on every member; on failure name the root-cause worker."""
-        refs = [getattr(self.workers[t.instance], method).remote(t) for t in tasks]
+        handles = [self.workers[t.instance] for t in tasks]
+        refs = [getattr(h, method).remote(t) for h, t in zip(handles, tasks)]
         done, pending = ray.wait(refs, num_returns=len(refs), timeout=self.chunk_timeout_s)
         out, errors = [], []
         for t, ref in zip(tasks, refs):
@@ -260,6 +270,7 @@ class PrefillPool:
             # a dead member is replaced (``_recover``) before the caller sees the error
             lost = any(isinstance(e, ray.exceptions.RayActorError) for _t, e in errors)
             raise _ChunkFailed(method, len(tasks), [(e[0].instance, e[1]) for e in errors],
+                               {t.instance: handle for t, handle in zip(tasks, handles)},
                                (PrefillWorkerLost if lost else PrefillError)(
                 f"request {plan.request_id} chunk {k} failed on prefill instance {t.instance} "
                 f"(node {self.node_of[t.instance]}) during {method}: {type(err).__name__}: "
@@ -328,12 +339,25 @@ class PrefillPool:
         return dict(enumerate(infos))
 
     def connect_receivers(self, peers: dict[int, tuple]) -> None:
-        """receiver id -> (actor handle with ``deliver_transfer``, its AgentInfo), on every worker."""
+        """receiver id -> (actor handle with ``deliver_transfer``, its AgentInfo), on every worker.
+
+        The table is kept first, so a worker replaced at any later point connects to these
+        receivers, not to ones they replaced. A worker found dead here is replaced now (it
+        would otherwise keep the old receivers until a chunk found it)."""
         if self._transfer is None:
             raise RuntimeError("connect_receivers needs enable_transfer first")
-        ray.get([w.connect_receivers.remote(dict(peers)) for w in self.workers],
-                timeout=max(120.0, self.timeout_s))
         self._receivers.update(peers)
+        workers = list(self.workers)
+        refs = [w.connect_receivers.remote(dict(peers)) for w in workers]
+        dead = {}
+        for i, (w, ref) in enumerate(zip(workers, refs)):
+            try:
+                ray.get(ref, timeout=max(120.0, self.timeout_s))
+            except ray.exceptions.RayActorError:
+                dead[i] = w
+        if dead:
+            log.warning("prefill workers %s are dead: replacing them", sorted(dead))
+            self._reform(dead)
 
     def transfer_state(self, request_id: str) -> dict[int, dict]:
         """instance -> that worker's ``transfer_state`` for the request (workers with shards)."""
@@ -382,9 +406,11 @@ class _RunOptions(NamedTuple):
 
 
 class _ChunkFailed(Exception):
-    def __init__(self, method: str, group_size: int, errors: list, error: PrefillError):
+    def __init__(self, method: str, group_size: int, errors: list, handles: dict,
+                 error: PrefillError):
         super().__init__(str(error))
         self.method, self.group_size, self.errors, self.error = method, group_size, errors, error
+        self.handles = handles   # instance -> the worker actor the chunk was sent to
 
 
 class _SharedExclusive:

@@ -190,13 +190,23 @@ class PrefillWorker:
                              "with another config")
         return self.streaming.agent.info()
 
-    def connect_receivers(self, peers: dict) -> None:
-        """receiver id -> (actor handle, AgentInfo): agent peers for writes, actors for messages."""
+    def connect_receivers(self, peers: dict) -> list[int]:
+        """receiver id -> (actor handle, AgentInfo): agent peers for writes, actors for messages.
+
+        A receiver whose agent cannot be added (its process died since the table was made:
+        the transfer library cannot load a dead agent's metadata) is skipped; its owner
+        restarts it and connects the workers to the new one. Returns the skipped ids."""
         st = self._streaming()
+        skipped = []
         with st.pump.locked():
             for rid in sorted(peers):
-                st.agent.add_peer(peers[rid][1])
-        st.pump.connect({rid: handle for rid, (handle, _info) in peers.items()})
+                try:
+                    st.agent.add_peer(peers[rid][1])
+                except Exception as e:  # noqa: BLE001 - one dead receiver must not cut off the rest
+                    log.warning("prefill instance %d: receiver %d skipped: %s", self.instance, rid, e)
+                    skipped.append(rid)
+        st.pump.connect({rid: handle for rid, (handle, _info) in peers.items() if rid not in skipped})
+        return skipped
 
     @ray.method(concurrency_group=TRANSFER_GROUP)
     def deliver_transfer(self, msgs: list[ControlMessage]) -> None:

@@ -38,7 +38,7 @@ from tetris.bench_soak_memory import ActorMemory, HeapProbe, plot_rss, pool_acto
 from tetris.config import DeploymentConfig, load_deployment
 
 __all__ = ["add_args", "run", "show", "run_soak", "soak_rates", "deployment_capacity",
-           "soak_arrivals", "held_is_zero", "verdict"]
+           "soak_arrivals", "held_is_zero", "verdict", "OpenLoopLoad", "every", "settled_held"]
 
 MAX_GROWTH = 0.05
 
@@ -134,11 +134,12 @@ def soak_arrivals(workload: str, rate: float, seed: int, max_output: int,
 
 
 # -- the run ------------------------------------------------------------------------------------
-class _Load:
-    """The open-loop sender's state: per-request records and the in-flight bound."""
+class OpenLoopLoad:
+    """The open-loop sender's state: per-request records and the in-flight bound. ``send(r,
+    request_id)`` sends one request and returns ``LiveCluster.send_one``'s dict."""
 
-    def __init__(self, live, time_scale: float, max_inflight: int) -> None:
-        self.live, self.scale = live, time_scale
+    def __init__(self, send, time_scale: float, max_inflight: int) -> None:
+        self.send_one, self.scale = send, time_scale
         self.slots = asyncio.Semaphore(max_inflight)
         self.tasks: set[asyncio.Task] = set()
         self.records: list[dict] = []
@@ -148,7 +149,7 @@ class _Load:
 
     async def one(self, r, due: float) -> None:
         try:
-            got = await self.live.send_one(r, f"{r.request_id}-{self.stamp}")
+            got = await self.send_one(r, f"{r.request_id}-{self.stamp}")
         finally:
             self.slots.release()
         first = got["first"]
@@ -180,7 +181,7 @@ class _Load:
         self.drain_s = time.perf_counter() - t0
 
 
-async def _every(period: float, t0: float, until: float, fn) -> None:
+async def every(period: float, t0: float, until: float, fn) -> None:
     """``fn(t)`` at t = 0, period, 2·period, ... up to ``until`` (seconds since ``t0``)."""
     k = 0
     while k * period <= until:
@@ -190,8 +191,8 @@ async def _every(period: float, t0: float, until: float, fn) -> None:
 
 
 async def _drive(live, memory: ActorMemory, heap: HeapProbe, arrivals: Iterator, opts: dict,
-                 tick: Callable[[int], None] | None) -> _Load:
-    load = _Load(live, opts["time_scale"], opts["max_inflight"])
+                 tick: Callable[[int], None] | None) -> OpenLoopLoad:
+    load = OpenLoopLoad(live.send_one, opts["time_scale"], opts["max_inflight"])
     duration = opts["duration_s"]
     t0 = time.perf_counter() + 0.05
     shown = [0]
@@ -208,15 +209,15 @@ async def _drive(live, memory: ActorMemory, heap: HeapProbe, arrivals: Iterator,
             shown[0] = done
 
     await asyncio.gather(load.send(arrivals, t0, t0 + duration),
-                         _every(opts["sample_every_s"], t0, duration, sample),
-                         _every(1.0, t0, duration, progress))
+                         every(opts["sample_every_s"], t0, duration, sample),
+                         every(1.0, t0, duration, progress))
     await load.drain(opts["drain_timeout_s"])
     await sample(time.perf_counter() - t0)   # the idle app after the drain: what it kept
     await asyncio.to_thread(heap.end)
     return load
 
 
-def _settled_held(live, wait_s: float = 15.0) -> dict:
+def settled_held(live, wait_s: float = 15.0) -> dict:
     """The held view once releases (sent after each stream ends) have landed, or at ``wait_s``."""
     end = time.perf_counter() + wait_s
     held = live.held()
@@ -267,7 +268,7 @@ def run_soak(config: str | Path | None, *, workload: str = "short", capacity: fl
             memory = ActorMemory(live.app_name, {aid: label for aid, (label, _h) in pool.items()})
             heap = HeapProbe(memory, pool, trace=trace_heap)
             sent = asyncio.run(_drive(live, memory, heap, arrivals, opts, tick))
-            held = _settled_held(live)
+            held = settled_held(live)
             startup_s = live.startup_s
     actors = memory.report(warmup_s)
     recs = sent.records

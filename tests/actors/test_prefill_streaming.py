@@ -57,6 +57,8 @@ class RankReceiver:
     def connect(self, peers: dict) -> None:
         self.pump.connect(peers)
 
+    connect_senders = connect   # what the pool calls when it replaced senders (as DecodeRank)
+
     @ray.method(concurrency_group=TRANSFER_GROUP)
     def deliver_transfer(self, msgs) -> None:
         with self._lock:
@@ -197,6 +199,35 @@ def test_failure_mid_stream_leaves_nothing_held(setup):
         pool.run(plan, _prompt(n, 2), kv_receivers=tuple(range(TP)))
     failed = _outcomes(ranks, rid)
     assert all(isinstance(e, TransferFailed) for e in failed), failed
+    _nothing_held(pool, ranks)
+
+
+def test_connecting_receivers_replaces_a_dead_worker_and_skips_a_dead_receiver(setup):
+    """A decode instance restarted while a prefill worker lay dead: connecting the new receivers
+    replaces the dead worker at once (it would otherwise keep the old receivers), and a receiver
+    that died since its table was made is skipped, not fatal."""
+    pool, ranks = setup
+    replaced, old = pool.replacements, pool.workers[2]
+    gone = RankReceiverActor.remote(TP, TRANSFER)
+    gone_info = ray.get(gone.info.remote())
+    ray.kill(gone)
+    time.sleep(1.0)
+    peers = {r: (ranks[r], ray.get(ranks[r].info.remote())) for r in range(TP)}
+    ray.kill(old)
+    pool.connect_receivers(peers)
+    assert pool.replacements == replaced + 1 and pool.workers[2] is not old
+    skipped = ray.get(pool.workers[0].connect_receivers.remote({TP: (gone, gone_info)}))
+    assert skipped == [TP]     # the transfer library cannot load a dead agent: skipped, not fatal
+    # the replacement streams to the receivers, and so does worker 0 after the skip
+    n, rid = 96, "stream-after-replace"
+    assert all(ray.get([rk.reserve.remote(rid, n) for rk in ranks]))
+    pool.run(PrefillPlan(rid, n, (Chunk(0, n, (2, 0)),)), _prompt(n, 4),
+             kv_receivers=tuple(range(TP)))
+    ready = _outcomes(ranks, rid)
+    assert all(isinstance(e, RequestReady) for e in ready), ready
+    for rk, e in zip(ranks, ready):
+        ray.get(rk.give_back.remote(e.block_table))
+    pool.release(rid)
     _nothing_held(pool, ranks)
 
 

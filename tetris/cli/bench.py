@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from tetris import bench_policies, bench_soak
+from tetris import bench_chaos, bench_policies, bench_soak
 from tetris.cli.args import add_emulated_trace_args, positive_int, positive_list
 
 __all__ = ["register"]
@@ -96,6 +96,8 @@ BENCHES = {
                  bench_policies.add_args, bench_policies.run, bench_policies.show),
     "soak": ("EMULATION: open-loop soak at a fraction of capacity: failures and actor memory growth",
              bench_soak.add_args, bench_soak.run, bench_soak.show),
+    "chaos": ("EMULATION: open-loop load while prefill workers and decode ranks are killed",
+              bench_chaos.add_args, bench_chaos.run, bench_chaos.show),
     "transfer": ("NIXL throughput between two Ray actors vs an in-process copy; handshake overhead",
                  _add_transfer, _run_transfer, _print_transfer),
     "fidelity": ("EMULATION: live emulated cluster vs simulator, TTFT P50/P99 on one seeded trace",
@@ -104,7 +106,7 @@ BENCHES = {
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("bench", help="run a benchmark (transfer, fidelity, soak, policies)")
+    parser = subparsers.add_parser("bench", help="run a benchmark (transfer, fidelity, soak, chaos, policies)")
     sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
     for name, (help_text, add, _, _) in BENCHES.items():
         p = sub.add_parser(name, help=help_text)

@@ -341,14 +341,17 @@ class DispatcherServer:
         """Restart decode instance ``i`` connected to the prefill workers as they are now (the
         pool may have replaced some since), give them its new transfer agents and route to it
         again; a failed try waits 1, 2, 4, ... up to 60 s before the next."""
-        wait = 1.0
+        wait, peers = 1.0, None
         while True:
             try:
-                senders = await self._prefill_h.peers.remote()
-                peers = await self._decode_h.recover.remote(i, _handles(senders))
+                if peers is None:
+                    senders = await self._prefill_h.peers.remote()
+                    peers = await self._decode_h.recover.remote(i, _handles(senders))
                 await self._prefill_h.connect_receivers.remote(peers)
                 break
             except Exception as e:  # noqa: BLE001 - stays down; tried again
+                if peers is not None and (await self._decode_h.health.remote())[i] is not None:
+                    peers = None   # it broke again: restart it again; else only reconnect
                 log.error("decode instance %d: restart failed (%s); next try in %.0f s", i, e, wait)
                 await asyncio.sleep(wait)
                 wait = min(60.0, 2 * wait)

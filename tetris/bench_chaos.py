@@ -1,0 +1,281 @@
+"""``tetris bench chaos``: open-loop load while prefill workers and decode ranks are killed.
+
+EMULATION. What it shows: a worker that dies costs its requests time, not their answers.
+
+1. Load: seeded Poisson arrivals at ``--load`` x capacity (``tetris bench soak``'s arrivals and
+   open-loop sender), through the Ingress handle's ``generate_stream``, outputs capped.
+2. Faults: every ``--kill-every`` wall seconds one worker is killed (``ray.kill``, so Ray does
+   not restart it): a prefill worker and a decode TP rank in turn, each chosen by the seed. The
+   app heals by itself: the pool replaces a dead worker when a chunk finds it, the dispatcher
+   restarts a broken decode instance, and the requests they were serving run again and resume
+   (``Dispatcher.generate``: ``tetris:request_retries_total``).
+3. The client behaves as OpenAI's SDK does: a 429 (every decode instance down while one
+   restarts) is sent again after its ``Retry-After``, up to ``--client-retries`` times; its TTFT
+   counts from the first send.
+4. ``--baseline`` first runs the same arrivals on a fresh app without faults, so that TTFT
+   with faults is read as a ratio to TTFT without, measured in one run.
+
+Verdict: no request failed, nothing is held after the drain, and every decode instance is
+routed to again at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tetris.bench_fidelity import EMULATION_LABEL, scale_deployment
+from tetris.bench_soak import (OpenLoopLoad, deployment_capacity, every, held_is_zero,
+                               settled_held, soak_arrivals, soak_rates)
+from tetris.config import load_deployment
+
+__all__ = ["add_args", "run", "show", "run_chaos", "kill_schedule", "retries_by_stage"]
+
+_KINDS = ("prefill", "decode")
+
+
+def kill_schedule(duration_s: float, kill_every_s: float, kinds: tuple[str, ...] = _KINDS) -> list:
+    """(wall second, kind) of each kill: at kill_every, 2 kill_every, ... before the load ends,
+    cycling through ``kinds``."""
+    if kill_every_s <= 0:
+        raise ValueError(f"--kill-every must be positive, got {kill_every_s}")
+    bad = [k for k in kinds if k not in _KINDS]
+    if bad or not kinds:
+        raise ValueError(f"kill targets are {', '.join(_KINDS)}; got {', '.join(kinds) or 'none'}")
+    n = int((duration_s - 1e-9) // kill_every_s)
+    return [((i + 1) * kill_every_s, kinds[i % len(kinds)]) for i in range(n)]
+
+
+def retries_by_stage(metrics_text: str) -> dict[str, int]:
+    """``tetris:request_retries_total`` per stage from the dispatcher's Prometheus text."""
+    out: dict[str, int] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("tetris:request_retries_total{"):
+            stage = line.split('stage="', 1)[1].split('"', 1)[0]
+            out[stage] = int(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
+class _Client:
+    """``LiveCluster.send_one`` with a client's handling of 429: send again after a second."""
+
+    def __init__(self, live, retries: int) -> None:
+        self.live, self.retries = live, retries
+        self.refused = 0   # 429s answered by sending again
+
+    async def send(self, r, request_id: str) -> dict:
+        got = await self.live.send_one(r, request_id)
+        for k in range(self.retries):
+            if got["error"] is None or "Overloaded" not in got["error"]:
+                break
+            self.refused += 1
+            await asyncio.sleep(1.0)
+            again = await self.live.send_one(r, f"{request_id}-again{k + 1}")
+            got = again | {"sent": got["sent"]}   # TTFT counts from the first send
+        return got
+
+
+async def _kill(live, kind: str, rng: random.Random) -> str:
+    """Kill one prefill worker or one decode rank; its label."""
+    import ray
+    from ray import serve
+
+    if kind == "prefill":
+        peers = await serve.get_deployment_handle("PrefillPoolServer", live.app_name).peers.remote()
+        label = "PrefillWorker"
+    else:
+        peers = await live.decode.peers.remote()
+        label = "DecodeRank"
+    target = rng.choice(sorted(peers))
+    ray.kill(peers[target][0], no_restart=True)
+    return f"{label}[{target}]"
+
+
+async def _drive(live, arrivals, opts: dict, schedule: list, seed: int,
+                 tick: Callable[[int], None] | None) -> tuple[OpenLoopLoad, _Client, list]:
+    client = _Client(live, opts["client_retries"])
+    load = OpenLoopLoad(client.send, opts["time_scale"], opts["max_inflight"])
+    duration = opts["duration_s"]
+    rng = random.Random(seed)
+    kills: list[dict] = []
+    t0 = time.perf_counter() + 0.05
+    shown = [0]
+
+    async def killer() -> None:
+        for at, kind in schedule:
+            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+            kills.append({"t_s": round(time.perf_counter() - t0, 2), "kind": kind,
+                          "target": await _kill(live, kind, rng)})
+
+    async def progress(t: float) -> None:
+        done = min(int(duration), int(t))
+        if tick is not None and done > shown[0]:
+            tick(done - shown[0])
+            shown[0] = done
+
+    await asyncio.gather(load.send(arrivals, t0, t0 + duration), killer(),
+                         every(1.0, t0, duration, progress))
+    await load.drain(opts["drain_timeout_s"])
+    return load, client, kills
+
+
+def _summary(recs: list[dict]) -> dict:
+    import numpy as np
+
+    failed = [r for r in recs if r["error"]]
+    ttft = np.asarray([r["ttft"] for r in recs if r["ttft"] is not None and not r["error"]])
+    pct = (lambda q: float(np.percentile(ttft, q))) if ttft.size else (lambda q: float("nan"))
+    return {"sent": len(recs), "completed": len(recs) - len(failed), "failed": len(failed),
+            "errors": sorted({r["error"] for r in failed})[:5],
+            "ttft_s": {"p50": pct(50), "p99": pct(99)}}
+
+
+def _one_run(base, tmp: Path, arrivals, opts: dict, schedule: list, seed: int, tick) -> dict:
+    from ray import serve
+
+    from tetris.bench_fidelity_live import LiveCluster
+
+    with LiveCluster(scale_deployment(base, opts["time_scale"], tmp)) as live:
+        load, client, kills = asyncio.run(_drive(live, arrivals, opts, schedule, seed, tick))
+        # healing may still be under way when the load stops: give it the drain's time
+        end = time.perf_counter() + opts["drain_timeout_s"]
+        stats = live.dispatcher.stats.remote().result(timeout_s=60)
+        while stats["decode_down"] and time.perf_counter() < end:
+            time.sleep(0.5)
+            stats = live.dispatcher.stats.remote().result(timeout_s=60)
+        held = settled_held(live)
+        metrics = live.dispatcher.metrics_text.remote().result(timeout_s=60).decode()
+        prefill = serve.get_deployment_handle("PrefillPoolServer", live.app_name)
+        replacements = prefill.replacements.remote().result(timeout_s=60)
+        startup_s = live.startup_s
+    return _summary(load.records) | {
+        "kills": kills, "refused_then_sent_again": client.refused,
+        "retries": retries_by_stage(metrics),
+        "decode_restarts": {int(k): v for k, v in stats["decode_restarts"].items()},
+        "decode_down_at_end": stats["decode_down"], "prefill_replacements": replacements,
+        "held_zero": held_is_zero(held), "held": held, "app_startup_s": startup_s}
+
+
+def run_chaos(config: str | Path | None, *, workload: str = "short", capacity: float | None = None,
+              load: float = 0.5, duration_s: float = 180.0, kill_every_s: float = 30.0,
+              kinds: tuple[str, ...] = _KINDS, time_scale: float = 1.0, max_output: int = 16,
+              max_inflight: int = 512, drain_timeout_s: float = 120.0, client_retries: int = 10,
+              seed: int = 0, baseline: bool = False, capacity_requests: int = 1000,
+              tick: Callable[[int], None] | None = None) -> dict:
+    """The whole benchmark (module docstring); one JSON-ready dict."""
+    base = load_deployment(config or "paper-llama3-8b-emulated.toml")
+    if base.prefill.executor != "emulated" or base.decode.executor != "emulated":
+        raise ValueError("the chaos benchmark needs an emulated deployment "
+                         "(prefill.executor = decode.executor = \"emulated\")")
+    schedule = kill_schedule(duration_s, kill_every_s, kinds)
+    t_start = time.perf_counter()
+    cap = ({"capacity_rps": capacity, "source": "given"} if capacity else
+           deployment_capacity(base, workload, requests=capacity_requests, seed=seed,
+                               max_output=max_output) | {"source": "simulator"})
+    rate, wall_rate = soak_rates(cap["capacity_rps"], load, time_scale)
+    opts = {"time_scale": time_scale, "max_inflight": max_inflight, "duration_s": duration_s,
+            "drain_timeout_s": drain_timeout_s, "client_retries": client_retries}
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="tetris-chaos-") as tmp:
+        for name in (["baseline"] if baseline else []) + ["faults"]:
+            arrivals = soak_arrivals(workload, rate, seed, max_output)   # the same, each run
+            runs[name] = _one_run(base, Path(tmp) / name, arrivals, opts,
+                                  schedule if name == "faults" else [], seed, tick)
+    faults = runs["faults"]
+    out = {"emulation": True, "label": EMULATION_LABEL, "config": base.source_path,
+           "workload": workload, "seed": seed, "time_scale": time_scale, "load": load,
+           "capacity": cap, "rate_rps": rate, "wall_rate_rps": wall_rate,
+           "duration_s": duration_s, "kill_every_s": kill_every_s,
+           "max_output_tokens": max_output, "runs": runs,
+           "verdict": {"zero_failed": faults["failed"] == 0, "held_zero": faults["held_zero"],
+                       "decode_all_up": not faults["decode_down_at_end"]},
+           "wall_s": time.perf_counter() - t_start}
+    out["verdict"]["passed"] = all(out["verdict"].values())
+    if baseline:
+        b = runs["baseline"]["ttft_s"]
+        out["ttft_ratio_faults_over_baseline"] = {
+            q: faults["ttft_s"][q] / b[q] if b[q] > 0 else float("nan") for q in ("p50", "p99")}
+    return out
+
+
+# -- CLI: ``tetris bench chaos`` (wired in tetris/cli/bench.py) ----------------------------------
+def add_args(p) -> None:
+    from tetris.bench_soak import _positive_float
+    from tetris.cli.args import positive_int
+
+    p.add_argument("--config", default="paper-llama3-8b-emulated.toml",
+                   help="an emulated deployment (default: the paper's 8B cluster, emulated)")
+    p.add_argument("--workload", default="short", help="short, medium or long")
+    p.add_argument("--capacity", type=_positive_float, default=None,
+                   help="capacity in req/s of paper time (default: the simulator's, searched)")
+    p.add_argument("--load", type=_positive_float, default=0.5, help="fraction of capacity (0.5)")
+    p.add_argument("--duration", type=_positive_float, default=180.0, help="wall seconds of load")
+    p.add_argument("--kill-every", type=_positive_float, default=30.0,
+                   help="wall seconds between kills (30)")
+    p.add_argument("--targets", default="prefill,decode",
+                   help="what to kill, in turn: prefill, decode or both (prefill,decode)")
+    p.add_argument("--time-scale", type=_positive_float, default=1.0,
+                   help="slow all emulated time and arrival gaps by this factor")
+    p.add_argument("--max-output", type=positive_int, default=16, help="cap on output tokens")
+    p.add_argument("--max-inflight", type=positive_int, default=512,
+                   help="requests out at once; the sender waits beyond it")
+    p.add_argument("--drain-timeout", type=_positive_float, default=120.0,
+                   help="wall seconds to wait for requests in flight (and healing) at the end")
+    p.add_argument("--client-retries", type=int, default=10,
+                   help="times a client sends a request again after a 429 (10)")
+    p.add_argument("--capacity-requests", type=positive_int, default=1000,
+                   help="requests per simulated probe of the capacity search")
+    p.add_argument("--baseline", action="store_true",
+                   help="first run the same arrivals without faults, for TTFT side by side")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args) -> dict:
+    import sys
+
+    from tqdm import tqdm
+
+    kinds = tuple(k.strip() for k in args.targets.split(",") if k.strip())
+    runs = 2 if args.baseline else 1
+    # Ray's driver prints raylet warnings on stdout; --json must print one object there only.
+    with contextlib.redirect_stdout(sys.stderr), tqdm(
+            total=int(args.duration) * runs, desc="bench chaos (EMULATION)", unit="s",
+            disable=args.json, file=sys.stderr) as bar:
+        try:
+            return run_chaos(args.config, workload=args.workload, capacity=args.capacity,
+                             load=args.load, duration_s=args.duration, kill_every_s=args.kill_every,
+                             kinds=kinds, time_scale=args.time_scale, max_output=args.max_output,
+                             max_inflight=args.max_inflight, drain_timeout_s=args.drain_timeout,
+                             client_retries=args.client_retries, seed=args.seed,
+                             baseline=args.baseline, capacity_requests=args.capacity_requests,
+                             tick=bar.update)
+        except ValueError as e:
+            raise SystemExit(f"tetris bench chaos: {e}") from None
+
+
+def show(out: dict) -> None:
+    cap, v = out["capacity"], out["verdict"]
+    print(f"{out['label']}; time scale {out['time_scale']:g}, {out['workload']} workload")
+    print(f"capacity {cap['capacity_rps']:.2f} req/s ({cap['source']}), load {out['load']:g}: "
+          f"{out['rate_rps']:.2f} req/s, {out['duration_s']:g} s, a kill every "
+          f"{out['kill_every_s']:g} s")
+    for name, r in out["runs"].items():
+        print(f"{name}: sent {r['sent']}, completed {r['completed']}, failed {r['failed']}"
+              + (f" ({'; '.join(r['errors'])})" if r["errors"] else "")
+              + f"; TTFT P50 {r['ttft_s']['p50']:.3f} s, P99 {r['ttft_s']['p99']:.3f} s")
+        if r["kills"]:
+            print("  kills: " + ", ".join(f"{k['target']} at {k['t_s']:.0f} s" for k in r["kills"]))
+            print(f"  healed: {r['prefill_replacements']} prefill workers replaced, decode "
+                  f"restarts {r['decode_restarts']}; requests run again by stage {r['retries']}; "
+                  f"429s sent again {r['refused_then_sent_again']}")
+    if "ttft_ratio_faults_over_baseline" in out:
+        t = out["ttft_ratio_faults_over_baseline"]
+        print(f"TTFT with faults / without: P50 {t['p50']:.2f}x, P99 {t['p99']:.2f}x")
+    print(f"zero failed: {'PASS' if v['zero_failed'] else 'FAIL'}; held after drain: "
+          f"{'zero' if v['held_zero'] else 'NOT zero'}; every decode instance up: "
+          f"{'yes' if v['decode_all_up'] else 'NO'}")
