@@ -35,7 +35,8 @@ from collections.abc import AsyncIterator
 import ray
 
 from tetris.actors.decode_messages import (Abort, Add, Command, Commit, DecodeError, DecodeFull,
-                                           DecodeInstanceLost, Reserve, StepReply, TokenDelta)
+                                           DecodeInstanceLost, KVTransferFailed, Reserve,
+                                           StepReply, TokenDelta)
 from tetris.actors.decode_rank import DecodeRankActor
 from tetris.actors.placement import PLACEMENT_TIMEOUT_S, Placement, place_decode
 from tetris.actors.token_ids import compact_tokens
@@ -399,7 +400,7 @@ class DecodeInstance:
             for f in reply.failed:
                 req = self._requests.get(f.request_id)
                 if req is not None and req.receiving and not req.aborting:
-                    self._fail(f.request_id, DecodeError(
+                    self._fail(f.request_id, KVTransferFailed(
                         f"KV transfer of {f.request_id} failed on TP rank {reply.rank}: {f.reason}"))
             for request_id in reply.ready:
                 req = self._requests.get(request_id)

@@ -16,7 +16,7 @@ from tetris.errors import InstanceLost
 from tetris.sampling_params import SamplingParams
 
 __all__ = ["Reserve", "Commit", "Add", "Abort", "Command", "Rejected", "Failed", "TokenDelta", "StepReply",
-           "RankHeld", "DecodeFull", "DecodeError", "DecodeInstanceLost"]
+           "RankHeld", "DecodeFull", "DecodeError", "DecodeInstanceLost", "KVTransferFailed"]
 
 
 class Reserve(msgspec.Struct, frozen=True, tag="reserve"):
@@ -129,6 +129,11 @@ class DecodeFull(Exception):
 
 class DecodeError(Exception):
     """A request failed on the decode instance (e.g. its KV transfer); it holds nothing now."""
+
+
+class KVTransferFailed(DecodeError, InstanceLost):
+    """The request's KV did not arrive (a sender died, or the transfer timed out): nothing was
+    wrong with the request, and a prefill run again sends its KV anew."""
 
 
 class DecodeInstanceLost(DecodeError, InstanceLost):

@@ -300,8 +300,7 @@ class PrefillPool:
             log.warning("abort of %s on %s failed: %s", request_id, instances, e)
 
     def _abort_workers(self, request_id: str, instances) -> None:
-        ray.get([self.workers[i].abort.remote(request_id) for i in instances],
-                timeout=self.chunk_timeout_s)
+        self._on_workers(instances, lambda w: w.abort.remote(request_id))
 
     # -- KV ownership -------------------------------------------------------------------------
     def abort(self, request_id: str, instances: list[int] | None = None) -> None:
@@ -313,8 +312,20 @@ class PrefillPool:
 
     def release(self, request_id: str) -> None:
         """The request's KV has been handed off: free it everywhere."""
-        ray.get([w.release.remote(request_id) for w in self.workers],
-                timeout=self.chunk_timeout_s)
+        self._on_workers(range(self.size), lambda w: w.release.remote(request_id))
+
+    def _on_workers(self, instances, call) -> list:
+        """``call(worker)`` (an ObjectRef) on each of ``instances``, answers in order. A dead
+        worker answers None: it holds nothing any more, and it is replaced when a chunk or
+        ``connect_receivers`` finds it, so freeing a request must not fail on it."""
+        refs = [call(self.workers[i]) for i in instances]
+        out = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref, timeout=self.chunk_timeout_s))
+            except ray.exceptions.RayActorError:
+                out.append(None)
+        return out
 
     def export_kv(self, request_id: str) -> dict[int, tuple]:
         """instance -> (positions, k [L, n, Hkv, D], v) for every worker holding some of it."""
@@ -323,7 +334,8 @@ class PrefillPool:
 
     def held_requests(self) -> dict[int, list[str]]:
         """instance -> requests with KV or transfer shards still held there."""
-        return dict(enumerate(ray.get([w.held_requests.remote() for w in self.workers])))
+        held = self._on_workers(range(self.size), lambda w: w.held_requests.remote())
+        return {i: h or [] for i, h in enumerate(held)}
 
     def node_map(self) -> list[int]:
         """Each worker's node index: the real Ray nodes on a multi-node cluster, virtual nodes

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import tempfile
 import time
@@ -35,6 +36,8 @@ from tetris.bench_soak import (OpenLoopLoad, deployment_capacity, every, held_is
 from tetris.config import load_deployment
 
 __all__ = ["add_args", "run", "show", "run_chaos", "kill_schedule", "retries_by_stage"]
+
+log = logging.getLogger(__name__)
 
 _KINDS = ("prefill", "decode")
 
@@ -111,6 +114,7 @@ async def _drive(live, arrivals, opts: dict, schedule: list, seed: int,
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
             kills.append({"t_s": round(time.perf_counter() - t0, 2), "kind": kind,
                           "target": await _kill(live, kind, rng)})
+            log.warning("chaos: killed %s at %.1f s", kills[-1]["target"], kills[-1]["t_s"])
 
     async def progress(t: float) -> None:
         done = min(int(duration), int(t))
@@ -136,29 +140,39 @@ def _summary(recs: list[dict]) -> dict:
 
 
 def _one_run(base, tmp: Path, arrivals, opts: dict, schedule: list, seed: int, tick) -> dict:
-    from ray import serve
-
     from tetris.bench_fidelity_live import LiveCluster
 
     with LiveCluster(scale_deployment(base, opts["time_scale"], tmp)) as live:
         load, client, kills = asyncio.run(_drive(live, arrivals, opts, schedule, seed, tick))
-        # healing may still be under way when the load stops: give it the drain's time
-        end = time.perf_counter() + opts["drain_timeout_s"]
+        after = {"kills": kills, "refused_then_sent_again": client.refused,
+                 "app_startup_s": live.startup_s}
+        try:
+            after |= _after_load(live, opts["drain_timeout_s"])
+        except Exception as e:  # noqa: BLE001 - an app that cannot answer fails the verdict
+            after |= {"after_load_error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1]}",
+                      "held_zero": False, "decode_down_at_end": None}
+    return _summary(load.records) | after
+
+
+def _after_load(live, wait_s: float) -> dict:
+    """Healing done (every decode instance up, or ``wait_s``), then what the app holds and
+    counted."""
+    from ray import serve
+
+    # healing may still be under way when the load stops: give it the drain's time
+    end = time.perf_counter() + wait_s
+    stats = live.dispatcher.stats.remote().result(timeout_s=60)
+    while stats["decode_down"] and time.perf_counter() < end:
+        time.sleep(0.5)
         stats = live.dispatcher.stats.remote().result(timeout_s=60)
-        while stats["decode_down"] and time.perf_counter() < end:
-            time.sleep(0.5)
-            stats = live.dispatcher.stats.remote().result(timeout_s=60)
-        held = settled_held(live)
-        metrics = live.dispatcher.metrics_text.remote().result(timeout_s=60).decode()
-        prefill = serve.get_deployment_handle("PrefillPoolServer", live.app_name)
-        replacements = prefill.replacements.remote().result(timeout_s=60)
-        startup_s = live.startup_s
-    return _summary(load.records) | {
-        "kills": kills, "refused_then_sent_again": client.refused,
-        "retries": retries_by_stage(metrics),
-        "decode_restarts": {int(k): v for k, v in stats["decode_restarts"].items()},
-        "decode_down_at_end": stats["decode_down"], "prefill_replacements": replacements,
-        "held_zero": held_is_zero(held), "held": held, "app_startup_s": startup_s}
+    held = settled_held(live)
+    metrics = live.dispatcher.metrics_text.remote().result(timeout_s=60).decode()
+    prefill = serve.get_deployment_handle("PrefillPoolServer", live.app_name)
+    return {"retries": retries_by_stage(metrics),
+            "decode_restarts": {int(k): v for k, v in stats["decode_restarts"].items()},
+            "decode_down_at_end": stats["decode_down"],
+            "prefill_replacements": prefill.replacements.remote().result(timeout_s=60),
+            "held_zero": held_is_zero(held), "held": held}
 
 
 def run_chaos(config: str | Path | None, *, workload: str = "short", capacity: float | None = None,
@@ -193,7 +207,7 @@ def run_chaos(config: str | Path | None, *, workload: str = "short", capacity: f
            "duration_s": duration_s, "kill_every_s": kill_every_s,
            "max_output_tokens": max_output, "runs": runs,
            "verdict": {"zero_failed": faults["failed"] == 0, "held_zero": faults["held_zero"],
-                       "decode_all_up": not faults["decode_down_at_end"]},
+                       "decode_all_up": faults["decode_down_at_end"] == []},
            "wall_s": time.perf_counter() - t_start}
     out["verdict"]["passed"] = all(out["verdict"].values())
     if baseline:
@@ -268,7 +282,9 @@ def show(out: dict) -> None:
         print(f"{name}: sent {r['sent']}, completed {r['completed']}, failed {r['failed']}"
               + (f" ({'; '.join(r['errors'])})" if r["errors"] else "")
               + f"; TTFT P50 {r['ttft_s']['p50']:.3f} s, P99 {r['ttft_s']['p99']:.3f} s")
-        if r["kills"]:
+        if "after_load_error" in r:
+            print(f"  the app did not answer after the load: {r['after_load_error']}")
+        elif r["kills"]:
             print("  kills: " + ", ".join(f"{k['target']} at {k['t_s']:.0f} s" for k in r["kills"]))
             print(f"  healed: {r['prefill_replacements']} prefill workers replaced, decode "
                   f"restarts {r['decode_restarts']}; requests run again by stage {r['retries']}; "

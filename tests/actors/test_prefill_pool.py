@@ -192,6 +192,11 @@ def test_a_killed_worker_is_replaced_and_its_instance_serves_again(pool, model):
     victim = plan.chunks[0].instances[1]
     old, replaced = pool.workers[victim], pool.replacements
     ray.kill(old)
+    time.sleep(0.5)
+    # freeing other requests' KV must not fail on the dead worker (it holds nothing now)
+    pool.release("another-request")
+    pool.abort("another-request")
+    assert pool.held_requests()[victim] == []
     with pytest.raises(PrefillWorkerLost, match=rf"prefill instance {victim}"):
         pool.run(plan, _prompt(600, 4))   # lost, not failed: the dispatcher plans it again
     assert pool.workers[victim] is not old and pool.replacements == replaced + 1
