@@ -16,7 +16,7 @@ import torch
 from tetris.config import ModelConfig
 import tetris.engine.engine as engine_module
 from tetris.engine.engine import LLMEngine
-from tetris.engine.sampling import process_logits, sample
+from tetris.engine.sampling import draw, process_logits, sample
 from tetris.kernels.paged_decode import paged_decode_attention
 from tetris.model.hf_config import model_config_from_hf
 from tetris.model.llama import LlamaModel
@@ -198,11 +198,11 @@ def _tied_head_model():
 
 
 def _recording_sample(monkeypatch):
-    """Patch the engine's sampler to record (logits, greedy flags, generator states, tokens)."""
+    """Patch the engine's sampler to record (logits, params, (seed, position) keys, tokens)."""
     calls = []
 
     def spy(logits, seqs):
-        states = [s.generator.get_state() if s.generator is not None else None for s in seqs]
+        states = [(s.seed, s.num_tokens) for s in seqs]   # what a seeded draw is keyed by
         tokens = sample(logits, seqs)
         calls.append((logits.clone(), [s.params for s in seqs], states, tokens))
         return tokens
@@ -230,7 +230,7 @@ def test_bf16_greedy_tokens_are_fp32_argmax_of_the_same_logits_ties_included(mon
 
 def test_bf16_mixed_batch_samples_from_fp32_logits(monkeypatch):
     """One greedy and one random request share the batch: the logits come as fp32, and the
-    random row draws what a generator in the same state draws from those fp32 logits."""
+    random row draws what its (seed, position) draws from those fp32 logits."""
     calls = _recording_sample(monkeypatch)
     engine = LLMEngine(_tied_head_model(), None, num_blocks=32, block_size=8, max_num_seqs=4)
     engine.generate([[5, 9, 200, 31], [44, 3, 17, 600]],
@@ -244,6 +244,5 @@ def test_bf16_mixed_batch_samples_from_fp32_logits(monkeypatch):
             if p.greedy:
                 assert tokens[row] == int(logits[row].argmax())
                 continue
-            gen = torch.Generator().set_state(state)
-            want = torch.multinomial(process_logits(logits[row], p), 1, generator=gen)
-            assert tokens[row] == int(want)
+            seed, position = state
+            assert tokens[row] == draw(process_logits(logits[row], p), seed, position)
