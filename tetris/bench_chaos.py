@@ -219,34 +219,17 @@ def run_chaos(config: str | Path | None, *, workload: str = "short", capacity: f
 
 # -- CLI: ``tetris bench chaos`` (wired in tetris/cli/bench.py) ----------------------------------
 def add_args(p) -> None:
-    from tetris.bench_soak import _positive_float
-    from tetris.cli.args import positive_int
+    from tetris.bench_soak import add_load_args, positive_float
 
-    p.add_argument("--config", default="paper-llama3-8b-emulated.toml",
-                   help="an emulated deployment (default: the paper's 8B cluster, emulated)")
-    p.add_argument("--workload", default="short", help="short, medium or long")
-    p.add_argument("--capacity", type=_positive_float, default=None,
-                   help="capacity in req/s of paper time (default: the simulator's, searched)")
-    p.add_argument("--load", type=_positive_float, default=0.5, help="fraction of capacity (0.5)")
-    p.add_argument("--duration", type=_positive_float, default=180.0, help="wall seconds of load")
-    p.add_argument("--kill-every", type=_positive_float, default=30.0,
+    add_load_args(p, load=0.5, duration=180.0)
+    p.add_argument("--kill-every", type=positive_float, default=30.0,
                    help="wall seconds between kills (30)")
     p.add_argument("--targets", default="prefill,decode",
                    help="what to kill, in turn: prefill, decode or both (prefill,decode)")
-    p.add_argument("--time-scale", type=_positive_float, default=1.0,
-                   help="slow all emulated time and arrival gaps by this factor")
-    p.add_argument("--max-output", type=positive_int, default=16, help="cap on output tokens")
-    p.add_argument("--max-inflight", type=positive_int, default=512,
-                   help="requests out at once; the sender waits beyond it")
-    p.add_argument("--drain-timeout", type=_positive_float, default=120.0,
-                   help="wall seconds to wait for requests in flight (and healing) at the end")
     p.add_argument("--client-retries", type=int, default=10,
                    help="times a client sends a request again after a 429 (10)")
-    p.add_argument("--capacity-requests", type=positive_int, default=1000,
-                   help="requests per simulated probe of the capacity search")
     p.add_argument("--baseline", action="store_true",
                    help="first run the same arrivals without faults, for TTFT side by side")
-    p.add_argument("--seed", type=int, default=0)
 
 
 def run(args) -> dict:

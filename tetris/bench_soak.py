@@ -38,7 +38,8 @@ from tetris.bench_soak_memory import ActorMemory, HeapProbe, plot_rss, pool_acto
 from tetris.config import DeploymentConfig, load_deployment
 
 __all__ = ["add_args", "run", "show", "run_soak", "soak_rates", "deployment_capacity",
-           "soak_arrivals", "held_is_zero", "verdict", "OpenLoopLoad", "every", "settled_held"]
+           "soak_arrivals", "held_is_zero", "verdict", "OpenLoopLoad", "every", "settled_held",
+           "add_load_args", "positive_float"]
 
 MAX_GROWTH = 0.05
 
@@ -295,7 +296,7 @@ def run_soak(config: str | Path | None, *, workload: str = "short", capacity: fl
 
 
 # -- CLI: ``tetris bench soak`` (wired in tetris/cli/bench.py) -----------------------------------
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
     import argparse
 
     try:
@@ -307,29 +308,36 @@ def _positive_float(text: str) -> float:
     return v
 
 
-def add_args(p) -> None:
+def add_load_args(p, *, load: float, duration: float) -> None:
+    """The open-loop load's options, shared by ``tetris bench soak`` and ``tetris bench chaos``."""
     from tetris.cli.args import positive_int
 
     p.add_argument("--config", default="paper-llama3-8b-emulated.toml",
                    help="an emulated deployment (default: the paper's 8B cluster, emulated)")
     p.add_argument("--workload", default="short", help="short, medium or long")
-    p.add_argument("--capacity", type=_positive_float, default=None,
+    p.add_argument("--capacity", type=positive_float, default=None,
                    help="capacity in req/s of paper time (default: the simulator's, searched)")
-    p.add_argument("--load", type=_positive_float, default=0.7, help="fraction of capacity (0.7)")
-    p.add_argument("--duration", type=_positive_float, default=600.0, help="wall seconds of load")
-    p.add_argument("--warmup", type=float, default=60.0, help="wall seconds before the baseline")
-    p.add_argument("--sample-every", type=_positive_float, default=10.0,
-                   help="seconds between RSS samples")
-    p.add_argument("--time-scale", type=_positive_float, default=1.0,
+    p.add_argument("--load", type=positive_float, default=load,
+                   help=f"fraction of capacity ({load:g})")
+    p.add_argument("--duration", type=positive_float, default=duration,
+                   help="wall seconds of load")
+    p.add_argument("--time-scale", type=positive_float, default=1.0,
                    help="slow all emulated time and arrival gaps by this factor")
     p.add_argument("--max-output", type=positive_int, default=16, help="cap on output tokens")
     p.add_argument("--max-inflight", type=positive_int, default=512,
                    help="requests out at once; the sender waits beyond it")
-    p.add_argument("--drain-timeout", type=_positive_float, default=120.0,
+    p.add_argument("--drain-timeout", type=positive_float, default=120.0,
                    help="wall seconds to wait for requests in flight when the load stops")
     p.add_argument("--capacity-requests", type=positive_int, default=1000,
                    help="requests per simulated probe of the capacity search")
     p.add_argument("--seed", type=int, default=0)
+
+
+def add_args(p) -> None:
+    add_load_args(p, load=0.7, duration=600.0)
+    p.add_argument("--warmup", type=float, default=60.0, help="wall seconds before the baseline")
+    p.add_argument("--sample-every", type=positive_float, default=10.0,
+                   help="seconds between RSS samples")
     p.add_argument("--plot", default=None, help="write a PNG of RSS over time per actor here")
     p.add_argument("--trace-heap", action="store_true",
                    help="also run tracemalloc in the app's processes from warm-up end (slower; "

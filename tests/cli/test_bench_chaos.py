@@ -10,6 +10,8 @@ import pytest
 
 from tetris.bench_chaos import add_args, kill_schedule, retries_by_stage, run
 
+from test_bench_soak import _reduced as reduced_config   # the emulated 8B cluster, cut down
+
 
 def test_kills_come_every_period_in_turn_and_stop_with_the_load():
     assert kill_schedule(100, 30) == [(30, "prefill"), (60, "decode"), (90, "prefill")]
@@ -33,27 +35,12 @@ def test_retries_are_read_per_stage_from_the_dispatchers_metrics():
     assert retries_by_stage("") == {}
 
 
-def _reduced(tmp_path) -> str:
-    """The paper's emulated 8B cluster cut to 2 prefill instances and one TP-2 decode instance."""
-    from tetris.config import load_deployment
-
-    src = open(load_deployment("paper-llama3-8b-emulated.toml").source_path).read()
-    path = tmp_path / "reduced-2.toml"
-    path.write_text(src.replace("num_instances = 16", "num_instances = 2")
-                    .replace("node_size = 8", "node_size = 2")
-                    .replace("sp_candidates = [1, 2, 4, 8, 16]", "sp_candidates = [1, 2]")
-                    .replace("num_instances = 2\ntp_size = 8", "num_instances = 1\ntp_size = 2")
-                    .replace("num_backends = 16", "num_backends = 2")
-                    .replace("pool_size = 16", "pool_size = 2"))
-    return str(path)
-
-
 @pytest.mark.timeout(400)
 def test_killed_workers_heal_and_no_request_fails(serve_http, tmp_path):
     p = argparse.ArgumentParser()
     add_args(p)
     p.add_argument("--json", action="store_true")
-    args = p.parse_args(["--config", _reduced(tmp_path), "--capacity", "1.0", "--load", "0.8",
+    args = p.parse_args(["--config", reduced_config(tmp_path, 2), "--capacity", "1.0", "--load", "0.8",
                          "--duration", "24", "--kill-every", "8", "--max-output", "8",
                          "--drain-timeout", "120", "--seed", "3", "--json"])
     out = json.loads(json.dumps(run(args)))
