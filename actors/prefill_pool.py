@@ -300,7 +300,7 @@ class PrefillPool:
             log.warning("abort of %s on %s failed: %s", request_id, instances, e)
 
     def _abort_workers(self, request_id: str, instances) -> None:
-        self._on_workers(instances, lambda w: w.abort.remote(request_id))
+        self._on_workers([self.workers[i] for i in instances], lambda w: w.abort.remote(request_id))
 
     # -- KV ownership -------------------------------------------------------------------------
     def abort(self, request_id: str, instances: list[int] | None = None) -> None:
@@ -312,17 +312,17 @@ class PrefillPool:
 
     def release(self, request_id: str) -> None:
         """The request's KV has been handed off: free it everywhere."""
-        self._on_workers(range(self.size), lambda w: w.release.remote(request_id))
+        self._on_workers(self.workers, lambda w: w.release.remote(request_id))
 
-    def _on_workers(self, instances, call) -> list:
-        """``call(worker)`` (an ObjectRef) on each of ``instances``, answers in order. A dead
+    def _on_workers(self, workers, call, timeout_s: float | None = None) -> list:
+        """``call(worker)`` (an ObjectRef) on each worker actor, answers in order. A dead
         worker answers None: it holds nothing any more, and it is replaced when a chunk or
         ``connect_receivers`` finds it, so freeing a request must not fail on it."""
-        refs = [call(self.workers[i]) for i in instances]
+        refs = [call(w) for w in list(workers)]
         out = []
         for ref in refs:
             try:
-                out.append(ray.get(ref, timeout=self.chunk_timeout_s))
+                out.append(ray.get(ref, timeout=timeout_s or self.chunk_timeout_s))
             except ray.exceptions.RayActorError:
                 out.append(None)
         return out
@@ -334,7 +334,7 @@ class PrefillPool:
 
     def held_requests(self) -> dict[int, list[str]]:
         """instance -> requests with KV or transfer shards still held there."""
-        held = self._on_workers(range(self.size), lambda w: w.held_requests.remote())
+        held = self._on_workers(self.workers, lambda w: w.held_requests.remote())
         return {i: h or [] for i, h in enumerate(held)}
 
     def node_map(self) -> list[int]:
@@ -360,13 +360,9 @@ class PrefillPool:
             raise RuntimeError("connect_receivers needs enable_transfer first")
         self._receivers.update(peers)
         workers = list(self.workers)
-        refs = [w.connect_receivers.remote(dict(peers)) for w in workers]
-        dead = {}
-        for i, (w, ref) in enumerate(zip(workers, refs)):
-            try:
-                ray.get(ref, timeout=max(120.0, self.timeout_s))
-            except ray.exceptions.RayActorError:
-                dead[i] = w
+        skipped = self._on_workers(workers, lambda w: w.connect_receivers.remote(dict(peers)),
+                                   timeout_s=max(120.0, self.timeout_s))
+        dead = {i: w for i, (w, s) in enumerate(zip(workers, skipped)) if s is None}
         if dead:
             log.warning("prefill workers %s are dead: replacing them", sorted(dead))
             self._reform(dead)

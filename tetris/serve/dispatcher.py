@@ -411,9 +411,7 @@ class Dispatcher:
             try:
                 return await self._route(req, aid, tl, avoid, sent.token_ids)
             except Overloaded as e:
-                entry = self._virtual.pop(aid, None)
-                if entry is not None:
-                    self.router.release(*entry)
+                self._release_virtual(aid)
                 if self.clock() >= deadline:
                     raise RuntimeError(f"request {req.request_id}: no decode instance took it back "
                                        f"within {self.retry_wait_s:g} s of losing its own: {e}") from None
@@ -447,11 +445,15 @@ class Dispatcher:
             if self.metrics is not None:
                 self.metrics.set_improvement_rate(theta)
 
-    async def _kv_arrived(self, aid: str) -> None:
-        """The decode instance has all the KV: drop the prefill copy and the virtual usage."""
+    def _release_virtual(self, aid: str) -> None:
+        """Drop a run's virtual usage on its decode instance, if it still has any."""
         entry = self._virtual.pop(aid, None)
         if entry is not None:
             self.router.release(*entry)
+
+    async def _kv_arrived(self, aid: str) -> None:
+        """The decode instance has all the KV: drop the prefill copy and the virtual usage."""
+        self._release_virtual(aid)
         await self.prefill.release(aid)
 
     async def _cleanup(self, rid: str, tl: RequestTimeline) -> None:
@@ -466,9 +468,7 @@ class Dispatcher:
         """Free what one run of a request holds: bookings, virtual usage and, unless it
         completed, its state on both pools (a lost instance's answers are logged, not raised)."""
         self.queue.finish(aid)
-        entry = self._virtual.pop(aid, None)
-        if entry is not None:
-            self.router.release(*entry)
+        self._release_virtual(aid)
         if completed:
             return
         try:
