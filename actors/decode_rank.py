@@ -344,5 +344,12 @@ class _CountingPeer:
         self._counts.sent(msgs)
         return self._handle.deliver_transfer.remote(msgs)
 
+    def __eq__(self, other) -> bool:
+        # the same actor, however wrapped: the pump tells a replaced sender by this
+        return isinstance(other, _CountingPeer) and self._handle == other._handle
+
+    def __hash__(self) -> int:
+        return hash(self._handle)
+
 
 DecodeRankActor = ray.remote(concurrency_groups={TRANSFER_GROUP: 1})(DecodeRank)

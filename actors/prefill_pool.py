@@ -222,11 +222,39 @@ class PrefillPool:
         receivers; a receiver they cannot reach is left to its owner to reconnect."""
         with self._gate.exclusive():
             fresh = [i for i, handle in dead.items() if self.workers[i] is handle]
+            if dead and not fresh:
+                return   # another thread replaced them and formed the world since
             for i in fresh:
                 self.workers[i] = self._spawn(i)
             self._form_world()
             self.replacements += len(fresh)
             self._restore_transfer(fresh)
+
+    def heal(self, timeout_s: float = 10.0) -> list[int]:
+        """Replace the workers that died since a chunk last ran on them; returns their instances.
+
+        A chunk finds a dead member itself, but a worker may die with no chunk to run: its
+        instance would then keep a dead actor until the next plan lands on it, and the KV it
+        was still streaming would be waited for until the receivers' stall timeout. Probing
+        every worker (``alive`` answers beside a running chunk) and replacing the dead ones
+        tells the receivers too (``_restore_transfer``), and they give up the dead worker's
+        shards at once. A worker that does not answer within ``timeout_s`` but is not known dead
+        is left alone."""
+        workers = list(self.workers)
+        refs = [w.alive.remote() for w in workers]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        dead = {}
+        for i, (w, ref) in enumerate(zip(workers, refs)):
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError:
+                dead[i] = w
+            except ray.exceptions.GetTimeoutError:
+                pass
+        if dead:
+            log.warning("prefill workers %s are dead: replacing them", sorted(dead))
+            self._reform(dead)
+        return sorted(dead)
 
     def _task(self, plan, k, r, lay, token_ids, seq, opts: "_RunOptions") -> ChunkTask:
         c = plan.chunks[k]

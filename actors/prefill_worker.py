@@ -219,6 +219,11 @@ class PrefillWorker:
             return {"shards": 0, "unfinished": 0, "sent": 0, "failed": []}
         return self.streaming.state(request_id)
 
+    @ray.method(concurrency_group=TRANSFER_GROUP)
+    def alive(self) -> int:
+        """The pool's liveness probe: answers while a chunk computes (transfer group)."""
+        return self.instance
+
     def _streaming(self) -> _Streaming:
         if self.streaming is None:
             raise RuntimeError(f"transfer is not enabled on prefill instance {self.instance}")

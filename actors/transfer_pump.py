@@ -62,10 +62,26 @@ class TransferPump:
         self._thread.start()
         return self
 
-    def connect(self, peers: dict[int, Any]) -> None:
-        """Add (or replace) peer actors, keyed by the manager's peer ids."""
+    def connect(self, peers: dict[int, Any]) -> list[int]:
+        """Add (or replace) peer actors, keyed by the manager's peer ids; returns the ids whose
+        actor changed.
+
+        A new actor under a known id replaces a dead one (its owner restarted or replaced it):
+        nothing the manager still expected from or for the dead actor can come any more, so it
+        is given up now (``manager.peer_lost``), not when a timeout finds it. The requests a
+        receiver gives up fail at once (and their other senders are told), so the dispatcher
+        runs them again without waiting out the stall timeout."""
         with self._lock:
+            replaced = sorted(i for i, p in peers.items() if i in self._peers and self._peers[i] != p)
             self._peers.update(peers)
+            now = time.monotonic()
+            for i in replaced:
+                self.manager.peer_lost(i, now)
+        if replaced:
+            log.warning("%s: peers %s were replaced; what was under way with the old ones is "
+                        "given up", self.name, replaced)
+            self._wake.set()
+        return replaced
 
     def deliver(self, msgs: Sequence[ControlMessage]) -> None:
         """Queue control messages from peers; the pump thread hands them to the manager."""

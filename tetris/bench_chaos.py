@@ -6,9 +6,9 @@ EMULATION. What it shows: a worker that dies costs its requests time, not their 
    open-loop sender), through the Ingress handle's ``generate_stream``, outputs capped.
 2. Faults: every ``--kill-every`` wall seconds one worker is killed (``ray.kill``, so Ray does
    not restart it): a prefill worker and a decode TP rank in turn, each chosen by the seed. The
-   app heals by itself: the pool replaces a dead worker when a chunk finds it, the dispatcher
-   restarts a broken decode instance, and the requests they were serving run again and resume
-   (``Dispatcher.generate``: ``tetris:request_retries_total``).
+   app heals by itself: the pool replaces a dead worker when a chunk or the dispatcher's 2 s
+   probe finds it, the dispatcher restarts a broken decode instance, and the requests they
+   were serving run again and resume (``Dispatcher.generate``: ``tetris:request_retries_total``).
 3. The client behaves as OpenAI's SDK does: a 429 (every decode instance down while one
    restarts) is sent again after its ``Retry-After``, up to ``--client-retries`` times; its TTFT
    counts from the first send.

@@ -145,7 +145,9 @@ class SendManager:
         for key in sorted(k for k in self.shards if k[0] == request_id):
             self._fail(self.shards[key], reason, tell_receiver=True)
 
-    def peer_lost(self, receiver_id: int) -> None:
+    def peer_lost(self, receiver_id: int, now: float | None = None) -> None:
+        """A decode rank died: every shard addressed to it fails (``now``: for the receive
+        side's signature; a failed shard needs no clock)."""
         for key in sorted(self.shards):
             if self.shards[key].handshake.receiver_id == receiver_id:
                 self._fail(self.shards[key], f"decode instance {receiver_id} lost", tell_receiver=False)

@@ -317,6 +317,41 @@ def test_stalled_sender_fails_the_stream_and_frees_everything(cluster, loop, ref
         ray.get(senders[0].set_drop_grants.remote(False))
 
 
+def test_a_replaced_sender_fails_what_it_owed_at_once_not_at_the_timeout(cluster, loop, reference):
+    """The prefill pool replaced a dead worker and connected its successor: the decode ranks
+    give up the shards the dead one still owed there and then (the request fails as an
+    ``InstanceLost``, which the dispatcher runs again), instead of stalling until the transfer
+    timeout; the successor is used from then on."""
+    inst, senders = cluster
+    prompt = _prompt(12, 8)
+    kv = reference.prompt_kv(prompt)
+    first = reference.generate(prompt)[0]
+    old = senders[0]
+    ray.get(old.set_drop_grants.remote(True))      # it handshakes, then never writes: "dies"
+    successor = TestSenderActor.remote(0, TRANSFER)
+    ray.get(successor.connect.remote(loop.run_until_complete(inst.agent_infos()), {0: inst.ranks[0]}))
+
+    async def body():
+        await inst.reserve("lost-1", prompt, GREEDY)
+        await _send_kv(senders, "lost-1", kv, [(0, 12)])
+        inst.commit("lost-1", first)
+        ray.kill(old)
+        senders[0] = successor
+        await inst.connect_senders({0: successor})
+        with pytest.raises(KVTransferFailed, match="prefill instance 0 lost") as e:
+            await _collect(inst, "lost-1")
+        assert isinstance(e.value, InstanceLost)
+        # the successor streams the next request in full
+        await inst.reserve("lost-2", prompt, GREEDY)
+        await _send_kv(senders, "lost-2", kv, [(0, 12)])
+        inst.commit("lost-2", first)
+        return await _collect(inst, "lost-2")
+
+    outs = loop.run_until_complete(body())
+    assert list(outs[-1].token_ids) == reference.generate(prompt)
+    loop.run_until_complete(_wait_empty(inst, senders))
+
+
 def test_full_instance_raises_decode_full_and_idles_without_rounds(cluster, loop):
     inst, senders = cluster
 

@@ -97,6 +97,16 @@ class RankReceiver:
             return sorted(mgr.requests), self.allocator.num_free
 
 
+class _Unreachable:
+    """A sender peer whose messages are lost: its shards are never granted a backend."""
+
+    class _Drop:
+        def remote(self, msgs) -> None:
+            return None
+
+    deliver_transfer = _Drop()
+
+
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 RankReceiverActor = ray.remote(num_cpus=0, concurrency_groups={TRANSFER_GROUP: 1})(RankReceiver)
 
@@ -228,6 +238,40 @@ def test_connecting_receivers_replaces_a_dead_worker_and_skips_a_dead_receiver(s
     for rk, e in zip(ranks, ready):
         ray.get(rk.give_back.remote(e.block_table))
     pool.release(rid)
+    _nothing_held(pool, ranks)
+
+
+def test_heal_replaces_a_worker_that_died_idle_and_its_shards_fail_at_once(setup):
+    """Worker 2 finished computing but still owed KV (its grants never reached it) when it
+    died. No chunk will find it dead, so the pool's health check does; the receivers then give
+    up its shards at once (not at their stall timeout), and once the request is aborted, as
+    the dispatcher does with a failed one, nothing is held."""
+    pool, ranks = setup
+    assert pool.heal() == []                    # all alive: nothing replaced, no re-forming
+    replaced, old = pool.replacements, pool.workers[2]
+    n, rid = 80, "stream-died-idle"
+    assert all(ray.get([rk.reserve.remote(rid, n) for rk in ranks]))
+    ray.get([rk.connect.remote({2: _Unreachable()}) for rk in ranks])
+    pool.run(PrefillPlan(rid, n, (Chunk(0, n, (2, 0)),)), _prompt(n, 5), kv_receivers=tuple(range(TP)))
+    ray.kill(old)
+    t0 = time.monotonic()
+    assert pool.heal() == [2]
+    assert pool.replacements == replaced + 1 and pool.workers[2] is not old
+    failed = _outcomes(ranks, rid)
+    assert time.monotonic() - t0 < TRANSFER.timeout_s / 2
+    assert all(isinstance(e, TransferFailed) and "prefill instance 2 lost" in e.reason
+               for e in failed), failed
+    pool.abort(rid)                     # what the dispatcher does with a failed request
+    _nothing_held(pool, ranks)
+    # the successor serves the next request
+    rid2 = "stream-after-heal"
+    assert all(ray.get([rk.reserve.remote(rid2, n) for rk in ranks]))
+    pool.run(PrefillPlan(rid2, n, (Chunk(0, n, (2, 1)),)), _prompt(n, 6), kv_receivers=tuple(range(TP)))
+    ready = _outcomes(ranks, rid2)
+    assert all(isinstance(e, RequestReady) for e in ready), ready
+    for rk, e in zip(ranks, ready):
+        ray.get(rk.give_back.remote(e.block_table))
+    pool.release(rid2)
     _nothing_held(pool, ranks)
 
 

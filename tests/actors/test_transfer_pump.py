@@ -28,6 +28,7 @@ class _Manager:
         self.delivered: list = []
         self.outbox: list[Envelope] = []
         self.shards: dict = {}
+        self.lost: list[int] = []
 
     def deliver(self, msg, now) -> None:
         self.delivered.append(msg)
@@ -39,6 +40,9 @@ class _Manager:
     def drain_outbox(self):
         out, self.outbox = self.outbox, []
         return out
+
+    def peer_lost(self, peer_id, now) -> None:
+        self.lost.append(peer_id)
 
 
 def _abort(rid: str) -> Abort:
@@ -59,6 +63,18 @@ def test_round_delivers_inbox_routes_outbox_per_peer_and_reports_events():
     assert [[m.request_id for m in c] for c in a.deliver_transfer.calls] == [["y"]]
     assert pump.dropped == 1                      # no peer 9: dropped and counted
     assert [e.request_id for e in out] == [e.request_id for e in events] == ["r1"]
+
+
+def test_a_new_actor_under_a_known_id_gives_up_the_old_ones_work():
+    mgr = _Manager()
+    pump = TransferPump(mgr, name="t")
+    a, b, c = _Peer(), _Peer(), _Peer()
+    assert pump.connect({1: a, 2: b}) == [] and mgr.lost == []     # first wiring: nothing lost
+    assert pump.connect({1: a}) == [] and mgr.lost == []           # the same actor again
+    assert pump.connect({2: c, 3: _Peer()}) == [2] and mgr.lost == [2]   # 2 replaced, 3 is new
+    mgr.outbox = [Envelope("receiver", 2, _abort("after"))]
+    pump.pump_once()
+    assert b.deliver_transfer.calls == [] and len(c.deliver_transfer.calls) == 1   # routed to the new one
 
 
 def test_finished_shards_do_not_keep_the_pump_busy():

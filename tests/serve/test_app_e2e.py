@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 
 import httpx
 import pytest
@@ -333,6 +334,39 @@ def test_admin_rate_table_round_trip_and_bad_table_refused(app):
         assert json.dumps(prof)
 
 
+def test_a_prefill_worker_that_dies_idle_is_replaced_before_a_request_needs_it(app, engine):
+    """No request runs when prefill worker 1 dies: the dispatcher's periodic probe finds it and
+    the pool replaces it, so the next request planned onto instance 1 runs without a retry."""
+    import ray
+    from ray import serve
+
+    from tetris.serve.app import APP_NAME
+
+    _, base = app
+    prefill = serve.get_deployment_handle("PrefillPoolServer", APP_NAME)
+    dispatcher = serve.get_deployment_handle("DispatcherServer", APP_NAME)
+    with pytest.raises(ray.exceptions.RayTaskError, match="must be >= 0"):
+        dispatcher.set_prefill_check.remote(-1).result()
+    before = prefill.replacements.remote().result()
+    ray.kill(prefill.peers.remote().result()[1][0])
+    deadline = time.monotonic() + 30
+    while prefill.replacements.remote().result() == before:
+        assert time.monotonic() < deadline, "the dead idle worker was not replaced"
+        time.sleep(0.2)
+    assert prefill.replacements.remote().result() == before + 1
+    prompt = _prompt(500, 12)
+    want = _reference(engine, [prompt], 8)[0].text
+    httpx.post(f"{base}/admin/drain", json={"instances": [0, 2, 3], "seconds": 60.0}, timeout=60)
+    r = asyncio.run(_complete_once(base, prompt, 8))
+    httpx.post(f"{base}/admin/drain", json={"instances": [0, 2, 3], "seconds": 0.001}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want
+    (tl,) = dispatcher.timelines.remote(1).result()
+    assert tl["retries"] == 0
+    plans = httpx.get(f"{base}/admin/plans", timeout=60).json()
+    assert 1 in plans[-1]["chunks"][0]["instances"]
+
+
 def test_a_dead_prefill_worker_is_replaced_and_streams_kv_to_decode_again(app, engine):
     """Kills prefill worker 0. The pool replaces it when a plan reaches it, the decode ranks
     learn the new sender at once, and the request whose chunk lost the worker is planned again
@@ -346,16 +380,22 @@ def test_a_dead_prefill_worker_is_replaced_and_streams_kv_to_decode_again(app, e
     _, base = app
     prefill = serve.get_deployment_handle("PrefillPoolServer", APP_NAME)
     dispatcher = serve.get_deployment_handle("DispatcherServer", APP_NAME)
-    ray.kill(prefill.peers.remote().result()[0][0])
-    prompt = _prompt(600, 10)
-    want = _reference(engine, [prompt], 12)[0].text
-    # instances 1-3 held for a while: the plan lands on instance 0, dead, then replaced
-    httpx.post(f"{base}/admin/drain", json={"instances": [1, 2, 3], "seconds": 60.0}, timeout=60)
-    r = asyncio.run(_complete_once(base, prompt, 12))
-    httpx.post(f"{base}/admin/drain", json={"instances": [1, 2, 3], "seconds": 0.001}, timeout=60)
+    before = prefill.replacements.remote().result()
+    # the periodic probe off, so that the chunk finds the dead worker (not the probe first)
+    period = dispatcher.set_prefill_check.remote(0).result()
+    try:
+        ray.kill(prefill.peers.remote().result()[0][0])
+        prompt = _prompt(600, 10)
+        want = _reference(engine, [prompt], 12)[0].text
+        # instances 1-3 held for a while: the plan lands on instance 0, dead, then replaced
+        httpx.post(f"{base}/admin/drain", json={"instances": [1, 2, 3], "seconds": 60.0}, timeout=60)
+        r = asyncio.run(_complete_once(base, prompt, 12))
+        httpx.post(f"{base}/admin/drain", json={"instances": [1, 2, 3], "seconds": 0.001}, timeout=60)
+    finally:
+        dispatcher.set_prefill_check.remote(period).result()
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == want
-    assert prefill.replacements.remote().result() == 1
+    assert prefill.replacements.remote().result() == before + 1
     (tl,) = dispatcher.timelines.remote(1).result()
     assert tl["retries"] == 1 and tl["outcome"] == "length"
     plans = httpx.get(f"{base}/admin/plans", timeout=60).json()

@@ -33,6 +33,9 @@ def register(subparsers) -> None:
                         "a local one)")
     p.add_argument("--max-pending", type=int, default=256,
                    help="requests in flight before new ones get 429 (default 256)")
+    p.add_argument("--prefill-check-s", type=float, default=2.0, metavar="S",
+                   help="probe the prefill workers every S seconds and replace ones that died "
+                        "idle (0: only when a chunk finds one; default 2)")
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write the URL here once the app is ready")
     p.set_defaults(func=run)
@@ -53,13 +56,17 @@ def run(args: argparse.Namespace) -> int:
     if args.max_pending <= 0:
         print("error: --max-pending must be positive", file=sys.stderr)
         return 2
+    if not args.prefill_check_s >= 0:
+        print("error: --prefill-check-s must be >= 0", file=sys.stderr)
+        return 2
     ray.init(address=args.address, include_dashboard=False, configure_logging=False)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         print(f"deploying {deployment.model.name} ({deployment.prefill.num_instances} prefill "
               f"instances, {deployment.decode.num_instances} decode x TP "
               f"{deployment.decode.tp_size}) ...", file=sys.stderr)
-        serve.run(build_app(deployment, max_pending=args.max_pending), name=APP_NAME,
+        serve.run(build_app(deployment, max_pending=args.max_pending,
+                            prefill_check_s=args.prefill_check_s), name=APP_NAME,
                   route_prefix="/")
         serve.get_deployment_handle("DispatcherServer", APP_NAME).warmup.remote().result()
         url = f"http://{args.host}:{args.port}"

@@ -47,6 +47,8 @@ __all__ = ["build_app", "app_builder", "APP_NAME", "Ingress", "DispatcherServer"
 log = logging.getLogger(__name__)
 
 APP_NAME = "tetris"
+# how often (s) the dispatcher has the prefill pool probe its workers for ones that died idle
+PREFILL_CHECK_S = 2.0
 # control processes: mostly waiting, never refused a slot; the process environment that keeps
 # their memory flat (actors/process_env.py)
 _NO_CPU = {"num_cpus": 0, "runtime_env": runtime_env(control=True)}
@@ -80,6 +82,10 @@ class PrefillPoolServer:
 
     async def connect_receivers(self, peers: dict) -> None:
         await self._call(self.pool.connect_receivers, peers)
+
+    async def heal(self) -> list[int]:
+        """Replace workers found dead though no chunk ran on them (``PrefillPool.heal``)."""
+        return await self._call(self.pool.heal)
 
     async def node_map(self) -> list[int]:
         return list(self.pool.node_map())
@@ -256,6 +262,13 @@ def _handles(peers: dict) -> dict:
     return {i: handle for i, (handle, _info) in peers.items()}
 
 
+def _check_period(seconds: float) -> float:
+    seconds = float(seconds)
+    if not seconds >= 0:
+        raise ValueError(f"a health check period must be >= 0 s (0: off), got {seconds}")
+    return seconds
+
+
 def _lost(err: BaseException) -> BaseException:
     """``err`` as an ``InstanceLost`` when a pool raised one (the dispatcher then runs the
     request again), else ``err`` itself."""
@@ -274,7 +287,8 @@ def _raised(err: BaseException, cls: type) -> bool:
 class DispatcherServer:
     """The dispatcher (``tetris.serve.dispatcher``) on a uvloop event loop."""
 
-    def __init__(self, deployment: DeploymentConfig, prefill, decode, max_pending: int = 256):
+    def __init__(self, deployment: DeploymentConfig, prefill, decode, max_pending: int = 256,
+                 prefill_check_s: float = PREFILL_CHECK_S):
         self.deployment = deployment
         self._prefill_h, self._decode_h = prefill, decode
         self.max_pending = max_pending
@@ -283,6 +297,9 @@ class DispatcherServer:
         self._load_task = None
         self._healing: dict[int, asyncio.Task] = {}   # decode instance -> its restart task
         self.restarts: dict[int, int] = {}            # decode instance -> restarts that succeeded
+        self._prefill_healing: asyncio.Task | None = None
+        self._last_prefill_check = 0.0
+        self.prefill_check_s = _check_period(prefill_check_s)
 
     async def ready(self):
         """Wire the pools together and build the dispatcher (once)."""
@@ -322,7 +339,35 @@ class DispatcherServer:
                 await self._heal_decode()
             except Exception as e:  # noqa: BLE001 - tried again at the next poll
                 log.warning("decode health check failed: %s", e)
+            self._heal_prefill()
             await asyncio.sleep(0.5)
+
+    async def set_prefill_check(self, seconds: float) -> float:
+        """How often the prefill pool is probed for workers that died idle (0: never; a chunk
+        still finds a dead member, and a request it fails runs again). Returns the old period."""
+        old, self.prefill_check_s = self.prefill_check_s, _check_period(seconds)
+        return old
+
+    def _heal_prefill(self) -> None:
+        """Every ``prefill_check_s``, have the pool replace workers that died idle, in a task
+        (replacing waits for running chunks to finish; load polling goes on meanwhile)."""
+        loop = asyncio.get_running_loop()
+        if (not self.prefill_check_s or self._prefill_healing is not None
+                or loop.time() - self._last_prefill_check < self.prefill_check_s):
+            return
+        self._last_prefill_check = loop.time()
+
+        async def heal() -> None:
+            try:
+                replaced = await self._prefill_h.heal.remote()
+                if replaced:
+                    log.error("prefill workers %s had died idle: replaced", replaced)
+            except Exception as e:  # noqa: BLE001 - tried again at the next check
+                log.warning("prefill health check failed: %s", e)
+            finally:
+                self._prefill_healing = None
+
+        self._prefill_healing = loop.create_task(heal())
 
     async def _heal_decode(self) -> None:
         """Take broken decode instances out of routing and restart each in a task of its own
@@ -531,15 +576,21 @@ class Ingress:
                                   finish_reason=out.finish_reason)
 
 
-def build_app(config: DeploymentConfig | str | Path | None = None, *, max_pending: int = 256):
-    """The Serve application for a deployment (a TOML path, a loaded config, or the default)."""
+def build_app(config: DeploymentConfig | str | Path | None = None, *, max_pending: int = 256,
+              prefill_check_s: float = PREFILL_CHECK_S):
+    """The Serve application for a deployment (a TOML path, a loaded config, or the default).
+    ``max_pending``: requests queued before 429s; ``prefill_check_s``: how often prefill
+    workers are probed for ones that died idle (0: never)."""
     deployment = config if isinstance(config, DeploymentConfig) else load_deployment(config)
     prefill = PrefillPoolServer.bind(deployment)
     decode = DecodePoolServer.bind(deployment)
-    dispatcher = DispatcherServer.bind(deployment, prefill, decode, max_pending)
+    dispatcher = DispatcherServer.bind(deployment, prefill, decode, max_pending,
+                                       _check_period(prefill_check_s))
     return Ingress.bind(deployment, dispatcher)
 
 
 def app_builder(args: dict):
-    """Entry point for ``serve run`` config files: ``args: {config: PATH, max_pending: N}``."""
-    return build_app(args.get("config"), max_pending=int(args.get("max_pending", 256)))
+    """Entry point for ``serve run`` config files: ``args: {config: PATH, max_pending: N,
+    prefill_check_s: S}``."""
+    return build_app(args.get("config"), max_pending=int(args.get("max_pending", 256)),
+                     prefill_check_s=float(args.get("prefill_check_s", PREFILL_CHECK_S)))
