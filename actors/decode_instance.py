@@ -8,7 +8,8 @@ Lifecycle of a request fed by KV streaming:
 2. Senders stream each rank its KV head slice; each rank reports ``ready`` on its own time.
 3. ``commit(id, first_token)``: the prefill's first token. Once the token is known AND every
    rank reported ready (either order), a ``Commit`` joins the next round's commands.
-4. ``stream(id)`` yields the engine's outputs (rank 0's), first token first, until finished.
+4. ``stream(id)`` yields the engine's outputs (rank 0's) as ``OutputDelta``s, first token
+   first, until finished; deltas that queued while the consumer was busy leave merged.
 5. A transfer failure on any rank aborts the request on every rank and the stream raises
    ``DecodeError``; ``abort(id)`` does the same at the caller's request (idempotent). When the
    instance itself breaks (a rank died), every request fails with ``DecodeInstanceLost``: the
@@ -36,13 +37,13 @@ import ray
 
 from tetris.actors.decode_messages import (Abort, Add, Command, Commit, DecodeError, DecodeFull,
                                            DecodeInstanceLost, KVTransferFailed, Reserve,
-                                           StepReply, TokenDelta)
+                                           StepReply)
 from tetris.actors.decode_rank import DecodeRankActor
 from tetris.actors.placement import PLACEMENT_TIMEOUT_S, Placement, place_decode
 from tetris.actors.token_ids import compact_tokens
 from tetris.config import DeploymentConfig
 from tetris.engine.engine import EngineStats
-from tetris.engine.request import RequestOutput
+from tetris.engine.request import OutputDelta
 from tetris.sampling_params import SamplingParams
 from tetris.transfer.messages import AgentInfo
 from tetris.transfer.states import TransferConfig
@@ -61,8 +62,7 @@ class _Request:
     def __init__(self, receiving: bool) -> None:
         # No prompt here: the ranks' engines have it, and outputs leave without it (a long
         # context must not travel with every token; the ingress has its own copy).
-        self.token_ids: list[int] = []     # cumulative outputs, rebuilt from the ranks' deltas
-        self.text = ""
+        self.num_tokens = 0                # output tokens streamed so far (checks the deltas)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.receiving = receiving          # reserved, not yet committed
         self.ready_ranks: set[int] = set()
@@ -204,11 +204,11 @@ class DecodeInstance:
 
         ``generated``: output tokens the client already has (resuming a request whose instance
         was lost); the prefill computes their KV with the prompt's, and the outputs go on
-        from them (their ``token_ids`` start with them)."""
+        from them (their ``num_tokens`` counts them)."""
         prompt = compact_tokens(prompt_token_ids)
         generated = tuple(int(t) for t in generated)
         req = self._open(request_id, receiving=True)
-        req.token_ids.extend(generated)
+        req.num_tokens = len(generated)
         self._submit(Reserve(request_id, prompt, sampling, generated))
         await req.admitted
 
@@ -234,16 +234,28 @@ class DecodeInstance:
         req.first_token = int(first_token)
         self._maybe_commit(request_id, req)
 
-    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
-        """Outputs until a finished one; ``DecodeError`` if the request failed. Leaving the
-        loop early aborts the request."""
+    async def stream(self, request_id: str) -> AsyncIterator[OutputDelta]:
+        """Output deltas until a finished one; ``DecodeError`` if the request failed. Leaving
+        the loop early aborts the request.
+
+        Deltas that queued up while the consumer was busy leave as one: a consumer that falls
+        behind (a loaded event loop, a slow hop) gets fewer, larger items instead of a backlog
+        of one-token items, each costing it a full hop."""
         req = self._requests.get(request_id) or self._ended.pop(request_id, None)
         if req is None:
             raise KeyError(f"no live request {request_id!r} on decode instance {self.instance}")
         finished = False
+        error: BaseException | None = None   # taken while merging: raised after the merged delta
         try:
             while True:
-                item = await req.queue.get()
+                item = error or await req.queue.get()
+                error = None
+                while isinstance(item, OutputDelta) and not item.finished and not req.queue.empty():
+                    nxt = req.queue.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        error = nxt
+                        break
+                    item = item.merged(nxt)
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -409,16 +421,12 @@ class DecodeInstance:
                     self._maybe_commit(request_id, req)
 
     @staticmethod
-    def _output(req: _Request, delta: TokenDelta) -> RequestOutput:
-        req.token_ids.extend(delta.new_token_ids)
-        req.text += delta.new_text
-        if len(req.token_ids) != delta.num_output_tokens:
-            raise RuntimeError(f"{delta.request_id}: {len(req.token_ids)} tokens streamed but the "
-                               f"engine has {delta.num_output_tokens} (a step's output was lost)")
-        return RequestOutput(request_id=delta.request_id, prompt_token_ids=(),
-                             token_ids=tuple(req.token_ids), new_token_ids=delta.new_token_ids,
-                             text=req.text, new_text=delta.new_text, finished=delta.finished,
-                             finish_reason=delta.finish_reason)
+    def _output(req: _Request, delta: OutputDelta) -> OutputDelta:
+        req.num_tokens += len(delta.new_token_ids)
+        if req.num_tokens != delta.num_tokens:
+            raise RuntimeError(f"{delta.request_id}: {req.num_tokens} tokens streamed but the "
+                               f"engine has {delta.num_tokens} (a step's output was lost)")
+        return delta
 
     def _settle(self, cmds: list[Command], replies: list[StepReply]) -> None:
         """Answer ``reserve``/``add`` callers: admitted, or rejected (same on every rank)."""

@@ -12,10 +12,11 @@ import msgspec
 
 from tetris.actors.token_ids import TokenIds
 from tetris.engine.engine import EngineStats
+from tetris.engine.request import OutputDelta
 from tetris.errors import InstanceLost
 from tetris.sampling_params import SamplingParams
 
-__all__ = ["Reserve", "Commit", "Add", "Abort", "Command", "Rejected", "Failed", "TokenDelta", "StepReply",
+__all__ = ["Reserve", "Commit", "Add", "Abort", "Command", "Rejected", "Failed", "StepReply",
            "RankHeld", "DecodeFull", "DecodeError", "DecodeInstanceLost", "KVTransferFailed"]
 
 
@@ -71,23 +72,6 @@ class Failed(msgspec.Struct, frozen=True):
     reason: str
 
 
-class TokenDelta(msgspec.Struct, frozen=True, array_like=True):
-    """A step's output for one request without the cumulative fields of ``RequestOutput``.
-
-    A ``RequestOutput`` repeats the whole prompt and every token so far; shipping that each
-    step would cost O(context) per token for long prompts. The driver keeps the cumulative
-    state and rebuilds the ``RequestOutput`` (``num_output_tokens`` lets it check that no
-    delta was lost).
-    """
-
-    request_id: str
-    new_token_ids: tuple[int, ...]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    num_output_tokens: int
-
-
 class StepReply(msgspec.Struct, frozen=True):
     """One rank's answer to one round.
 
@@ -96,7 +80,7 @@ class StepReply(msgspec.Struct, frozen=True):
     """
 
     rank: int
-    outputs: list[TokenDelta]
+    outputs: list[OutputDelta]
     ready: list[str]
     failed: list[Failed]
     rejected: list[Rejected]

@@ -34,10 +34,11 @@ import torch
 import torch.distributed as dist
 
 from tetris.actors.decode_messages import (Abort, Add, Command, Commit, Failed, RankHeld, Rejected,
-                                           Reserve, StepReply, TokenDelta)
+                                           Reserve, StepReply)
 from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
 from tetris.config import DeploymentConfig
 from tetris.engine.engine import EngineStats, LLMEngine
+from tetris.engine.request import OutputDelta
 from tetris.transfer.messages import AgentInfo, ControlMessage
 from tetris.transfer.states import (MessageRejected, RequestReady, TransferConfig, TransferEvent,
                                     TransferFailed)
@@ -196,8 +197,8 @@ class DecodeRank:
         with self._events_lock:
             ready, self._ready = self._ready, []
             failed, self._failed = self._failed, []
-        deltas = [TokenDelta(o.request_id, o.new_token_ids, o.new_text, o.finished, o.finish_reason,
-                             len(o.token_ids)) for o in outputs] if self.tp_rank == 0 else []
+        # deltas, not the engine's cumulative outputs: O(new tokens) per step on the wire
+        deltas = [OutputDelta.of(o) for o in outputs] if self.tp_rank == 0 else []
         return StepReply(rank=self.tp_rank, outputs=deltas,
                          ready=ready, failed=failed, rejected=rejected, stats=engine.stats(),
                          step_s=step_s)

@@ -82,7 +82,7 @@ async def run_decode(label: dict[str, str]) -> dict:
         outs = [o async for o in inst.stream("d0")]
         return {"decode_nodes": [label[n] for n in where],
                 "decode_bundle_nodes": [label[n] for n in inst.placement.node_ids],
-                "decode_tokens": len(outs[-1].token_ids)}
+                "decode_tokens": outs[-1].num_tokens}
     finally:
         await inst.shutdown()
 

@@ -18,6 +18,7 @@ from tetris.errors import InstanceLost
 from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
 from tetris.config import DecodeConfig, DeploymentConfig, ModelConfig
 from tetris.engine.engine import LLMEngine
+from tetris.engine.request import OutputDelta
 from tetris.kernels.attention import attention_with_lse
 from tetris.model.loader import load_model
 from tetris.sampling_params import SamplingParams
@@ -172,6 +173,10 @@ async def _collect(inst, request_id: str) -> list:
     return [out async for out in inst.stream(request_id)]
 
 
+def _tokens(outs) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
 async def _wait_empty(inst, senders, timeout_s: float = 10.0):
     deadline = time.monotonic() + timeout_s
     while True:
@@ -204,11 +209,12 @@ def test_local_path_tp2_matches_single_engine_with_continuous_batching(cluster, 
 
     got = loop.run_until_complete(body())
     for k, outs in got.items():
-        assert list(outs[-1].token_ids) == want[k], k
-        assert [t for o in outs for t in o.new_token_ids] == want[k]
+        assert _tokens(outs) == want[k], k
+        assert outs[-1].num_tokens == len(want[k])
         assert outs[-1].finish_reason == "length" and not any(o.finished for o in outs[:-1])
-        assert outs[-1].text == ref[k].text == "".join(o.new_text for o in outs)
-        assert outs[-1].prompt_token_ids == ()   # outputs leave without the prompt
+        assert "".join(o.new_text for o in outs) == ref[k].text
+        # deltas only: neither the prompt nor the output so far travels with each token
+        assert all(type(o) is OutputDelta for o in outs)
     loop.run_until_complete(_wait_empty(inst, senders))
 
 
@@ -228,7 +234,8 @@ def test_a_request_that_ends_before_its_stream_opens_still_streams(cluster, loop
         return await _collect(inst, "early")
 
     outs = loop.run_until_complete(body())
-    assert [t for o in outs for t in o.new_token_ids] == want and outs[-1].finished
+    assert _tokens(outs) == want and outs[-1].finished
+    assert len(outs) == 1        # every step's delta was queued when the stream opened: merged
     assert "early" not in inst._ended
     loop.run_until_complete(_wait_empty(inst, senders))
 
@@ -254,9 +261,9 @@ def test_kv_fed_by_transfer_continues_like_single_engine(cluster, loop, referenc
         return await asyncio.gather(_collect(inst, "t1"), _collect(inst, "t2"))
 
     outs_t1, outs_t2 = loop.run_until_complete(body())
-    assert list(outs_t1[-1].token_ids) == want["t1"]
-    assert list(outs_t2[-1].token_ids) == want["t2"]
-    assert outs_t1[0].new_token_ids == (want["t1"][0],)   # the stream starts with the first token
+    assert _tokens(outs_t1) == want["t1"]
+    assert _tokens(outs_t2) == want["t2"]
+    assert outs_t1[0].new_token_ids[0] == want["t1"][0]   # the stream starts with the first token
     loop.run_until_complete(_wait_empty(inst, senders))
 
 
@@ -288,8 +295,9 @@ def test_abort_while_receiving_and_after_admission_frees_everything(cluster, loo
         return outs_r1, outs_r2
 
     outs_r1, outs_r2 = loop.run_until_complete(body())
-    assert outs_r1[-1].finish_reason == "abort" and outs_r1[-1].token_ids == ()
-    assert outs_r2[-1].finish_reason == "abort" and 2 <= len(outs_r2[-1].token_ids) < 100
+    assert outs_r1[-1].finish_reason == "abort" and outs_r1[-1].num_tokens == 0
+    assert outs_r2[-1].finish_reason == "abort" and 2 <= outs_r2[-1].num_tokens < 100
+    assert outs_r2[-1].num_tokens == len(_tokens(outs_r2))
 
 
 def test_stalled_sender_fails_the_stream_and_frees_everything(cluster, loop, reference):
@@ -348,7 +356,7 @@ def test_a_replaced_sender_fails_what_it_owed_at_once_not_at_the_timeout(cluster
         return await _collect(inst, "lost-2")
 
     outs = loop.run_until_complete(body())
-    assert list(outs[-1].token_ids) == reference.generate(prompt)
+    assert _tokens(outs) == reference.generate(prompt)
     loop.run_until_complete(_wait_empty(inst, senders))
 
 
@@ -405,7 +413,7 @@ def test_rank_in_process_tp1_commands_and_rejections(reference):
             reply = rank.step([])
             tokens.extend(t for d in reply.outputs for t in d.new_token_ids)
         assert tokens == reference.generate(prompt)
-        assert reply.outputs[-1].num_output_tokens == len(tokens)
+        assert reply.outputs[-1].num_tokens == len(tokens)
         assert rank.held().empty
     finally:
         rank.shutdown()
@@ -459,7 +467,7 @@ def test_a_dead_rank_breaks_the_instance_and_a_restart_brings_it_back(ray_sessio
 
     try:
         before, after, old = loop.run_until_complete(body())
-        assert list(before[-1].token_ids) == want == list(after[-1].token_ids)
+        assert _tokens(before) == want == _tokens(after)
         for rank in old:                  # the survivor was killed too: no orphan actors
             with pytest.raises(ray.exceptions.RayActorError):
                 ray.get(rank.__ray_ready__.remote(), timeout=30)

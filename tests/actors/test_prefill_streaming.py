@@ -160,6 +160,25 @@ def _nothing_held(pool, ranks, timeout=10.0):
         time.sleep(0.05)
 
 
+def _streams_in_full(pool, ranks, rid: str, n: int, group: tuple[int, ...], seed: int) -> None:
+    """One chunk of ``n`` tokens on ``group`` reaches both receivers whole; nothing is held after."""
+    assert all(ray.get([rk.reserve.remote(rid, n) for rk in ranks]))
+    pool.run(PrefillPlan(rid, n, (Chunk(0, n, group),)), _prompt(n, seed), kv_receivers=tuple(range(TP)))
+    ready = _outcomes(ranks, rid)
+    assert all(isinstance(e, RequestReady) for e in ready), ready
+    for rk, e in zip(ranks, ready):
+        ray.get(rk.give_back.remote(e.block_table))
+    pool.release(rid)
+    _nothing_held(pool, ranks)
+
+
+def _kill(actor) -> None:
+    """Kill ``actor`` and wait until it is dead (``ray.kill`` only starts it)."""
+    ray.kill(actor)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actor.__ray_ready__.remote(), timeout=30)
+
+
 def _reference_kv(pool, rid, n):
     """K, V [L, n, Hkv, D] of the whole prompt, gathered from the workers' stores."""
     k = torch.full((MODEL.num_layers, n, HKV, D), float("nan"))
@@ -223,22 +242,13 @@ def test_connecting_receivers_replaces_a_dead_worker_and_skips_a_dead_receiver(s
     ray.kill(gone)
     time.sleep(1.0)
     peers = {r: (ranks[r], ray.get(ranks[r].info.remote())) for r in range(TP)}
-    ray.kill(old)
+    _kill(old)
     pool.connect_receivers(peers)
     assert pool.replacements == replaced + 1 and pool.workers[2] is not old
     skipped = ray.get(pool.workers[0].connect_receivers.remote({TP: (gone, gone_info)}))
     assert skipped == [TP]     # the transfer library cannot load a dead agent: skipped, not fatal
     # the replacement streams to the receivers, and so does worker 0 after the skip
-    n, rid = 96, "stream-after-replace"
-    assert all(ray.get([rk.reserve.remote(rid, n) for rk in ranks]))
-    pool.run(PrefillPlan(rid, n, (Chunk(0, n, (2, 0)),)), _prompt(n, 4),
-             kv_receivers=tuple(range(TP)))
-    ready = _outcomes(ranks, rid)
-    assert all(isinstance(e, RequestReady) for e in ready), ready
-    for rk, e in zip(ranks, ready):
-        ray.get(rk.give_back.remote(e.block_table))
-    pool.release(rid)
-    _nothing_held(pool, ranks)
+    _streams_in_full(pool, ranks, "stream-after-replace", 96, (2, 0), seed=4)
 
 
 def test_heal_replaces_a_worker_that_died_idle_and_its_shards_fail_at_once(setup):
@@ -253,7 +263,7 @@ def test_heal_replaces_a_worker_that_died_idle_and_its_shards_fail_at_once(setup
     assert all(ray.get([rk.reserve.remote(rid, n) for rk in ranks]))
     ray.get([rk.connect.remote({2: _Unreachable()}) for rk in ranks])
     pool.run(PrefillPlan(rid, n, (Chunk(0, n, (2, 0)),)), _prompt(n, 5), kv_receivers=tuple(range(TP)))
-    ray.kill(old)
+    _kill(old)
     t0 = time.monotonic()
     assert pool.heal() == [2]
     assert pool.replacements == replaced + 1 and pool.workers[2] is not old
@@ -263,16 +273,7 @@ def test_heal_replaces_a_worker_that_died_idle_and_its_shards_fail_at_once(setup
                for e in failed), failed
     pool.abort(rid)                     # what the dispatcher does with a failed request
     _nothing_held(pool, ranks)
-    # the successor serves the next request
-    rid2 = "stream-after-heal"
-    assert all(ray.get([rk.reserve.remote(rid2, n) for rk in ranks]))
-    pool.run(PrefillPlan(rid2, n, (Chunk(0, n, (2, 1)),)), _prompt(n, 6), kv_receivers=tuple(range(TP)))
-    ready = _outcomes(ranks, rid2)
-    assert all(isinstance(e, RequestReady) for e in ready), ready
-    for rk, e in zip(ranks, ready):
-        ray.get(rk.give_back.remote(e.block_table))
-    pool.release(rid2)
-    _nothing_held(pool, ranks)
+    _streams_in_full(pool, ranks, "stream-after-heal", n, (2, 1), seed=6)   # the successor serves
 
 
 def test_abort_before_grants_tells_the_receivers(setup):

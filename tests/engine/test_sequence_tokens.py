@@ -63,3 +63,24 @@ def test_engine_refuses_ids_past_the_vocabulary_or_int32():
         engine.add_request("big", [1, 2 ** 40], SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="vocabulary"):
         engine.add_request("neg", [1, -1], SamplingParams(max_tokens=1))
+
+
+def test_output_deltas_merge_and_add_up_to_the_engine_output():
+    from tetris.engine.request import OutputDelta, RequestOutput, Transcript
+
+    outs = [RequestOutput("r", (), (5,), (5,), "a", "a", False),
+            RequestOutput("r", (), (5, 6), (6,), "a", "", False),      # text held back
+            RequestOutput("r", (), (5, 6, 7), (7,), "abc", "bc", True, "stop")]
+    deltas = [OutputDelta.of(o) for o in outs]
+    assert [d.num_tokens for d in deltas] == [1, 2, 3]
+    whole = Transcript()
+    for d in deltas:
+        whole.add(d)
+    assert (whole.token_ids, whole.text, whole.finished, whole.finish_reason) == (
+        [5, 6, 7], "abc", True, "stop")
+    merged = deltas[0].merged(deltas[1]).merged(deltas[2])
+    assert merged == OutputDelta("r", (5, 6, 7), "abc", 3, True, "stop")
+    with pytest.raises(ValueError, match="does not follow"):
+        deltas[0].merged(deltas[2])                 # a delta in between is missing
+    with pytest.raises(ValueError, match="an output was lost"):
+        Transcript().add(deltas[1])

@@ -266,11 +266,10 @@ class _HeldOpen:
         self.release = asyncio.Event()
 
     async def generate(self, req):
-        from tetris.engine.request import RequestOutput
+        from tetris.engine.request import OutputDelta
 
-        def out(done: bool) -> RequestOutput:
-            return RequestOutput(req.request_id, req.prompt_token_ids, (65,), (65,), "A", "A",
-                                 done, "length" if done else None)
+        def out(done: bool) -> OutputDelta:
+            return OutputDelta(req.request_id, (65,), "A", 1 + done, done, "length" if done else None)
         yield out(False)
         self.in_flight.set()
         await self.release.wait()

@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from tetris.engine.request import RequestOutput
+from tetris.engine.request import OutputDelta, Transcript
 from tetris.serve.backend import GenerationBackend, Overloaded
 from tetris.serve.metrics import CONTENT_TYPE, ServingMetrics
 from tetris.serve.protocol import (
@@ -229,14 +229,16 @@ async def _respond(backend, metrics: ServingMetrics, prepared: _Prepared):
     if prepared.gen.stream:
         return StreamingResponse(_sse_events(stream, first, prepared, backend, tracker),
                                  media_type="text/event-stream")
-    last = first
+    whole = Transcript()
+    whole.add(first)
     try:
-        async for out in stream:
-            tracker.on_output(out)
-            last = out
+        if not first.finished:
+            async for out in stream:
+                tracker.on_output(out)
+                whole.add(out)
     finally:
         await stream.aclose()
-    return _full_body(prepared, backend.model_name, last)
+    return _full_body(prepared, backend.model_name, whole)
 
 
 class _Tracker:
@@ -246,7 +248,7 @@ class _Tracker:
         self.metrics, self.gen = metrics, gen
         self.last: float | None = None
 
-    def on_output(self, out: RequestOutput) -> None:
+    def on_output(self, out: OutputDelta) -> None:
         now = time.monotonic()
         if out.new_token_ids:
             if self.last is None:
@@ -256,16 +258,17 @@ class _Tracker:
                 self.metrics.observe_token_gap(now - self.last)
             self.last = now
         if out.finished:
-            self.metrics.observe_finish(now - self.gen.arrival_time, len(out.token_ids),
+            self.metrics.observe_finish(now - self.gen.arrival_time, out.num_tokens,
                                         out.finish_reason or "stop")
 
 
-def _usage(out: RequestOutput) -> dict:
-    p, c = len(out.prompt_token_ids), len(out.token_ids)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+def _usage(prepared: _Prepared, completion_tokens: int) -> dict:
+    p = len(prepared.gen.prompt_token_ids)
+    return {"prompt_tokens": p, "completion_tokens": completion_tokens,
+            "total_tokens": p + completion_tokens}
 
 
-def _full_body(prepared: _Prepared, model: str, out: RequestOutput) -> dict:
+def _full_body(prepared: _Prepared, model: str, out: Transcript) -> dict:
     if prepared.kind == "chat.completion":
         choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
                   "logprobs": None, "finish_reason": out.finish_reason}
@@ -273,10 +276,10 @@ def _full_body(prepared: _Prepared, model: str, out: RequestOutput) -> dict:
         choice = {"index": 0, "text": out.text, "logprobs": None,
                   "finish_reason": out.finish_reason}
     return {"id": prepared.gen.request_id, "object": prepared.kind, "created": prepared.created,
-            "model": model, "choices": [choice], "usage": _usage(out)}
+            "model": model, "choices": [choice], "usage": _usage(prepared, len(out.token_ids))}
 
 
-def _chunk(prepared: _Prepared, model: str, out: RequestOutput | None, *, first: bool) -> dict:
+def _chunk(prepared: _Prepared, model: str, out: OutputDelta | None, *, first: bool) -> dict:
     finish = out.finish_reason if out is not None and out.finished else None
     text = out.new_text if out is not None else ""
     if prepared.kind == "chat.completion":
@@ -290,7 +293,7 @@ def _chunk(prepared: _Prepared, model: str, out: RequestOutput | None, *, first:
             "model": model, "choices": [choice]}
 
 
-async def _sse_events(stream: AsyncIterator[RequestOutput], first: RequestOutput,
+async def _sse_events(stream: AsyncIterator[OutputDelta], first: OutputDelta,
                       prepared: _Prepared, backend, tracker: _Tracker):
     """SSE frames; leaving early (client gone) closes ``stream``, which aborts the request."""
     model = backend.model_name
@@ -306,7 +309,7 @@ async def _sse_events(stream: AsyncIterator[RequestOutput], first: RequestOutput
         if prepared.gen.include_usage:
             yield sse({"id": prepared.gen.request_id, "object": _chunk(prepared, model, None,
                        first=False)["object"], "created": prepared.created, "model": model,
-                       "choices": [], "usage": _usage(last)})
+                       "choices": [], "usage": _usage(prepared, last.num_tokens)})
         yield SSE_DONE
     finally:
         await stream.aclose()

@@ -36,6 +36,7 @@ from ray import serve
 from tetris.actors.process_env import runtime_env
 from tetris.actors.token_ids import compact_tokens
 from tetris.config import DeploymentConfig, load_deployment
+from tetris.engine.request import Transcript
 from tetris.errors import InstanceLost
 from tetris.serve.backend import Overloaded
 from tetris.serve.protocol import GenerateRequest
@@ -166,8 +167,8 @@ class DecodePoolServer:
         self.instances[instance].commit(request_id, first_token)
 
     async def stream(self, instance: int, request_id: str) -> AsyncIterator:
-        # Outputs carry no prompt (DecodeInstance keeps none): a long context must not travel
-        # with every token; the ingress, which has it, puts it back.
+        # Deltas (OutputDelta), merged when this hop falls behind: neither the prompt nor the
+        # output so far travels with every token.
         async for out in self.instances[instance].stream(request_id):
             yield out
 
@@ -470,9 +471,7 @@ class _DispatcherBackend:
         gen = self.handle.options(stream=True).generate.remote(req)
         try:
             async for out in gen:
-                # The public API reads the prompt length off each output: this is the
-                # ingress's own array, referenced, not copied.
-                yield msgspec.structs.replace(out, prompt_token_ids=req.prompt_token_ids)
+                yield out
         except Exception as e:
             raise _unwrap(e) from None
         finally:
@@ -562,11 +561,11 @@ class Ingress:
 
     async def generate(self, request: GenerationRequest) -> Generation:
         req = self._to_generate(request)
-        last = None
+        whole = Transcript()
         async for out in self.backend.generate(req):
-            last = out
-        return Generation(request_id=req.request_id, text=last.text, token_ids=last.token_ids,
-                          prompt_tokens=len(req.prompt_token_ids), finish_reason=last.finish_reason)
+            whole.add(out)
+        return Generation(request_id=req.request_id, text=whole.text, token_ids=tuple(whole.token_ids),
+                          prompt_tokens=len(req.prompt_token_ids), finish_reason=whole.finish_reason)
 
     async def generate_stream(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         req = self._to_generate(request)

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from tetris.engine.request import RequestOutput
+from tetris.engine.request import OutputDelta
 from tetris.serve.protocol import GenerateRequest
 
 __all__ = ["GenerationBackend", "Overloaded", "LocalEngineBackend"]
@@ -38,8 +38,8 @@ class GenerationBackend(Protocol):
     @property
     def tokenizer(self): ...
 
-    def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """Stream outputs (cumulative plus this step's delta) until one has ``finished``.
+    def generate(self, req: GenerateRequest) -> AsyncIterator[OutputDelta]:
+        """Stream output deltas until one has ``finished`` (``Transcript`` adds them up).
 
         Raises ``ValueError`` for input it can never serve and ``Overloaded`` when full. Closing
         the iterator early aborts the request and frees everything it held.
@@ -111,7 +111,7 @@ class LocalEngineBackend:
 
     # -- event loop -----------------------------------------------------------------------
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[OutputDelta]:
         if len(self._queues) >= self.max_pending:
             raise Overloaded(f"{len(self._queues)} requests in flight (limit {self.max_pending})")
         loop = asyncio.get_running_loop()
@@ -135,7 +135,7 @@ class LocalEngineBackend:
                 if isinstance(item, Exception):
                     raise item
                 finished = item.finished
-                yield item
+                yield OutputDelta.of(item)
                 if finished:
                     return
         finally:

@@ -51,7 +51,7 @@ import msgspec
 
 from tetris.actors.token_ids import TokenIds, compact_tokens
 from tetris.config import DeploymentConfig
-from tetris.engine.request import RequestOutput
+from tetris.engine.request import OutputDelta
 from tetris.errors import InstanceLost
 from tetris.plan import PrefillPlan
 from tetris.scheduler.latency import PrefillLatencyModel, PrefillProfile, load_profile
@@ -87,7 +87,7 @@ class _Sent:
     __slots__ = ("token_ids", "chars", "stage", "lost_decode")
 
     def __init__(self) -> None:
-        self.token_ids: tuple[int, ...] = ()   # output tokens yielded so far
+        self.token_ids: list[int] = []         # output tokens yielded so far
         self.chars = 0                         # characters of text yielded so far
         self.stage = "routing"
         self.lost_decode: int | None = None    # the decode instance the last run lost
@@ -105,7 +105,7 @@ class DecodeClient(Protocol):
     async def reserve(self, instance: int, request_id: str, prompt: TokenIds, sampling,
                       generated: tuple[int, ...] = ()) -> None: ...
     async def commit(self, instance: int, request_id: str, first_token: int) -> None: ...
-    def stream(self, instance: int, request_id: str) -> AsyncIterator[RequestOutput]: ...
+    def stream(self, instance: int, request_id: str) -> AsyncIterator[OutputDelta]: ...
     async def abort(self, instance: int, request_id: str) -> None: ...
     async def stats(self) -> list[Any]: ...
 
@@ -271,7 +271,7 @@ class Dispatcher:
             self.metrics.set_decode_up(int(instance), bool(up))
 
     # -- requests ---------------------------------------------------------------------------
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[OutputDelta]:
         """Stream one request's outputs; closing the iterator early aborts it everywhere.
 
         A request whose prefill worker or decode instance dies under it (``InstanceLost``) is
@@ -294,7 +294,7 @@ class Dispatcher:
                 try:
                     async with contextlib.aclosing(self._attempt(req, tl, sent)) as attempt:
                         async for out in attempt:
-                            sent.token_ids = out.token_ids
+                            sent.token_ids.extend(out.new_token_ids)
                             sent.chars += len(out.new_text)
                             yield out
                             if out.finished:
@@ -336,12 +336,12 @@ class Dispatcher:
             await asyncio.shield(task)
 
     async def _attempt(self, req: GenerateRequest, tl: RequestTimeline,
-                       sent: "_Sent") -> AsyncIterator[RequestOutput]:
+                       sent: "_Sent") -> AsyncIterator[OutputDelta]:
         """One run of the request: route, plan, prefill, decode. A run after a lost instance
         prefills the prompt plus the output tokens the client has and decodes on from them;
         its outputs are trimmed to what the client does not have yet."""
         rid, aid = req.request_id, _attempt_id(req.request_id, tl.retries)
-        resumed = sent.token_ids
+        resumed = tuple(sent.token_ids)
         prompt = req.prompt_token_ids
         if resumed:
             prompt = compact_tokens(prompt) + TokenIds("i", resumed)
@@ -376,14 +376,11 @@ class Dispatcher:
                     kv_arrived = True
                     tl.first_output = tl.first_output or self.clock()
                     await self._kv_arrived(aid)
-                tl.tokens = len(out.token_ids)
+                tl.tokens = out.num_tokens
                 if cursor is not None and (out := cursor.follow(out)) is None:
                     continue
-                if len(out.prompt_token_ids) or out.request_id != rid:
-                    # Outputs leave without the prompt, whatever the decode side sent (the
-                    # ingress puts back what the public API needs from its own copy), and
-                    # under the client's request id, whichever run made them.
-                    out = msgspec.structs.replace(out, prompt_token_ids=(), request_id=rid)
+                if out.request_id != rid:   # under the client's id, whichever run made it
+                    out = msgspec.structs.replace(out, request_id=rid)
                 yield out
                 if out.finished:
                     return
@@ -409,7 +406,7 @@ class Dispatcher:
         deadline = self.clock() + self.retry_wait_s
         while True:
             try:
-                return await self._route(req, aid, tl, avoid, sent.token_ids)
+                return await self._route(req, aid, tl, avoid, tuple(sent.token_ids))
             except Overloaded as e:
                 self._release_virtual(aid)
                 if self.clock() >= deadline:

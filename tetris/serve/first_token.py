@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 
-from tetris.engine.request import RequestOutput, Sequence
+from tetris.engine.request import OutputDelta, Sequence
 from tetris.engine.sampling import check_stop
 from tetris.serve.protocol import GenerateRequest
 
@@ -39,13 +39,14 @@ class StreamCursor:
         self._chars_sent = chars_sent
         self._engine_chars = 0   # characters the decode engine has released so far
 
-    def follow(self, out: RequestOutput) -> RequestOutput | None:
+    def follow(self, out: OutputDelta) -> OutputDelta | None:
         """``out`` less what was already sent; None when nothing is left to say."""
+        chars_before, ids_before = self._engine_chars, out.num_tokens - len(out.new_token_ids)
         self._engine_chars += len(out.new_text)
-        new_text = out.text[self._chars_sent:self._engine_chars]
+        new_text = out.new_text[max(0, self._chars_sent - chars_before):]
         self._chars_sent = max(self._chars_sent, self._engine_chars)
-        new_ids = out.token_ids[self._ids_sent:]
-        self._ids_sent = max(self._ids_sent, len(out.token_ids))
+        new_ids = out.new_token_ids[max(0, self._ids_sent - ids_before):]
+        self._ids_sent = max(self._ids_sent, out.num_tokens)
         if not new_ids and not new_text and not out.finished:
             return None
         return msgspec.structs.replace(out, new_token_ids=tuple(new_ids), new_text=new_text)
@@ -54,8 +55,8 @@ class StreamCursor:
 class FirstTokenStream(StreamCursor):
     """One request's stream after its first token was sent: trims what the client has."""
 
-    def __init__(self, first: RequestOutput) -> None:
-        super().__init__(len(first.token_ids), len(first.new_text))
+    def __init__(self, first: OutputDelta) -> None:
+        super().__init__(first.num_tokens, len(first.new_text))
         self.first = first
 
 
@@ -85,6 +86,4 @@ class EarlyFirstToken:
         seq.tokens.append(int(first_token))
         if check_stop(seq, int(first_token), self.decode) is not None:
             return None
-        # the dispatcher's outputs carry no prompt (an empty tuple), this one included
-        return FirstTokenStream(msgspec.structs.replace(seq.to_output((int(first_token),)),
-                                                        prompt_token_ids=()))
+        return FirstTokenStream(OutputDelta.of(seq.to_output((int(first_token),))))
