@@ -128,8 +128,9 @@ class OutputDelta(msgspec.Struct, frozen=True, array_like=True):
 
     What every serving hop streams (decode ranks -> decode instance -> dispatcher -> ingress).
     A ``RequestOutput`` repeats every output token and all the text so far, so streaming it
-    costs O(tokens so far) per token and hop: ~60 us to pickle at 2k output tokens and ~0.5 ms
-    at 8k, against ~4 us for a delta (``benchmarks/bench_stream_delta.py``). ``num_tokens``
+    costs O(tokens so far) per token and hop: a pickle round trip took 57 us at 2k output
+    tokens, 0.22 ms at 8k and 1.4 ms at 32k, against 2.6 us for a delta (one run of
+    ``benchmarks/bench_stream_delta.py`` on the 2-core development machine). ``num_tokens``
     counts the output tokens so far, these included: a consumer checks with it that no delta
     was lost, and needs no list of its own to know the count. ``Transcript`` rebuilds the
     cumulative output where one is wanted (a non-streaming response).
