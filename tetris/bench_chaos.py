@@ -35,7 +35,7 @@ from tetris.bench_soak import (OpenLoopLoad, deployment_capacity, every, held_is
                                settled_held, soak_arrivals, soak_rates)
 from tetris.config import load_deployment
 
-__all__ = ["add_args", "run", "show", "run_chaos", "kill_schedule", "retries_by_stage"]
+__all__ = ["add_args", "run", "show", "run_chaos", "kill_schedule", "retries_by_stage", "plot_chaos"]
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,11 @@ def _summary(recs: list[dict]) -> dict:
     pct = (lambda q: float(np.percentile(ttft, q))) if ttft.size else (lambda q: float("nan"))
     return {"sent": len(recs), "completed": len(recs) - len(failed), "failed": len(failed),
             "errors": sorted({r["error"] for r in failed})[:5],
-            "ttft_s": {"p50": pct(50), "p99": pct(99)}}
+            "ttft_s": {"p50": pct(50), "p99": pct(99)},
+            # per request, in arrival order: wall seconds after the load began, TTFT (s of
+            # paper time; None without a first token), whether it completed
+            "requests": sorted([round(r["arrival_s"], 3), None if r["ttft"] is None else round(r["ttft"], 4),
+                                not r["error"]] for r in recs)}
 
 
 def _one_run(base, tmp: Path, arrivals, opts: dict, schedule: list, seed: int, tick) -> dict:
@@ -230,6 +234,8 @@ def add_args(p) -> None:
                    help="times a client sends a request again after a 429 (10)")
     p.add_argument("--baseline", action="store_true",
                    help="first run the same arrivals without faults, for TTFT side by side")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="write TTFT per request over the run, kills marked, here")
 
 
 def run(args) -> dict:
@@ -244,15 +250,55 @@ def run(args) -> dict:
             total=int(args.duration) * runs, desc="bench chaos (EMULATION)", unit="s",
             disable=args.json, file=sys.stderr) as bar:
         try:
-            return run_chaos(args.config, workload=args.workload, capacity=args.capacity,
-                             load=args.load, duration_s=args.duration, kill_every_s=args.kill_every,
-                             kinds=kinds, time_scale=args.time_scale, max_output=args.max_output,
-                             max_inflight=args.max_inflight, drain_timeout_s=args.drain_timeout,
-                             client_retries=args.client_retries, seed=args.seed,
-                             baseline=args.baseline, capacity_requests=args.capacity_requests,
-                             tick=bar.update)
+            out = run_chaos(args.config, workload=args.workload, capacity=args.capacity,
+                            load=args.load, duration_s=args.duration, kill_every_s=args.kill_every,
+                            kinds=kinds, time_scale=args.time_scale, max_output=args.max_output,
+                            max_inflight=args.max_inflight, drain_timeout_s=args.drain_timeout,
+                            client_retries=args.client_retries, seed=args.seed,
+                            baseline=args.baseline, capacity_requests=args.capacity_requests,
+                            tick=bar.update)
         except ValueError as e:
             raise SystemExit(f"tetris bench chaos: {e}") from None
+    if args.plot:
+        out["plot"] = str(plot_chaos(out, args.plot))
+    return out
+
+
+def plot_chaos(out: dict, path: str | Path) -> Path:
+    """TTFT of each request against when it arrived, with and without faults, kills marked;
+    a request that failed is a red cross at the top."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    styles = {"baseline": ("0.6", "without faults"), "faults": ("tab:blue", "with faults")}
+    ttfts = [t for r in out["runs"].values() for _a, t, ok in r["requests"] if ok and t]
+    top = max(ttfts, default=1.0) * 2
+    for name, r in out["runs"].items():
+        color, label = styles[name]
+        done = [(a, t) for a, t, ok in r["requests"] if ok and t]
+        if done:
+            ax.scatter(*zip(*done), s=8, color=color, label=f"{label} ({len(done)} completed)")
+        lost = [a for a, _t, ok in r["requests"] if not ok]
+        if lost:
+            ax.scatter(lost, [top] * len(lost), marker="x", color="tab:red", s=30,
+                       label=f"failed {label} ({len(lost)})")
+    for k in out["runs"]["faults"]["kills"]:
+        ax.axvline(k["t_s"], color="k", ls="--", lw=0.8)
+        ax.text(k["t_s"], top, f" {k['target']}", rotation=90, va="top", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_xlabel("arrival (wall seconds after the load began)")
+    ax.set_ylabel("TTFT (s, paper time)")
+    ax.set_title(f"tetris bench chaos: {out['workload']}, load {out['load']:g}, "
+                 f"time scale {out['time_scale']:g} (EMULATION)", fontsize=10)
+    ax.legend(fontsize=7, loc="lower right")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
 
 
 def show(out: dict) -> None:
@@ -275,6 +321,8 @@ def show(out: dict) -> None:
     if "ttft_ratio_faults_over_baseline" in out:
         t = out["ttft_ratio_faults_over_baseline"]
         print(f"TTFT with faults / without: P50 {t['p50']:.2f}x, P99 {t['p99']:.2f}x")
+    if "plot" in out:
+        print(f"plot: {out['plot']}")
     print(f"zero failed: {'PASS' if v['zero_failed'] else 'FAIL'}; held after drain: "
           f"{'zero' if v['held_zero'] else 'NOT zero'}; every decode instance up: "
           f"{'yes' if v['decode_all_up'] else 'NO'}")

@@ -155,7 +155,8 @@ class OpenLoopLoad:
             self.slots.release()
         first = got["first"]
         self.records.append({"lag": got["sent"] - due, "error": got["error"],
-                             "ttft": None if first is None else (first - got["sent"]) / self.scale})
+                             "ttft": None if first is None else (first - got["sent"]) / self.scale,
+                             "arrival_s": r.arrival_time * self.scale})   # wall s after t0
 
     async def send(self, arrivals: Iterator, t0: float, stop: float) -> None:
         for r in arrivals:

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tetris.bench_chaos import add_args, kill_schedule, retries_by_stage, run
+from tetris.bench_chaos import add_args, kill_schedule, plot_chaos, retries_by_stage, run
 
 from test_bench_soak import _reduced as reduced_config   # the emulated 8B cluster, cut down
 
@@ -35,6 +35,16 @@ def test_retries_are_read_per_stage_from_the_dispatchers_metrics():
     assert retries_by_stage("") == {}
 
 
+def test_the_plot_marks_kills_and_failed_requests(tmp_path):
+    run_ = {"requests": [[0.5, 0.2, True], [9.0, 3.5, True], [9.5, None, False]],
+            "kills": [{"t_s": 8.0, "kind": "prefill", "target": "PrefillWorker[1]"}]}
+    out = {"workload": "short", "load": 0.5, "time_scale": 2.0,
+           "runs": {"baseline": {"requests": [[0.5, 0.2, True], [9.0, 0.3, True], [9.5, 0.2, True]],
+                                 "kills": []}, "faults": run_}}
+    path = plot_chaos(out, tmp_path / "sub" / "chaos.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
 @pytest.mark.timeout(400)
 def test_killed_workers_heal_and_no_request_fails(serve_http, tmp_path):
     p = argparse.ArgumentParser()
@@ -42,7 +52,8 @@ def test_killed_workers_heal_and_no_request_fails(serve_http, tmp_path):
     p.add_argument("--json", action="store_true")
     args = p.parse_args(["--config", reduced_config(tmp_path, 2), "--capacity", "1.0", "--load", "0.8",
                          "--duration", "24", "--kill-every", "8", "--max-output", "8",
-                         "--drain-timeout", "120", "--seed", "3", "--json"])
+                         "--drain-timeout", "120", "--seed", "3", "--json",
+                         "--plot", str(tmp_path / "chaos.png")])
     out = json.loads(json.dumps(run(args)))
     assert out["emulation"] is True and "EMULATION" in out["label"]
     r = out["runs"]["faults"]
@@ -52,6 +63,10 @@ def test_killed_workers_heal_and_no_request_fails(serve_http, tmp_path):
     assert r["failed"] == 0, r["errors"]
     assert r["sent"] >= 10 and r["completed"] == r["sent"]
     assert r["decode_restarts"] == {"0": 1} or r["decode_restarts"] == {0: 1}
-    assert r["prefill_replacements"] == 1 and r["retries"].get("prefill", 0) >= 1
+    # replaced when a chunk or the dispatcher's probe found it dead, whichever came first
+    assert r["prefill_replacements"] == 1
+    assert len(r["requests"]) == r["sent"] and all(ok and ttft > 0 for _a, ttft, ok in r["requests"])
+    assert 0 <= r["requests"][0][0] <= r["requests"][-1][0] <= 24
+    assert (tmp_path / "chaos.png").stat().st_size > 10_000 and out["plot"].endswith("chaos.png")
     assert r["decode_down_at_end"] == [] and r["held_zero"] is True
     assert out["verdict"]["passed"] is True
