@@ -104,6 +104,10 @@ class PrefillPool:
         self._transfer = None          # TransferConfig once enable_transfer ran
         self._receivers: dict = {}     # receiver id -> (actor handle, AgentInfo)
         self.replacements = 0          # dead workers replaced so far
+        # instance -> set once its replacement is in (one replacement per dead worker, however
+        # many threads find it dead)
+        self._replacing: dict[int, threading.Event] = {}
+        self._replacing_lock = threading.Lock()
         try:
             self._form_world()
         except BaseException:
@@ -217,18 +221,70 @@ class PrefillPool:
 
     def _reform(self, dead: dict) -> None:
         """Form the world again with the dead workers (instance -> the handle found dead)
-        replaced; chunks running elsewhere finish first. A worker another thread has already
-        replaced is not replaced twice. The replacements get the send side and the current
-        receivers; a receiver they cannot reach is left to its owner to reconnect."""
-        with self._gate.exclusive():
-            fresh = [i for i, handle in dead.items() if self.workers[i] is handle]
-            if dead and not fresh:
-                return   # another thread replaced them and formed the world since
-            for i in fresh:
-                self.workers[i] = self._spawn(i)
-            self._form_world()
-            self.replacements += len(fresh)
-            self._restore_transfer(fresh)
+        replaced.
+
+        The replacements start, load their model and get the send side and the current
+        receivers while chunks go on elsewhere (a real model takes tens of seconds to load,
+        and the whole pool used to wait for it); the pool stops only to swap them in and
+        form the world again, once running chunks have finished. Each dead worker is
+        replaced once: a thread that finds one already being replaced waits for that
+        replacement instead. A receiver the replacements cannot reach is left to its owner
+        to reconnect."""
+        with self._replacing_lock:
+            current = {i: h for i, h in dead.items() if self.workers[i] is h}
+            mine = sorted(i for i in current if i not in self._replacing)
+            theirs = [self._replacing[i] for i in current if i in self._replacing]
+            for i in mine:
+                self._replacing[i] = threading.Event()
+        try:
+            if dead and not mine:
+                for done in theirs:   # replaced, or being replaced, by another thread
+                    done.wait(timeout=max(120.0, self.timeout_s))
+                return
+            t0 = time.perf_counter()
+            new, table = self._start_replacements(mine)
+            t1 = time.perf_counter()
+            with self._gate.exclusive():
+                t2 = time.perf_counter()
+                for i in mine:
+                    self.workers[i] = new[i]
+                self._form_world()
+                self.replacements += len(mine)
+                self._restore_transfer(mine, new, table)
+            if mine:
+                log.warning("prefill workers %s replaced: %.1f s to start them while the pool "
+                            "ran, %.1f s waiting for running chunks, %.1f s with the pool stopped",
+                            mine, t1 - t0, t2 - t1, time.perf_counter() - t2)
+        finally:
+            with self._replacing_lock:
+                for i in mine:
+                    self._replacing.pop(i).set()
+
+    def _start_replacements(self, instances: list[int]) -> tuple[dict, dict]:
+        """(instance -> a new worker that has answered (model loaded), with the send side on
+        and the receivers connected, the receiver table it was given); none is used yet."""
+        new = {i: self._spawn(i) for i in instances}
+        timeout = max(120.0, self.timeout_s)
+        table: dict = {}
+        try:
+            ray.get([w.alive.remote() for w in new.values()], timeout=timeout)
+            if self._transfer is not None and new:
+                ray.get([w.enable_transfer.remote(self._transfer) for w in new.values()],
+                        timeout=timeout)
+                table = self._connect_new(new)
+        except BaseException:
+            for w in new.values():
+                ray.kill(w)
+            raise
+        return new, table
+
+    def _connect_new(self, new: dict) -> dict:
+        """Connect workers not yet in the pool to the receivers as they are now; the table used."""
+        table = dict(self._receivers)
+        if table:
+            ray.get([w.connect_receivers.remote(table) for w in new.values()],
+                    timeout=max(120.0, self.timeout_s))
+        return table
 
     def heal(self, timeout_s: float = 10.0) -> list[int]:
         """Replace the workers that died since a chunk last ran on them; returns their instances.
@@ -383,7 +439,9 @@ class PrefillPool:
 
         The table is kept first, so a worker replaced at any later point connects to these
         receivers, not to ones they replaced. A worker found dead here is replaced now (it
-        would otherwise keep the old receivers until a chunk found it)."""
+        would otherwise keep the old receivers until a chunk found it). Last, the receivers
+        are told the workers as they are then: a restarted receiver may have been given a
+        table of senders read before a replacement went in."""
         if self._transfer is None:
             raise RuntimeError("connect_receivers needs enable_transfer first")
         self._receivers.update(peers)
@@ -394,30 +452,36 @@ class PrefillPool:
         if dead:
             log.warning("prefill workers %s are dead: replacing them", sorted(dead))
             self._reform(dead)
+        # The receivers learn the workers as they are now: a receiver restarted with a table
+        # of senders read before a replacement went in would send its grants to a dead actor.
+        self._tell_receivers(peers, dict(enumerate(self.workers)))
 
     def transfer_state(self, request_id: str) -> dict[int, dict]:
         """instance -> that worker's ``transfer_state`` for the request (workers with shards)."""
         states = ray.get([w.transfer_state.remote(request_id) for w in self.workers])
         return {i: st for i, st in enumerate(states) if st["shards"] or st["sent"] or st["failed"]}
 
-    def _restore_transfer(self, instances: list[int]) -> None:
-        """Replaced workers get the send side and the receivers again, and every receiver is
-        told the new actors, so that its grants reach them and not the dead ones."""
+    def _restore_transfer(self, instances: list[int], new: dict, table: dict) -> None:
+        """Every receiver is told the replaced workers' new actors (``new``: instance -> actor,
+        connected by ``_start_replacements`` to the receivers of ``table``), so that its grants
+        reach them and not the dead ones, and it gives up what the dead ones owed it."""
         if self._transfer is None or not instances:
             return
-        ray.get([self.workers[i].enable_transfer.remote(self._transfer) for i in instances])
         if self._receivers:
-            ray.get([self.workers[i].connect_receivers.remote(dict(self._receivers))
-                     for i in instances])
-            new = {i: self.workers[i] for i in instances}
-            for rid, ref in [(rid, h.connect_senders.remote(new))
-                             for rid, (h, _info) in sorted(self._receivers.items())]:
-                try:
-                    ray.get(ref, timeout=self.timeout_s)
-                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-                    # a receiver that is gone is being replaced by its owner, who connects
-                    # the current workers to its successor
-                    log.warning("receiver %d did not take the replaced senders: %s", rid, e)
+            if self._receivers != table:   # receivers restarted while the workers started
+                self._connect_new(new)
+            self._tell_receivers(self._receivers, new)
+
+    def _tell_receivers(self, receivers: dict, senders: dict) -> None:
+        """Each receiver (id -> (actor, info)) learns ``senders`` (instance -> worker actor).
+        A receiver that is gone is being restarted by its owner, who connects the workers to
+        its successor (``connect_receivers``, which tells it the workers as they are then)."""
+        for rid, ref in [(rid, h.connect_senders.remote(senders))
+                         for rid, (h, _info) in sorted(receivers.items())]:
+            try:
+                ray.get(ref, timeout=self.timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                log.warning("receiver %d did not take the senders: %s", rid, e)
 
     def shutdown(self) -> None:
         try:

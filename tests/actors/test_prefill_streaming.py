@@ -173,10 +173,17 @@ def _streams_in_full(pool, ranks, rid: str, n: int, group: tuple[int, ...], seed
 
 
 def _kill(actor) -> None:
-    """Kill ``actor`` and wait until it is dead (``ray.kill`` only starts it)."""
+    """Kill ``actor`` and wait until it is dead (``ray.kill`` only starts it: a call made
+    right after may still be answered)."""
     ray.kill(actor)
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(actor.__ray_ready__.remote(), timeout=30)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            return
+        assert time.monotonic() < deadline, "the killed actor still answers"
+        time.sleep(0.1)
 
 
 def _reference_kv(pool, rid, n):
