@@ -29,8 +29,8 @@ Lifecycle of one request (``generate``), on the dispatcher's monotonic clock:
    that run holds is freed and the request runs again from 1 under a fresh id, avoiding the
    lost decode instance: its prefill covers the prompt plus the output tokens the client
    already has, the decode instance takes those as output already made, and the stream goes on
-   where the client's stopped. Greedy requests resume exactly; a sampled one goes on with
-   fresh random draws.
+   where the client's stopped. Greedy and seeded requests resume exactly (a seeded draw is
+   keyed by seed and position); an unseeded sampled one goes on with fresh random draws.
 
 The two sides are reached through ``PrefillClient`` and ``DecodeClient``: Serve deployment
 handles in the app (``tetris.serve.app``), plain objects in tests.
