@@ -156,7 +156,9 @@ class DecodeRank:
 
     def connect_senders(self, peers: dict) -> None:
         # Counted on the way out: the control-plane cost of streaming, measured not estimated.
-        self._pump().connect({i: _CountingPeer(h, self._counts) for i, h in peers.items()})
+        # None: that sender is dead and not yet replaced (what it owed is given up now)
+        self._pump().connect({i: None if h is None else _CountingPeer(h, self._counts)
+                              for i, h in peers.items()})
 
     @ray.method(concurrency_group=TRANSFER_GROUP)
     def deliver_transfer(self, msgs: list[ControlMessage]) -> None:

@@ -241,6 +241,10 @@ class PrefillPool:
                 for done in theirs:   # replaced, or being replaced, by another thread
                     done.wait(timeout=max(120.0, self.timeout_s))
                 return
+            if mine and self._transfer is not None and self._receivers:
+                # The receivers give up what the dead workers owed them now, not once the
+                # replacements are in: no peer under those ids until then.
+                self._tell_receivers(self._receivers, dict.fromkeys(mine))
             t0 = time.perf_counter()
             new, table = self._start_replacements(mine)
             t1 = time.perf_counter()
@@ -473,7 +477,8 @@ class PrefillPool:
             self._tell_receivers(self._receivers, new)
 
     def _tell_receivers(self, receivers: dict, senders: dict) -> None:
-        """Each receiver (id -> (actor, info)) learns ``senders`` (instance -> worker actor).
+        """Each receiver (id -> (actor, info)) learns ``senders`` (instance -> worker actor, or
+        None: the worker is dead and not yet replaced).
         A receiver that is gone is being restarted by its owner, who connects the workers to
         its successor (``connect_receivers``, which tells it the workers as they are then)."""
         for rid, ref in [(rid, h.connect_senders.remote(senders))

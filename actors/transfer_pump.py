@@ -64,7 +64,7 @@ class TransferPump:
 
     def connect(self, peers: dict[int, Any]) -> list[int]:
         """Add (or replace) peer actors, keyed by the manager's peer ids; returns the ids whose
-        actor changed.
+        actor changed. A peer of None is a dead one not yet replaced: its messages are dropped.
 
         A new actor under a known id replaces a dead one (its owner restarted or replaced it):
         nothing the manager still expected from or for the dead actor can come any more, so it

@@ -75,6 +75,13 @@ def test_a_new_actor_under_a_known_id_gives_up_the_old_ones_work():
     mgr.outbox = [Envelope("receiver", 2, _abort("after"))]
     pump.pump_once()
     assert b.deliver_transfer.calls == [] and len(c.deliver_transfer.calls) == 1   # routed to the new one
+    # None: dead and not yet replaced: given up at once and its messages dropped; None again
+    # changes nothing, and the successor replaces it like any other actor
+    assert pump.connect({1: None}) == [1] and mgr.lost == [2, 1]
+    mgr.outbox = [Envelope("receiver", 1, _abort("to the dead"))]
+    pump.pump_once()
+    assert a.deliver_transfer.calls == [] and pump.dropped == 1
+    assert pump.connect({1: None}) == [] and pump.connect({1: a}) == [1] and mgr.lost == [2, 1, 1]
 
 
 def test_finished_shards_do_not_keep_the_pump_busy():

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from tetris.engine.request import Sequence
+from tetris.engine.request import OutputDelta, Sequence
 from tetris.engine.sampling import check_stop
 from tetris.model.tokenizer import ByteTokenizer
 from tetris.sampling_params import SamplingParams
@@ -58,7 +58,7 @@ def test_client_stream_equals_the_engine_stream(name, text, params):
         GenerateRequest("r", tuple(prompt), params), tokens[0])
     assert early is not None and early.first.new_token_ids == (tokens[0],)
     assert not early.first.finished
-    sent = [early.first] + [o for o in (early.follow(out) for out in engine) if o is not None]
+    sent = [early.first] + [o for o in (early.follow(OutputDelta.of(out)) for out in engine) if o is not None]
     ids = [t for o in sent for t in o.new_token_ids]
     assert ids == list(engine[-1].token_ids)
     assert "".join(o.new_text for o in sent) == engine[-1].text
