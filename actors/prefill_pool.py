@@ -236,6 +236,8 @@ class PrefillPool:
             theirs = [self._replacing[i] for i in current if i in self._replacing]
             for i in mine:
                 self._replacing[i] = threading.Event()
+        if mine:
+            log.warning("prefill workers %s are dead: replacing them", mine)
         try:
             if dead and not mine:
                 for done in theirs:   # replaced, or being replaced, by another thread
@@ -254,7 +256,7 @@ class PrefillPool:
                     self.workers[i] = new[i]
                 self._form_world()
                 self.replacements += len(mine)
-                self._restore_transfer(mine, new, table)
+                self._restore_transfer(new, table)
             if mine:
                 log.warning("prefill workers %s replaced: %.1f s to start them while the pool "
                             "ran, %.1f s waiting for running chunks, %.1f s with the pool stopped",
@@ -312,7 +314,6 @@ class PrefillPool:
             except ray.exceptions.GetTimeoutError:
                 pass
         if dead:
-            log.warning("prefill workers %s are dead: replacing them", sorted(dead))
             self._reform(dead)
         return sorted(dead)
 
@@ -454,7 +455,6 @@ class PrefillPool:
                                    timeout_s=max(120.0, self.timeout_s))
         dead = {i: w for i, (w, s) in enumerate(zip(workers, skipped)) if s is None}
         if dead:
-            log.warning("prefill workers %s are dead: replacing them", sorted(dead))
             self._reform(dead)
         # The receivers learn the workers as they are now: a receiver restarted with a table
         # of senders read before a replacement went in would send its grants to a dead actor.
@@ -465,11 +465,11 @@ class PrefillPool:
         states = ray.get([w.transfer_state.remote(request_id) for w in self.workers])
         return {i: st for i, st in enumerate(states) if st["shards"] or st["sent"] or st["failed"]}
 
-    def _restore_transfer(self, instances: list[int], new: dict, table: dict) -> None:
+    def _restore_transfer(self, new: dict, table: dict) -> None:
         """Every receiver is told the replaced workers' new actors (``new``: instance -> actor,
         connected by ``_start_replacements`` to the receivers of ``table``), so that its grants
         reach them and not the dead ones, and it gives up what the dead ones owed it."""
-        if self._transfer is None or not instances:
+        if self._transfer is None or not new:
             return
         if self._receivers:
             if self._receivers != table:   # receivers restarted while the workers started

@@ -267,9 +267,8 @@ def run(args) -> dict:
 def plot_chaos(out: dict, path: str | Path) -> Path:
     """TTFT of each request against when it arrived, with and without faults, kills marked;
     a request that failed is a red cross at the top."""
-    import matplotlib
+    from tetris.sim.plots import save_figure   # sets the Agg backend first
 
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(11, 4.5))
@@ -294,11 +293,7 @@ def plot_chaos(out: dict, path: str | Path) -> Path:
     ax.set_title(f"tetris bench chaos: {out['workload']}, load {out['load']:g}, "
                  f"time scale {out['time_scale']:g} (EMULATION)", fontsize=10)
     ax.legend(fontsize=7, loc="lower right")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def show(out: dict) -> None:

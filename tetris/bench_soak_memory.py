@@ -277,9 +277,8 @@ def _brief(e: BaseException) -> str:
 
 def plot_rss(actors: list[dict], warmup_s: float, path: str | Path) -> Path:
     """RSS and private memory (MiB) over the soak per actor, warm-up end marked."""
-    import matplotlib
+    from tetris.sim.plots import save_figure   # sets the Agg backend first
 
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharex=True)
@@ -293,8 +292,4 @@ def plot_rss(actors: list[dict], warmup_s: float, path: str | Path) -> Path:
         ax.set_ylabel("MiB")
         ax.set_title(f"soak: actor {what} (EMULATION)", fontsize=10)
     axes[1].legend(fontsize=6, ncol=2)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)

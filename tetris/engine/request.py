@@ -167,8 +167,8 @@ class Transcript:
         self.finished = False
         self.finish_reason: str | None = None
 
-    def add(self, delta: OutputDelta) -> OutputDelta:
-        """Take the next delta (its ``num_tokens`` must follow on); returns it."""
+    def add(self, delta: OutputDelta) -> None:
+        """Take the next delta (its ``num_tokens`` must follow on)."""
         if delta.num_tokens != len(self.token_ids) + len(delta.new_token_ids):
             raise ValueError(f"{delta.request_id}: a delta ending at {delta.num_tokens} tokens "
                              f"follows {len(self.token_ids)} (an output was lost)")
@@ -176,7 +176,6 @@ class Transcript:
         if delta.new_text:
             self._text.append(delta.new_text)
         self.finished, self.finish_reason = delta.finished, delta.finish_reason
-        return delta
 
     @property
     def text(self) -> str:

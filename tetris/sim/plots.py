@@ -13,15 +13,16 @@ import numpy as np  # noqa: E402
 
 from tetris.sim.prefill import ChunkRun  # noqa: E402
 
-__all__ = ["plot_schedule", "plot_ttft_vs_rate", "plot_cdf", "plot_ratio_vs_rate"]
+__all__ = ["plot_schedule", "plot_ttft_vs_rate", "plot_cdf", "plot_ratio_vs_rate", "save_figure"]
 
 _DPI = 80
 
 
-def _save(fig, path: str | Path) -> Path:
+def save_figure(fig, path: str | Path, dpi: int = _DPI) -> Path:
+    """Write ``fig`` as a PNG at ``path`` (its folder made if missing) and close it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=_DPI, bbox_inches="tight")
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -46,7 +47,7 @@ def plot_schedule(runs: Sequence[ChunkRun], num_instances: int, path: str | Path
     ax.set_xlabel("time (s)")
     ax.set_ylabel("prefill instance")
     ax.set_title(title or "prefill pool schedule (colour = request, hatched = later chunk)")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_ttft_vs_rate(rows: list[dict], path: str | Path, threshold: tuple[float, float] | None = None,
@@ -64,7 +65,7 @@ def plot_ttft_vs_rate(rows: list[dict], path: str | Path, threshold: tuple[float
         ax.set_ylabel(f"TTFT {key[-3:].upper()} (s)")
     axes[0].legend(fontsize=7)
     fig.suptitle(title)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_cdf(ttfts: dict[str, Sequence[float]], path: str | Path, title: str = "") -> Path:
@@ -78,7 +79,7 @@ def plot_cdf(ttfts: dict[str, Sequence[float]], path: str | Path, title: str = "
     ax.set_ylabel("CDF")
     ax.legend(fontsize=7)
     ax.set_title(title)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_ratio_vs_rate(series: dict[str, list[tuple[float, float]]], path: str | Path,
@@ -93,4 +94,4 @@ def plot_ratio_vs_rate(series: dict[str, list[tuple[float, float]]], path: str |
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=7)
     ax.set_title(title)
-    return _save(fig, path)
+    return save_figure(fig, path)
