@@ -34,9 +34,10 @@ MODEL = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_la
 DEPLOYMENT = DeploymentConfig(model=MODEL, decode=DecodeConfig(
     tp_size=2, max_batch_size=4, block_size=4, kv_blocks=48))
 # Small pieces (8 tokens of 128 B) so that a layer of a shard takes several grants; a short
-# timeout so that the stalled-sender test ends quickly.
+# timeout so that the stalled-sender test ends quickly (but not before a loaded machine has
+# replaced a sender in the replaced-sender test).
 TRANSFER = TransferConfig(num_backends=2, pool_size=2, backend_buffer_bytes=1024,
-                          send_buffer_bytes=1024, bulk_chunk_bytes=1024, timeout_s=3.0,
+                          send_buffer_bytes=1024, bulk_chunk_bytes=1024, timeout_s=8.0,
                           abort_grace_s=0.2, backend="nixl")
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
