@@ -13,6 +13,11 @@ A plan's tickets leave when its chunks end, when its ``run`` ends, or when it is
 a cancelled plan that has not started never blocks later ones, and its ``run`` fails. A plan
 cancelled while a chunk executes keeps that chunk's ticket until the chunk ends, so the next
 plan's members do not sit in a ring waiting for a member that is still busy.
+
+``busy_for`` replays the tickets by the same rule to say how long each instance is still
+busy: the dispatcher's bookings only know when chunks were *planned* to end, and once the pool
+runs late (a worker died and was replaced, a chunk ran long) they say "free now" while the
+tickets say otherwise.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class ChunkTickets:
         self._plans: dict[str, PrefillPlan] = {}   # committed, not finished
         self._running: set[str] = set()
         self._current: dict[str, int] = {}          # running request -> chunk now executing
+        self._started: dict[str, float] = {}        # running request -> when that chunk started
         self._cancelled: set[str] = set()           # cancelled before their run started
         self._aborted: set[str] = set()             # cancelled while their run was under way
         self._progress = 0                          # tickets removed so far (stall detection)
@@ -84,6 +90,7 @@ class ChunkTickets:
                     raise PrefillError(f"request {request_id} was aborted during its prefill")
                 if all(self._queues[i][0] == me for i in instances):
                     self._current[request_id] = k
+                    self._started[request_id] = time.monotonic()
                     return
                 if self._progress != seen:
                     seen, deadline = self._progress, time.monotonic() + stall_s
@@ -98,6 +105,7 @@ class ChunkTickets:
     def chunk_done(self, request_id: str, k: int) -> None:
         with self._cond:
             self._current.pop(request_id, None)
+            self._started.pop(request_id, None)
             plan = self._plans.get(request_id)
             if plan is not None:
                 self._remove(plan.chunks[k].instances, lambda t: t == (request_id, k))
@@ -108,6 +116,7 @@ class ChunkTickets:
             self._running.discard(request_id)
             self._aborted.discard(request_id)
             self._current.pop(request_id, None)
+            self._started.pop(request_id, None)
             self._drop(request_id)
 
     def cancel(self, request_id: str) -> None:
@@ -123,6 +132,41 @@ class ChunkTickets:
             plan, now = self._plans[request_id], self._current.get(request_id)
             self._remove(sorted({i for c in plan.chunks for i in c.instances}),
                          lambda t: t[0] == request_id and t[1] != now)
+
+    def busy_for(self, now: float | None = None) -> list[float]:
+        """Per instance, the seconds until it has run every ticket it holds, replaying them in
+        ticket order with the plans' chunk durations (``expected_end - expected_start``).
+
+        A chunk starts when it heads the queue of each member and the request's previous
+        chunk has ended; a running chunk ends its duration after it started, or now if it is
+        overdue (end unknown); a chunk of a run that failed and waits for the world to be formed
+        again is, like an overdue one, taken to end now. ``now``: ``time.monotonic()``.
+        """
+        with self._cond:
+            now = time.monotonic() if now is None else now
+            free = [now] * len(self._queues)
+            ends: dict[Ticket, float] = {}
+            for rid, k in self._current.items():
+                c = self._plans[rid].chunks[k] if rid in self._plans else None
+                if c is not None:
+                    end = max(now, self._started.get(rid, now) + _duration(c))
+                    ends[(rid, k)] = end
+                    for i in c.instances:
+                        free[i] = end
+            queued = {t for q in self._queues for t in q}
+            for rid, plan in self._plans.items():   # commit order: one global ticket order
+                prev = now
+                for k, c in enumerate(plan.chunks):
+                    if (rid, k) in ends:
+                        prev = ends[(rid, k)]
+                        continue
+                    if (rid, k) not in queued:   # done (or dropped)
+                        continue
+                    start = max([prev] + [free[i] for i in c.instances])
+                    prev = start + _duration(c)
+                    for i in c.instances:
+                        free[i] = prev
+            return [f - now for f in free]
 
     def pending(self) -> dict[int, list[Ticket]]:
         """instance -> its unfinished tickets in order (for tests and diagnostics)."""
@@ -141,3 +185,8 @@ class ChunkTickets:
             self._queues[i] = [t for t in self._queues[i] if not match(t)]
             self._progress += before - len(self._queues[i])
         self._cond.notify_all()
+
+
+def _duration(chunk) -> float:
+    """The chunk's compute time as planned (0 for a plan made without expected times)."""
+    return max(0.0, chunk.expected_end - chunk.expected_start)

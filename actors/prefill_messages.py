@@ -115,3 +115,8 @@ class PrefillResult(msgspec.Struct, frozen=True):
     balance_moved_tokens: int
     kv_layout: tuple[tuple[int, Ranges], ...]   # (instance, positions) of the final group
     emulated: bool = False
+    # ``elapsed_s`` runs from the first chunk's start: the wait for its turn (chunks queued
+    # before it on its members) is ``queued_s``; the waits for later chunks' turns, inside
+    # ``elapsed_s``, add up to ``turn_wait_s``.
+    queued_s: float = 0.0
+    turn_wait_s: float = 0.0

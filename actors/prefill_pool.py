@@ -133,10 +133,22 @@ class PrefillPool:
     def size(self) -> int:
         return len(self.workers)
 
-    def commit(self, plan: PrefillPlan) -> None:
-        """Fix the plan's place in every member instance's chunk order (call in planning order)."""
+    def commit(self, plan: PrefillPlan) -> list[float]:
+        """Fix the plan's place in every member instance's chunk order (call in planning order);
+        returns ``busy_for()`` with it committed."""
         plan.validate(self.size)
         self._tickets.commit(plan)
+        return self.busy_for()
+
+    def busy_for(self) -> list[float]:
+        """Per instance, the seconds of committed work it still has to run (``ChunkTickets.
+        busy_for``: the tickets replayed from the chunks running now), infinite while its
+        worker is being replaced: what the dispatcher plans on when the pool runs late."""
+        busy = self._tickets.busy_for()
+        with self._replacing_lock:
+            for i in self._replacing:
+                busy[i] = float("inf")
+        return busy
 
     def run(self, plan: PrefillPlan, token_ids: Sequence[int], *,
             sampling: SamplingParams | None = None, return_logits: bool = False,
@@ -164,12 +176,16 @@ class PrefillPool:
 
     def _run_chunks(self, plan: PrefillPlan, token_ids: TokenIds, opts: "_RunOptions") -> PrefillResult:
         layouts, final = plan_layout(plan, opts.balance)
-        t0 = time.perf_counter()
+        waits: list[float] = []   # per chunk, the wait for its turn on its members
         touched: list[int] = []
         results: list[list[ChunkResult]] = []
         try:
             for k, lay in enumerate(layouts):
+                w0 = time.perf_counter()
                 self._tickets.wait_turn(plan.request_id, k, self.chunk_timeout_s)
+                waits.append(time.perf_counter() - w0)
+                if k == 0:
+                    t0 = time.perf_counter()
                 touched = sorted(set(touched) | set(lay.group))
                 results.append(self._run_chunk(plan, k, lay, token_ids, opts))
         except _ChunkFailed as failed:
@@ -179,7 +195,7 @@ class PrefillPool:
         except BaseException:
             self._abort_quietly(plan.request_id, touched)
             raise
-        return self._result(plan, results, final, time.perf_counter() - t0)
+        return self._result(plan, results, final, time.perf_counter() - t0, waits)
 
     def _run_chunk(self, plan, k, lay, token_ids, opts: "_RunOptions") -> list[ChunkResult]:
         with self._lock:
@@ -367,7 +383,7 @@ class PrefillPool:
             ))
         return out
 
-    def _result(self, plan, results, final, elapsed) -> PrefillResult:
+    def _result(self, plan, results, final, elapsed, waits) -> PrefillResult:
         last = [r for r in results[-1] if r.first_token is not None or r.emulated]
         first = last[0] if last else None
         return PrefillResult(
@@ -380,6 +396,8 @@ class PrefillPool:
             balance_moved_tokens=sum(r.balance_sent_tokens for rs in results for r in rs),
             kv_layout=tuple(sorted(final.items())),
             emulated=self.emulated,
+            queued_s=waits[0],
+            turn_wait_s=sum(waits[1:]),
         )
 
     def _abort_quietly(self, request_id: str, instances: list[int]) -> None:

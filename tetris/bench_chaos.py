@@ -143,6 +143,26 @@ def _summary(recs: list[dict]) -> dict:
                                 not r["error"]] for r in recs)}
 
 
+def stages(records: list[dict], timelines: list[dict], time_scale: float) -> list[list]:
+    """Where each request's TTFT went, from the dispatcher's timelines, in arrival order:
+    ``[arrival_s, queue_s, prefill_s, handoff_s, retries]`` (arrival in wall seconds after the
+    load began, the stages in seconds of paper time). A request the dispatcher has no
+    timeline for (refused, or dropped from its window) has ``None`` stages."""
+    by_id = {t["request_id"]: t for t in timelines}
+    rows = []
+    for r in records:
+        t = by_id.get(r["request_id"])
+        if t is None or not t["prefill_end"]:
+            rows.append([round(r["arrival_s"], 3), None, None, None, None if t is None else t["retries"]])
+            continue
+        b = t["breakdown"]
+        handoff = b["handoff_s"] if t["first_output"] else None
+        rows.append([round(r["arrival_s"], 3)]
+                    + [None if v is None else round(v / time_scale, 4)
+                       for v in (b["queue_s"], b["prefill_s"], handoff)] + [t["retries"]])
+    return sorted(rows, key=lambda row: row[0])
+
+
 def _one_run(base, tmp: Path, arrivals, opts: dict, schedule: list, seed: int, tick) -> dict:
     from tetris.bench_fidelity_live import LiveCluster
 
@@ -151,6 +171,8 @@ def _one_run(base, tmp: Path, arrivals, opts: dict, schedule: list, seed: int, t
         after = {"kills": kills, "refused_then_sent_again": client.refused,
                  "app_startup_s": live.startup_s}
         try:
+            timelines = live.dispatcher.timelines.remote(len(load.records) + 64).result(timeout_s=60)
+            after["stages"] = stages(load.records, timelines, opts["time_scale"])
             after |= _after_load(live, opts["drain_timeout_s"])
         except Exception as e:  # noqa: BLE001 - an app that cannot answer fails the verdict
             after |= {"after_load_error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1]}",
@@ -266,12 +288,16 @@ def run(args) -> dict:
 
 def plot_chaos(out: dict, path: str | Path) -> Path:
     """TTFT of each request against when it arrived, with and without faults, kills marked;
-    a request that failed is a red cross at the top."""
+    a request that failed is a red cross at the top. Below, when the run has them, the
+    faulted run's TTFT split into its stages (queue, prefill, hand-off)."""
     from tetris.sim.plots import save_figure   # sets the Agg backend first
 
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(11, 4.5))
+    split = bool(out["runs"]["faults"].get("stages"))
+    fig, axes = plt.subplots(2 if split else 1, 1, figsize=(11, 8 if split else 4.5),
+                             sharex=True, squeeze=False)
+    ax = axes[0][0]
     styles = {"baseline": ("0.6", "without faults"), "faults": ("tab:blue", "with faults")}
     ttfts = [t for r in out["runs"].values() for _a, t, ok in r["requests"] if ok and t]
     top = max(ttfts, default=1.0) * 2
@@ -288,11 +314,24 @@ def plot_chaos(out: dict, path: str | Path) -> Path:
         ax.axvline(k["t_s"], color="k", ls="--", lw=0.8)
         ax.text(k["t_s"], top, f" {k['target']}", rotation=90, va="top", fontsize=7)
     ax.set_yscale("log")
-    ax.set_xlabel("arrival (wall seconds after the load began)")
     ax.set_ylabel("TTFT (s, paper time)")
     ax.set_title(f"tetris bench chaos: {out['workload']}, load {out['load']:g}, "
                  f"time scale {out['time_scale']:g} (EMULATION)", fontsize=10)
     ax.legend(fontsize=7, loc="lower right")
+    if split:
+        ax = axes[1][0]
+        rows = out["runs"]["faults"]["stages"]
+        for col, (name, color) in enumerate((("queue", "tab:orange"), ("prefill", "tab:green"),
+                                             ("hand-off", "tab:purple")), start=1):
+            pts = [(row[0], row[col]) for row in rows if row[col]]
+            if pts:
+                ax.scatter(*zip(*pts), s=8, color=color, label=name)
+        for k in out["runs"]["faults"]["kills"]:
+            ax.axvline(k["t_s"], color="k", ls="--", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_ylabel("with faults: stage (s, paper time)")
+        ax.legend(fontsize=7, loc="lower right")
+    ax.set_xlabel("arrival (wall seconds after the load began)")
     return save_figure(fig, path, dpi=110)
 
 

@@ -154,7 +154,8 @@ class OpenLoopLoad:
         finally:
             self.slots.release()
         first = got["first"]
-        self.records.append({"lag": got["sent"] - due, "error": got["error"],
+        self.records.append({"request_id": got["request_id"], "lag": got["sent"] - due,
+                             "error": got["error"],
                              "ttft": None if first is None else (first - got["sent"]) / self.scale,
                              "arrival_s": r.arrival_time * self.scale})   # wall s after t0
 

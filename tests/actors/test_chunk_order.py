@@ -140,3 +140,58 @@ def test_a_plan_cannot_run_twice_or_change_after_commit():
     t.start(_plan("d", [(0,)]))
     with pytest.raises(PlanError, match="already running"):
         t.start(_plan("d", [(0,)]))
+
+
+def _timed(rid: str, chunks: list[tuple[tuple[int, ...], float]]) -> PrefillPlan:
+    """A plan whose chunk ``k`` runs on ``chunks[k][0]`` for ``chunks[k][1]`` seconds (as
+    planned from t = 0; only the durations matter to ``busy_for``)."""
+    out, t = [], 0.0
+    for k, (group, seconds) in enumerate(chunks):
+        out.append(Chunk(10 * k, 10 * k + 10, group, expected_start=t, expected_end=t + seconds))
+        t += seconds
+    return PrefillPlan(rid, 10 * len(chunks), tuple(out))
+
+
+def test_busy_for_replays_the_tickets_from_what_runs_now():
+    t = ChunkTickets(3)
+    x = _timed("x", [((1,), 2.0)])
+    a = _timed("a", [((0,), 1.0), ((0, 1), 0.5)])   # its second chunk waits for x
+    b = _timed("b", [((0,), 1.0)])                  # behind a's second chunk on instance 0
+    for p in (x, a, b):
+        t.commit(p)
+    assert t.busy_for(100.0) == [3.5, 2.5, 0.0]      # nothing started: x 2, a 1 then 2..2.5, b 3.5
+    t.start(x)
+    t.wait_turn("x", 0, stall_s=1.0)                 # x starts now
+    started = t._started["x"]
+    assert t.busy_for(started + 0.5) == pytest.approx([3.0, 2.0, 0.0])   # x has 1.5 s left
+    # x overdue: it ends "now" (unknown), and a's second chunk follows a's first
+    assert t.busy_for(started + 5.0) == pytest.approx([2.5, 1.5, 0.0])
+    t.chunk_done("x", 0)
+    t.finish("x")
+    assert t.busy_for(started + 5.0) == pytest.approx([2.5, 1.5, 0.0])
+    t.start(a)
+    t.wait_turn("a", 0, stall_s=1.0)
+    t.chunk_done("a", 0)                              # a's first chunk is done: not counted again
+    assert t.busy_for(200.0) == pytest.approx([1.5, 0.5, 0.0])
+    t.cancel("b")
+    assert t.busy_for(200.0) == pytest.approx([0.5, 0.5, 0.0])
+
+
+@given(plans=growing_plans(), seconds=st.lists(st.floats(0.01, 3.0), min_size=18, max_size=18))
+@settings(max_examples=60, deadline=None)
+def test_busy_for_of_committed_plans_is_the_simulators_pool(plans, seconds):
+    """Nothing started: the replay is the simulator's execution rule (tetris/sim/prefill.py)
+    run on the same plans in commit order from an idle pool."""
+    from tetris.sim.prefill import PrefillPoolSim
+
+    it = iter(seconds)
+    timed = [_timed(p.request_id, [(c.instances, next(it)) for c in p.chunks]) for p in plans]
+    lengths = {(p.request_id, k): c.expected_end - c.expected_start
+               for p in timed for k, c in enumerate(p.chunks)}
+    t = ChunkTickets(POOL)
+    sim = PrefillPoolSim(POOL, latency=lambda *_: 0.0)
+    for p in timed:
+        t.commit(p)
+        sim.latency = lambda sp, history, tokens, rid=p.request_id: lengths[(rid, history // 10)]
+        sim.execute(p, 0.0)
+    assert t.busy_for(50.0) == pytest.approx(sim.free_at)

@@ -53,6 +53,7 @@ def test_emulated_pool_runs_plans_through_the_same_actors(ray_session):
         assert res.emulated and res.first_token == PLACEHOLDER_TOKEN
         for got, want in zip(res.chunk_elapsed_s, expect):
             assert want <= got < want + 0.25
+        _turn_waits_are_timed(pool, profile)
         pool.workers[1].set_fault.remote("bad", 0, 0)
         from tetris.actors.prefill_messages import PrefillError
 
@@ -61,3 +62,33 @@ def test_emulated_pool_runs_plans_through_the_same_actors(ray_session):
         assert pool.run(forced_plan("ok", 100, "100x2", pool.node_of), [1] * 100).emulated
     finally:
         pool.shutdown()
+
+
+def _turn_waits_are_timed(pool, profile) -> None:
+    """``x`` runs 12k tokens alone on instance 1, committed first; ``a`` runs its first chunk
+    on instance 0 at once, and its second, on both, must wait for ``x``: that wait is its
+    ``turn_wait_s``, not compute; ``b``, on instance 0 behind ``a``, is ``queued_s``."""
+    import threading
+
+    from tetris.plan import Chunk, PrefillPlan
+
+    x = PrefillPlan("x", 12_000, (Chunk(0, 12_000, (1,)),), policy="forced")
+    a = PrefillPlan("a", 3000, (Chunk(0, 1000, (0,)), Chunk(1000, 3000, (0, 1))), policy="forced")
+    b = PrefillPlan("b", 1000, (Chunk(0, 1000, (0,)),), policy="forced")
+    for plan in (x, a, b):
+        pool.commit(plan)
+    got = {}
+    threads = [threading.Thread(target=lambda p=p: got.__setitem__(p.request_id, pool.run(p, [1] * p.prompt_tokens)))
+               for p in (b, a, x)]   # started in the opposite order: the tickets decide
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    t_x, t_a0, t_a1 = (profile.predict(1, 0, 12_000), profile.predict(1, 0, 1000),
+                       profile.predict(2, 1000, 2000))
+    assert got["x"].queued_s < 0.25 and got["x"].turn_wait_s == 0.0
+    assert got["a"].queued_s < 0.25
+    assert t_x - t_a0 - 0.05 <= got["a"].turn_wait_s < t_x - t_a0 + 0.3
+    assert got["a"].elapsed_s == pytest.approx(t_a0 + got["a"].turn_wait_s + t_a1, abs=0.3)
+    assert t_x + t_a1 - 0.05 <= got["b"].queued_s < t_x + t_a1 + 0.4   # behind a's second chunk
+    assert got["b"].elapsed_s < profile.predict(1, 0, 1000) + 0.25

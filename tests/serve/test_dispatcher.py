@@ -22,6 +22,7 @@ from tetris.serve.protocol import GenerateRequest
 class _Result(msgspec.Struct):
     first_token: int
     elapsed_s: float
+    turn_wait_s: float = 0.0
 
 
 class FakePrefill:
@@ -241,6 +242,37 @@ def test_live_queue_books_expected_ends_and_forgets_finished_requests():
     assert q.queue_times(1.0) == [1.0, 1.0, 1.0, 4.0] and q.bookings() == 0
     with pytest.raises(ValueError, match="no prefill instance 7"):
         q.hold([7], until=2.0)
+
+
+def test_live_queue_takes_the_pools_report_as_a_floor():
+    q = LiveQueue([0, 0, 1, 1])
+    q.commit(PrefillPlan("x", 100, (Chunk(0, 100, (1,), 0.0, 2.0),)))
+    # the pool runs late: at t = 5 instance 1 still has 3 s of x's work, instance 0 has 1 s
+    q.observe([1.0, 3.0, 0.0, float("inf")], now=5.0)
+    assert q.queue_times(5.0) == [6.0, 8.0, 5.0, 5.0 + LiveQueue.REPLACING_S]
+    assert q.queue_times(7.0) == [7.0, 8.0, 7.0, 5.0 + LiveQueue.REPLACING_S]
+    q.observe([0.0, 0.5, 0.0, 0.0], now=7.0)          # the next report replaces it
+    assert q.queue_times(7.0) == [7.0, 7.5, 7.0, 7.0]
+    q.finish("x")
+    assert q.queue_times(7.0) == [7.0, 7.5, 7.0, 7.0]  # the report stands until the next one
+    with pytest.raises(ValueError, match="reported 3 instances"):
+        q.observe([0.0] * 3, now=8.0)
+
+
+def test_a_late_pool_keeps_plans_off_its_busy_instances():
+    """The pool's report (not the bookings, which say free) steers the next plan."""
+
+    class LatePrefill(FakePrefill):
+        async def commit(self, plan):
+            await super().commit(plan)
+            return [30.0, 30.0, 30.0, 0.0]   # 0-2 still have 30 s of queued work
+
+    d = _dispatcher(LatePrefill())
+    asyncio.run(_collect(d, _req("a", 600)))
+    asyncio.run(_collect(d, _req("b", 600)))
+    assert [tuple(c["instances"]) for c in d.plans[1]["chunks"]] == [(3,)]
+    late = d.queue.queue_times(d.clock())
+    assert min(late[:3]) > d.clock() + 20 and late[3] <= d.clock() + 1
 
 
 def test_drained_instances_make_cdsp_grow_onto_them_later():

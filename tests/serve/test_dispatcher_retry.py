@@ -37,6 +37,7 @@ def _text(tokens) -> str:
 class _Result(msgspec.Struct):
     first_token: int
     elapsed_s: float
+    turn_wait_s: float = 0.0
 
 
 class ToyPrefill:

@@ -150,3 +150,48 @@ def test_simulation_is_deterministic_and_sp_shortens_light_load_ttft():
     _, c, _, _ = _tiny_sim(seed=5, rate=2.0, sp=4, decode=False)
     assert a.ttft_s == b.ttft_s
     assert c.ttft.p50 < a.ttft.p50 and c.tbt is None
+
+
+def test_a_stall_delays_what_is_placed_after_it_and_is_checked():
+    pool = PrefillPoolSim(3, LinearLatency().predict)
+    pool.free_at = [1.0, 0.0, 9.0]
+    pool.stall((0, 2), until=5.0)
+    assert pool.free_at == [5.0, 0.0, 9.0]     # a later free time stands
+    _, runs = pool.execute(PrefillPlan("r", 1000, (Chunk(0, 1000, (0,), 0.0, 0.11),)), arrival=2.0)
+    assert runs[0].start == 5.0 and pool.busy_s == [pytest.approx(0.11), 0.0, 0.0]
+    with pytest.raises(ValueError, match="no prefill instance 3"):
+        pool.stall((3,), until=1.0)
+
+
+def test_after_a_stall_planning_on_the_pools_report_recovers_sooner_than_on_bookings():
+    """The live dispatcher's view after a dead worker (tetris/serve/dispatcher.py LiveQueue):
+    its bookings alone say the pool is free once their planned ends pass; the pool's report
+    says what is still queued. 16 instances, Short at 3.5 req/s (about half Tetris's
+    capacity), all instances stalled 20 s at t = 60 s (a worker replaced while the others wait
+    behind its requests' tickets)."""
+    from tetris.sim.experiments import RunSpec, run_one
+    from tetris.sim.prefill import Stall
+
+    spec = RunSpec(model="8b", workload="short", rate=3.5, requests=700, seed=0, decode=False,
+                   improvement_rate=0.3)
+    stall = [Stall(60.0, tuple(range(16)), 20.0)]
+    means = {}
+    for view in ("bookings", "report"):
+        _, sim = run_one(spec, stalls=stall, pool_view=view)
+        arrival = np.array([r.arrival_time for r in sim.requests])
+        during = (arrival >= 60.0) & (arrival < 80.0)
+        # whatever the view, a request arriving in the stall waits out the rest of it
+        assert np.all(sim.ttft[during] >= 80.0 - arrival[during] - 1e-9)
+        after = (arrival >= 80.0) & (arrival < 140.0)
+        means[view] = float(np.mean(sim.ttft[after]))
+    _, calm = run_one(spec)
+    calm_arrival = np.array([r.arrival_time for r in calm.requests])
+    calm_mean = float(np.mean(calm.ttft[(calm_arrival >= 80.0) & (calm_arrival < 140.0)]))
+    assert means["report"] < 0.75 * means["bookings"]
+    assert calm_mean < means["report"]
+    # no stall: the two views plan alike (exact latency model)
+    a, _ = run_one(spec, pool_view="bookings")
+    b, _ = run_one(spec, pool_view="report")
+    assert a.ttft_s == pytest.approx(b.ttft_s, rel=1e-9)
+    with pytest.raises(ValueError, match="pool_view"):
+        run_one(spec, pool_view="oracle")

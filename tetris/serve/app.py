@@ -91,8 +91,8 @@ class PrefillPoolServer:
     async def node_map(self) -> list[int]:
         return list(self.pool.node_map())
 
-    async def commit(self, plan) -> None:
-        self.pool.commit(plan)
+    async def commit(self, plan) -> list[float]:
+        return self.pool.commit(plan)
 
     async def run(self, plan, token_ids, sampling, kv_receivers):
         # token_ids: the dispatcher's int32 array, handed on as is (the pool slices it)
@@ -197,8 +197,8 @@ class _PrefillHandleClient:
     def __init__(self, handle) -> None:
         self.h = handle
 
-    async def commit(self, plan) -> None:
-        await self.h.commit.remote(plan)
+    async def commit(self, plan) -> list[float]:
+        return await self.h.commit.remote(plan)
 
     async def run(self, plan, token_ids, sampling, kv_receivers):
         try:

@@ -94,7 +94,7 @@ class _Sent:
 
 
 class PrefillClient(Protocol):
-    async def commit(self, plan: PrefillPlan) -> None: ...
+    async def commit(self, plan: PrefillPlan) -> Sequence[float] | None: ...   # PrefillPool.busy_for
     async def run(self, plan: PrefillPlan, token_ids: TokenIds, sampling, kv_receivers) -> Any: ...
     async def release(self, request_id: str) -> None: ...
     async def abort(self, request_id: str) -> None: ...
@@ -111,11 +111,24 @@ class DecodeClient(Protocol):
 
 
 class LiveQueue:
-    """Per-instance busy-until times from committed plans, corrected by completions."""
+    """Per-instance busy-until times from committed plans, corrected by completions and by
+    what the pool reports.
+
+    Bookings say when each chunk was *planned* to end. When the pool runs late (a worker died
+    and its replacement started, a chunk ran long), bookings past their end say "free now" while
+    the pool still has that work queued, and the policy would plan onto an idle pool that is not
+    idle. The pool answers each commit with how long each instance is still busy by its tickets
+    (``PrefillPool.busy_for``); ``observe`` keeps that as a floor. An instance whose worker is
+    being replaced (reported infinite) counts as busy ``REPLACING_S`` more, then is reported
+    again with the next commit.
+    """
+
+    REPLACING_S = 60.0
 
     def __init__(self, node_of: Sequence[int]) -> None:
         self.node_of = tuple(node_of)
         self._booked: list[dict[str, float]] = [{} for _ in self.node_of]
+        self._reported = [0.0] * len(self.node_of)   # busy-until by the pool's last report
 
     def commit(self, plan: PrefillPlan) -> None:
         for chunk in plan.chunks:
@@ -135,9 +148,17 @@ class LiveQueue:
         for i in instances:
             self._booked[i][_HOLD] = until
 
+    def observe(self, busy_for: Sequence[float], now: float) -> None:
+        """The pool's report at ``now``: per instance, seconds of committed work left."""
+        if len(busy_for) != len(self._reported):
+            raise ValueError(f"the pool reported {len(busy_for)} instances, the queue has "
+                             f"{len(self._reported)}")
+        self._reported = [now + min(float(b), self.REPLACING_S) for b in busy_for]
+
     def queue_times(self, now: float) -> list[float]:
-        # A booking past its expected end is a chunk running late: busy now, end unknown.
-        return [max([now, *b.values()]) for b in self._booked]
+        # A booking past its expected end is a chunk running late: busy now, end unknown,
+        # unless the pool's report knows better.
+        return [max([now, r, *b.values()]) for b, r in zip(self._booked, self._reported)]
 
     def pool_state(self, now: float) -> PoolState:
         return PoolState(self.queue_times(now), self.node_of)
@@ -157,6 +178,7 @@ class RequestTimeline(msgspec.Struct):
     planned: float = 0.0          # plan committed
     prefill_start: float = 0.0    # first chunk started (prefill end minus its elapsed time)
     prefill_end: float = 0.0      # first token known
+    turn_wait_s: float = 0.0      # of the prefill, waiting for later chunks' turns on their members
     first_token: float = 0.0      # the first token was yielded (0: not early, see first_token.py)
     first_output: float = 0.0     # the decode instance streamed its first output
     finished: float = 0.0
@@ -168,10 +190,13 @@ class RequestTimeline(msgspec.Struct):
     retries: int = 0              # runs again after a lost prefill worker or decode instance
 
     def breakdown(self) -> dict[str, float]:
-        """queue, prefill and hand-off (KV transfer tail + admission + first decode round);
-        TTFT ends with the first token's yield, or with the first decode output."""
+        """queue (planning, and the first chunk's wait for its turn on its members), prefill
+        (from the first chunk's start; ``turn_wait_s`` of it waiting for later chunks' turns),
+        and hand-off (KV transfer tail + admission + first decode round); TTFT ends with the
+        first token's yield, or with the first decode output."""
         return {"queue_s": self.prefill_start - self.arrival,
                 "prefill_s": self.prefill_end - self.prefill_start,
+                "turn_wait_s": self.turn_wait_s,
                 "handoff_s": self.first_output - self.prefill_end,
                 "ttft_s": (self.first_token or self.first_output) - self.arrival}
 
@@ -356,6 +381,7 @@ class Dispatcher:
         if not resumed:   # the run that gives the client its first token times the TTFT
             tl.prefill_end = self.clock()
             tl.prefill_start = tl.prefill_end - float(result.elapsed_s)
+            tl.turn_wait_s = float(result.turn_wait_s)
             if self.metrics is not None:
                 self.metrics.observe_queue(max(0.0, tl.prefill_start - tl.arrival))
         self.queue.finish(aid)
@@ -422,7 +448,9 @@ class Dispatcher:
             plan = self.policy.plan(aid, prompt_tokens, now, self.queue.pool_state(now),
                                     improvement_rate=self.improvement_rate)
             self.queue.commit(plan)
-            await self.prefill.commit(plan)
+            busy = await self.prefill.commit(plan)
+            if busy is not None:
+                self.queue.observe(busy, self.clock())
         tl.planned = self.clock()
         tl.chunks = len(plan.chunks)
         tl.sp_sizes = tuple(c.sp_size for c in plan.chunks)

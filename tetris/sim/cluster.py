@@ -96,14 +96,26 @@ class Simulation:
     ``decode_step`` is ``step_time(tp, batch, context_tokens)`` (None: prefill only, as the
     improvement-rate profiler simulates); ``router`` is a ``DecodeRouter`` for the decode
     instances; ``rate_monitor`` (optional) sets θ online from its table.
+
+    ``stalls`` (``prefill.Stall``) take instances out for a while, as a dead worker's
+    replacement does in the live pool. ``pool_view`` is what the policy plans on: "bookings",
+    the committed plans' expected ends (the live dispatcher's bookings alone, which do not
+    know of a stall), or "report", also the pool's own queue (the live pool's ``busy_for``
+    report: its tickets replayed, which equals this pool's ``free_at``). With an exact latency
+    model and no stalls the two agree.
     """
 
     def __init__(self, requests: list[SimRequest], *, cluster: ClusterSpec, policy: Any,
                  pool: Any, latency: Any, improvement_rate: float | None = None,
                  rate_monitor: Any = None, decode_step: Any = None, router: Any = None,
-                 record: bool = False, workload: str = "", seed: int = 0, rate: float = 0.0):
+                 record: bool = False, workload: str = "", seed: int = 0, rate: float = 0.0,
+                 stalls: Any = (), pool_view: str = "bookings"):
         if not requests:
             raise ValueError("a simulation needs at least one request")
+        if pool_view not in ("bookings", "report"):
+            raise ValueError(f"pool_view is 'bookings' or 'report', got {pool_view!r}")
+        self.stalls = sorted(stalls, key=lambda s: s.at)
+        self.report = pool_view == "report"
         if decode_step is not None and router is None:
             raise ValueError("decode simulation needs a router")
         self.requests, self.cluster, self.policy, self.pool = requests, cluster, policy, pool
@@ -130,6 +142,14 @@ class Simulation:
 
     def _on_arrival(self, now: float, i: int) -> None:
         r = self.requests[i]
+        while self.stalls and self.stalls[0].at <= now:
+            st = self.stalls.pop(0)
+            self.prefill.stall(st.instances, st.at + st.seconds)
+        if self.report:
+            q, free = self.pool.queue_times, self.prefill.free_at
+            for k, f in enumerate(free):
+                if f > q[k]:
+                    q[k] = f
         if self.monitor is not None:
             self.monitor.observe_arrival(now)
             theta = self.monitor.maybe_update(now)

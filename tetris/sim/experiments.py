@@ -11,7 +11,7 @@ found by bisection to ``tol`` req/s (the same requests at every rate: only time 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import msgspec
 import numpy as np
@@ -88,12 +88,16 @@ def _decode_side(cluster: ClusterSpec):
     return contract.decode_step_fn(cluster), router
 
 
-def run_one(spec: RunSpec, requests: list[SimRequest] | None = None) -> tuple[SimResult, Simulation]:
+def run_one(spec: RunSpec, requests: list[SimRequest] | None = None,
+            **simulation: Any) -> tuple[SimResult, Simulation]:
+    """One run; ``simulation``: ``Simulation``'s ``stalls`` and ``pool_view``."""
     cluster = cluster_by_name(spec.model)
     if requests is None:
         requests = make_requests(spec.workload, spec.rate, spec.requests, spec.seed,
                                  spec.output_mean)
     if spec.policy == "loongserve":
+        if simulation:
+            raise ValueError(f"the loongserve simulation takes no {sorted(simulation)}")
         from tetris.sim.loongserve import run_loongserve
         return run_loongserve(spec, cluster, requests)
     lat = _profile(cluster)
@@ -107,7 +111,7 @@ def run_one(spec: RunSpec, requests: list[SimRequest] | None = None) -> tuple[Si
                      pool=PoolState(cluster.prefill_instances * [0.0], cluster.node_of()),
                      latency=lat, improvement_rate=theta if monitor is None else None,
                      rate_monitor=monitor, decode_step=step, router=router, record=spec.record,
-                     workload=spec.workload, seed=spec.seed, rate=spec.rate)
+                     workload=spec.workload, seed=spec.seed, rate=spec.rate, **simulation)
     if monitor is not None:
         sim.theta = monitor.improvement_rate
     return sim.run(), sim

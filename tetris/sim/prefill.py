@@ -17,7 +17,7 @@ import msgspec
 
 from tetris.plan import PrefillPlan
 
-__all__ = ["ChunkRun", "PrefillPoolSim", "LatencyFn"]
+__all__ = ["ChunkRun", "PrefillPoolSim", "LatencyFn", "Stall"]
 
 
 class LatencyFn(Protocol):
@@ -36,6 +36,17 @@ class ChunkRun(msgspec.Struct, frozen=True):
     end: float
     expected_start: float
     expected_end: float
+
+
+class Stall(msgspec.Struct, frozen=True):
+    """From ``at`` on, ``instances`` run nothing for ``seconds``: a worker that died and is being
+    replaced (the live pool's ``_reform``), or the instances whose tickets wait behind it.
+    Work placed before ``at`` runs as placed; what is placed from ``at`` on starts after the
+    stall (``PrefillPoolSim.stall``)."""
+
+    at: float
+    instances: tuple[int, ...]
+    seconds: float
 
 
 class PrefillPoolSim:
@@ -73,6 +84,13 @@ class PrefillPoolSim:
         if self.record:
             self.runs.extend(runs)
         return prev_end, runs
+
+    def stall(self, instances: tuple[int, ...], until: float) -> None:
+        """Nothing placed from now on starts on ``instances`` before ``until``."""
+        for i in instances:
+            if not 0 <= i < len(self.free_at):
+                raise ValueError(f"no prefill instance {i} (pool of {len(self.free_at)})")
+            self.free_at[i] = max(self.free_at[i], until)
 
     def utilisation(self, t0: float, t1: float) -> float:
         """Mean fraction of ``[t0, t1]`` the instances spent computing (all work counted)."""
