@@ -10,8 +10,9 @@ Lifecycle of one request (``run``):
 4. The member holding the last prompt token returns the first output token.
 5. On any failure, every member that may hold part of the request frees it, and the caller
    gets a ``PrefillError`` naming the chunk and the worker; the pool keeps serving. A worker
-   that died is replaced before ``run`` raises, and the error is then ``PrefillWorkerLost``:
-   nothing was wrong with the request, and a new plan for it can run at once.
+   that died raises ``PrefillWorkerLost`` at once (nothing was wrong with the request, and a
+   new plan for it can run at once, around the instance) while its replacement starts in the
+   background; a chunk planned onto the instance meanwhile waits for the replacement.
 The KV stays on the workers until ``release`` (after hand-off) or ``abort``.
 
 ``run`` is thread-safe. Chunks start on each instance in commit order (``commit``, tickets of
@@ -203,6 +204,7 @@ class PrefillPool:
         tasks = [self._task(plan, k, r, lay, token_ids, seq, opts) for r in range(len(lay.group))]
         if opts.on_chunk_start is not None:
             opts.on_chunk_start(k)
+        self._await_replacements(lay.group)
         try:
             with self._gate.shared():
                 self._phase(plan, k, tasks, "prepare")
@@ -231,21 +233,26 @@ class PrefillPool:
         alive = [i for i in touched if i not in dead]
         self._abort_quietly(request_id, alive)
         # A dead worker is replaced whichever phase found it (the first call a dead worker
-        # gets is usually ``prepare``); the world, which counted it, is formed again.
-        if dead or (failed.method == "execute" and failed.group_size > 1):
-            self._reform(dead)
+        # gets is usually ``prepare``); the world, which counted it, is formed again. The
+        # request does not wait for the replacement: it is lost, not failed, and the dispatcher
+        # plans it again around the instance (``busy_for`` reports it being replaced).
+        if dead:
+            self._reform(dead, wait=False)
+        elif failed.method == "execute" and failed.group_size > 1:
+            self._reform({})
 
-    def _reform(self, dead: dict) -> None:
+    def _reform(self, dead: dict, *, wait: bool = True) -> None:
         """Form the world again with the dead workers (instance -> the handle found dead)
-        replaced.
+        replaced; with ``wait=False`` the replacement goes on in a thread of its own.
 
         The replacements start, load their model and get the send side and the current
         receivers while chunks go on elsewhere (a real model takes tens of seconds to load,
         and the whole pool used to wait for it); the pool stops only to swap them in and
         form the world again, once running chunks have finished. Each dead worker is
         replaced once: a thread that finds one already being replaced waits for that
-        replacement instead. A receiver the replacements cannot reach is left to its owner
-        to reconnect."""
+        replacement instead (unless ``wait=False``), and a chunk planned onto it waits
+        before it starts (``_await_replacements``). A receiver the replacements cannot
+        reach is left to its owner to reconnect."""
         with self._replacing_lock:
             current = {i: h for i, h in dead.items() if self.workers[i] is h}
             mine = sorted(i for i in current if i not in self._replacing)
@@ -254,11 +261,39 @@ class PrefillPool:
                 self._replacing[i] = threading.Event()
         if mine:
             log.warning("prefill workers %s are dead: replacing them", mine)
-        try:
-            if dead and not mine:
+        if dead and not mine:
+            if wait:
                 for done in theirs:   # replaced, or being replaced, by another thread
                     done.wait(timeout=max(120.0, self.timeout_s))
+            return
+        if wait or not mine:
+            self._replace(mine)
+            return
+        thread = threading.Thread(target=self._replace_logged, args=(mine,), daemon=True,
+                                  name=f"prefill-replace-{'-'.join(map(str, mine))}")
+        thread.start()
+
+    def _replace_logged(self, mine: list[int]) -> None:
+        try:
+            self._replace(mine)
+        except Exception as e:  # noqa: BLE001 - a thread of its own: nobody else would see it
+            log.error("replacing prefill workers %s failed: %s: %s", mine, type(e).__name__, e)
+
+    def _await_replacements(self, instances) -> None:
+        """Wait until none of ``instances`` is being replaced (before a chunk takes the gate,
+        which the swap needs exclusively)."""
+        while True:
+            with self._replacing_lock:
+                pending = [self._replacing[i] for i in instances if i in self._replacing]
+            if not pending:
                 return
+            for done in pending:
+                if not done.wait(timeout=max(120.0, self.timeout_s)):
+                    return   # not replaced in time: the chunk finds the worker as it is
+
+    def _replace(self, mine: list[int]) -> None:
+        """Replace the workers of ``mine`` (claimed by ``_reform``) and form the world again."""
+        try:
             if mine and self._transfer is not None and self._receivers:
                 # The receivers give up what the dead workers owed them now, not once the
                 # replacements are in: no peer under those ids until then.
@@ -507,6 +542,10 @@ class PrefillPool:
                 log.warning("receiver %d did not take the senders: %s", rid, e)
 
     def shutdown(self) -> None:
+        with self._replacing_lock:
+            pending = list(self._replacing.values())
+        for done in pending:   # a replacement under way swaps its worker in, then all go
+            done.wait(timeout=max(120.0, self.timeout_s))
         try:
             ray.get([w.shutdown.remote() for w in self.workers], timeout=30)
         finally:

@@ -184,8 +184,9 @@ def test_failed_worker_frees_request_and_pool_keeps_serving(pool, model):
 
 def test_a_killed_worker_is_replaced_and_its_instance_serves_again(pool, model):
     """A worker that died is found by the first call it gets (``prepare``): the request fails
-    and frees everything, the worker is replaced and the world formed again, and a plan on its
-    instance then matches the single-instance reference."""
+    at once and frees everything while the worker is replaced in the background (the pool
+    reports the instance as being replaced); a plan on its instance waits for the replacement
+    and the world formed again, then matches the single-instance reference."""
     import ray
 
     plan = forced_plan("killed", 600, "200x2,restx4", pool.node_of)
@@ -197,12 +198,20 @@ def test_a_killed_worker_is_replaced_and_its_instance_serves_again(pool, model):
     pool.release("another-request")
     pool.abort("another-request")
     assert pool.held_requests()[victim] == []
+    t0 = time.monotonic()
     with pytest.raises(PrefillWorkerLost, match=rf"prefill instance {victim}"):
         pool.run(plan, _prompt(600, 4))   # lost, not failed: the dispatcher plans it again
-    assert pool.workers[victim] is not old and pool.replacements == replaced + 1
-    assert all(not held for held in pool.held_requests().values())
+    lost_after = time.monotonic() - t0
+    busy = pool.busy_for()
+    assert busy[victim] == float("inf") and pool.replacements == replaced   # still starting
+    assert all(b < float("inf") for i, b in enumerate(busy) if i != victim)
+    assert all(not held for i, held in pool.held_requests().items() if i != victim)
     _check_against_reference(pool, model, forced_plan("after-kill", 600, "200x2,restx4",
                                                         pool.node_of), _prompt(600, 5))
+    assert pool.workers[victim] is not old and pool.replacements == replaced + 1
+    assert pool.busy_for()[victim] < float("inf")
+    assert all(not held for held in pool.held_requests().values())
+    assert lost_after < 5.0, f"the lost request waited {lost_after:.1f} s"
 
 
 def test_out_of_kv_blocks_fails_in_prepare_and_frees_earlier_chunks(pool):

@@ -37,6 +37,9 @@ class FakePrefill:
     async def commit(self, plan: PrefillPlan) -> None:
         self.committed.append(plan.request_id)
 
+    async def busy_for(self) -> None:
+        return None
+
     async def run(self, plan, token_ids, sampling, kv_receivers):
         assert kv_receivers in self.receivers
         self.ran.append(plan.request_id)

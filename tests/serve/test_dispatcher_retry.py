@@ -46,17 +46,26 @@ class ToyPrefill:
     def __init__(self, lose: int = 0) -> None:
         self.lose = lose
         self.ran: list[tuple[str, int]] = []     # (run id, prompt tokens)
+        self.plans: list = []
         self.aborted: list[str] = []
         self.released: list[str] = []
+        self.reports = 0                         # busy_for asked (a run again)
+        self.lost: set[int] = set()              # instances being replaced
 
     async def commit(self, plan) -> None:
         pass
 
+    async def busy_for(self):
+        self.reports += 1
+        return [float("inf") if i in self.lost else 0.0 for i in range(4)]
+
     async def run(self, plan, token_ids, sampling, kv_receivers):
         self.ran.append((plan.request_id, len(token_ids)))
+        self.plans.append(plan)
         await asyncio.sleep(0)
         if self.lose:
             self.lose -= 1
+            self.lost |= set(plan.chunks[0].instances)
             raise InstanceLost("prefill worker 1 died")
         return _Result(_next(list(token_ids)), 0.001)
 
@@ -186,6 +195,10 @@ def test_a_lost_prefill_worker_replans_the_request_before_any_token():
     ref = _reference(PROMPT, 5)
     assert _client_view(outs) == (ref, _text(ref))
     assert prefill.ran == [("p", len(PROMPT)), ("p#retry1", len(PROMPT))]
+    # the run again asked the pool first, and is planned around the instance being replaced
+    assert prefill.reports == 1
+    lost = set(prefill.plans[0].chunks[0].instances)
+    assert not lost & {i for c in prefill.plans[1].chunks for i in c.instances}
     # a lost prefill keeps its (healthy) decode instance in routing
     assert [r[1:] for r in decode.reserved_on] == [(0, ()), (0, ())]
     assert "p" in decode.aborted and "p" in prefill.aborted

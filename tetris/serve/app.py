@@ -94,6 +94,9 @@ class PrefillPoolServer:
     async def commit(self, plan) -> list[float]:
         return self.pool.commit(plan)
 
+    async def busy_for(self) -> list[float]:
+        return self.pool.busy_for()
+
     async def run(self, plan, token_ids, sampling, kv_receivers):
         # token_ids: the dispatcher's int32 array, handed on as is (the pool slices it)
         return await self._call(self.pool.run, plan, token_ids, sampling=sampling,
@@ -199,6 +202,9 @@ class _PrefillHandleClient:
 
     async def commit(self, plan) -> list[float]:
         return await self.h.commit.remote(plan)
+
+    async def busy_for(self) -> list[float]:
+        return await self.h.busy_for.remote()
 
     async def run(self, plan, token_ids, sampling, kv_receivers):
         try:

@@ -95,6 +95,7 @@ class _Sent:
 
 class PrefillClient(Protocol):
     async def commit(self, plan: PrefillPlan) -> Sequence[float] | None: ...   # PrefillPool.busy_for
+    async def busy_for(self) -> Sequence[float] | None: ...
     async def run(self, plan: PrefillPlan, token_ids: TokenIds, sampling, kv_receivers) -> Any: ...
     async def release(self, request_id: str) -> None: ...
     async def abort(self, request_id: str) -> None: ...
@@ -442,6 +443,12 @@ class Dispatcher:
 
     async def _plan(self, aid: str, prompt_tokens: int, tl: RequestTimeline) -> PrefillPlan:
         async with self._plan_lock:
+            if tl.retries:
+                # A run again after a lost worker: the last report predates the loss, and the
+                # instance being replaced is to be planned around, so ask the pool now.
+                busy = await self.prefill.busy_for()
+                if busy is not None:
+                    self.queue.observe(busy, self.clock())
             now = self.clock()
             if not tl.retries:   # a run again is not an arrival
                 self._update_theta(now)
