@@ -44,6 +44,8 @@ class ChunkTickets:
         self._cancelled: set[str] = set()           # cancelled before their run started
         self._aborted: set[str] = set()             # cancelled while their run was under way
         self._progress = 0                          # tickets removed so far (stall detection)
+        self._commits = 0                           # plans committed so far
+        self._number: dict[str, int] = {}           # committed plan -> its commit number
 
     def commit(self, plan: PrefillPlan) -> None:
         """Queue the plan's chunks behind every plan committed before it."""
@@ -52,6 +54,8 @@ class ChunkTickets:
                 raise PlanError(f"request {plan.request_id} is already committed")
             self._cancelled.discard(plan.request_id)
             self._plans[plan.request_id] = plan
+            self._commits += 1
+            self._number[plan.request_id] = self._commits
             for k, chunk in enumerate(plan.chunks):
                 for i in chunk.instances:
                     self._queues[i].append((plan.request_id, k))
@@ -173,7 +177,18 @@ class ChunkTickets:
         with self._cond:
             return {i: list(q) for i, q in enumerate(self._queues) if q}
 
+    def commits(self) -> int:
+        """Plans committed so far; a plan's ``number`` is this count right after its commit."""
+        with self._cond:
+            return self._commits
+
+    def number(self, request_id: str) -> int | None:
+        """The commit number of a plan not yet finished (None: not committed)."""
+        with self._cond:
+            return self._number.get(request_id)
+
     def _drop(self, request_id: str) -> None:
+        self._number.pop(request_id, None)
         plan = self._plans.pop(request_id, None)
         if plan is not None:
             self._remove(sorted({i for c in plan.chunks for i in c.instances}),

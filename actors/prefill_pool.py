@@ -108,6 +108,7 @@ class PrefillPool:
         # instance -> set once its replacement is in (one replacement per dead worker, however
         # many threads find it dead)
         self._replacing: dict[int, threading.Event] = {}
+        self._found_dead_after: dict[int, int] = {}   # instance -> plans committed when found dead
         self._replacing_lock = threading.Lock()
         try:
             self._form_world()
@@ -204,8 +205,8 @@ class PrefillPool:
         tasks = [self._task(plan, k, r, lay, token_ids, seq, opts) for r in range(len(lay.group))]
         if opts.on_chunk_start is not None:
             opts.on_chunk_start(k)
-        self._await_replacements(lay.group)
         try:
+            self._await_replacements(plan.request_id, k, lay.group)
             with self._gate.shared():
                 self._phase(plan, k, tasks, "prepare")
                 out = self._phase(plan, k, tasks, "execute")
@@ -259,6 +260,7 @@ class PrefillPool:
             theirs = [self._replacing[i] for i in current if i in self._replacing]
             for i in mine:
                 self._replacing[i] = threading.Event()
+                self._found_dead_after[i] = self._tickets.commits()
         if mine:
             log.warning("prefill workers %s are dead: replacing them", mine)
         if dead and not mine:
@@ -279,12 +281,23 @@ class PrefillPool:
         except Exception as e:  # noqa: BLE001 - a thread of its own: nobody else would see it
             log.error("replacing prefill workers %s failed: %s: %s", mine, type(e).__name__, e)
 
-    def _await_replacements(self, instances) -> None:
-        """Wait until none of ``instances`` is being replaced (before a chunk takes the gate,
-        which the swap needs exclusively)."""
+    def _await_replacements(self, request_id: str, k: int, instances) -> None:
+        """Before a chunk takes the gate (which the swap needs exclusively): if a member is
+        being replaced, a plan committed before that worker was found dead fails at once with
+        ``PrefillWorkerLost`` (it could not plan around it; waiting would hold every member's
+        turn, and so every plan behind it, for as long as a replacement takes); a plan committed
+        since (its planner was told, ``busy_for``, and chose the instance anyway) waits."""
+        number = self._tickets.number(request_id) or 0
         while True:
             with self._replacing_lock:
-                pending = [self._replacing[i] for i in instances if i in self._replacing]
+                replacing = [i for i in instances if i in self._replacing]
+                blind = [i for i in replacing if number <= self._found_dead_after[i]]
+                pending = [self._replacing[i] for i in replacing]
+            if blind:
+                raise PrefillWorkerLost(
+                    f"request {request_id} chunk {k}: prefill instance {blind[0]} "
+                    f"(node {self.node_of[blind[0]]}) is being replaced; its worker died after "
+                    "the plan was made")
             if not pending:
                 return
             for done in pending:
@@ -315,6 +328,7 @@ class PrefillPool:
         finally:
             with self._replacing_lock:
                 for i in mine:
+                    self._found_dead_after.pop(i, None)
                     self._replacing.pop(i).set()
 
     def _start_replacements(self, instances: list[int]) -> tuple[dict, dict]:

@@ -192,6 +192,9 @@ def test_a_killed_worker_is_replaced_and_its_instance_serves_again(pool, model):
     plan = forced_plan("killed", 600, "200x2,restx4", pool.node_of)
     victim = plan.chunks[0].instances[1]
     old, replaced = pool.workers[victim], pool.replacements
+    blind = forced_plan("planned-before", 600, "200x2,restx4", pool.node_of)
+    pool.commit(plan)
+    pool.commit(blind)      # planned before anyone knew: on the victim, behind "killed"
     ray.kill(old)
     time.sleep(0.5)
     # freeing other requests' KV must not fail on the dead worker (it holds nothing now)
@@ -204,8 +207,15 @@ def test_a_killed_worker_is_replaced_and_its_instance_serves_again(pool, model):
     lost_after = time.monotonic() - t0
     busy = pool.busy_for()
     assert busy[victim] == float("inf") and pool.replacements == replaced   # still starting
+    # a plan made before the worker was found dead does not hold its members' turns for the
+    # replacement: it is lost at once and the dispatcher plans it again around the instance
+    t1 = time.monotonic()
+    with pytest.raises(PrefillWorkerLost, match=rf"prefill instance {victim} .*being replaced"):
+        pool.run(blind, _prompt(600, 4))
+    assert time.monotonic() - t1 < 2.0 and pool.replacements == replaced
     assert all(b < float("inf") for i, b in enumerate(busy) if i != victim)
     assert all(not held for i, held in pool.held_requests().items() if i != victim)
+    # a plan made since (its planner was told) waits for the replacement and runs on it
     _check_against_reference(pool, model, forced_plan("after-kill", 600, "200x2,restx4",
                                                         pool.node_of), _prompt(600, 5))
     assert pool.workers[victim] is not old and pool.replacements == replaced + 1
