@@ -145,21 +145,24 @@ def _summary(recs: list[dict]) -> dict:
 
 def stages(records: list[dict], timelines: list[dict], time_scale: float) -> list[list]:
     """Where each request's TTFT went, from the dispatcher's timelines, in arrival order:
-    ``[arrival_s, queue_s, prefill_s, handoff_s, retries]`` (arrival in wall seconds after the
-    load began, the stages in seconds of paper time). A request the dispatcher has no
-    timeline for (refused, or dropped from its window) has ``None`` stages."""
+    ``[arrival_s, queue_s, prefill_s, handoff_s, retries, decode_instance]`` (arrival in wall
+    seconds after the load began, the stages in seconds of paper time; the decode instance of
+    its last run). A request the dispatcher has no timeline for (refused, or dropped from its
+    window) has ``None`` stages."""
     by_id = {t["request_id"]: t for t in timelines}
     rows = []
     for r in records:
         t = by_id.get(r["request_id"])
         if t is None or not t["prefill_end"]:
-            rows.append([round(r["arrival_s"], 3), None, None, None, None if t is None else t["retries"]])
+            rows.append([round(r["arrival_s"], 3), None, None, None]
+                        + ([None, None] if t is None else [t["retries"], t["decode_instance"]]))
             continue
         b = t["breakdown"]
         handoff = b["handoff_s"] if t["first_output"] else None
         rows.append([round(r["arrival_s"], 3)]
                     + [None if v is None else round(v / time_scale, 4)
-                       for v in (b["queue_s"], b["prefill_s"], handoff)] + [t["retries"]])
+                       for v in (b["queue_s"], b["prefill_s"], handoff)]
+                    + [t["retries"], t["decode_instance"]])
     return sorted(rows, key=lambda row: row[0])
 
 
@@ -312,7 +315,8 @@ def plot_chaos(out: dict, path: str | Path) -> Path:
                        label=f"failed {label} ({len(lost)})")
     for k in out["runs"]["faults"]["kills"]:
         ax.axvline(k["t_s"], color="k", ls="--", lw=0.8)
-        ax.text(k["t_s"], top, f" {k['target']}", rotation=90, va="top", fontsize=7)
+        ax.text(k["t_s"], 0.02, f" {k['target']}", rotation=90, va="bottom", fontsize=7,
+                transform=ax.get_xaxis_transform())
     ax.set_yscale("log")
     ax.set_ylabel("TTFT (s, paper time)")
     ax.set_title(f"tetris bench chaos: {out['workload']}, load {out['load']:g}, "

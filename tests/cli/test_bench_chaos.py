@@ -35,9 +35,9 @@ def test_retries_are_read_per_stage_from_the_dispatchers_metrics():
     assert retries_by_stage("") == {}
 
 
-def _timeline(rid, arrival, start, end, first_output, retries=0):
+def _timeline(rid, arrival, start, end, first_output, retries=0, decode_instance=1):
     return {"request_id": rid, "arrival": arrival, "prefill_start": start, "prefill_end": end,
-            "first_output": first_output, "retries": retries,
+            "first_output": first_output, "retries": retries, "decode_instance": decode_instance,
             "breakdown": {"queue_s": start - arrival, "prefill_s": end - start,
                           "handoff_s": first_output - end, "ttft_s": first_output - arrival}}
 
@@ -47,12 +47,12 @@ def test_stages_split_each_ttft_in_paper_time_in_arrival_order():
                {"request_id": "refused", "arrival_s": 2.0}, {"request_id": "lost", "arrival_s": 3.0}]
     timelines = [_timeline("a", 100.0, 104.0, 106.0, 107.0),
                  _timeline("b", 200.0, 201.0, 211.0, 0.0, retries=2),   # no decode output yet
-                 {"request_id": "lost", "prefill_end": 0.0, "retries": 1}]
+                 {"request_id": "lost", "prefill_end": 0.0, "retries": 1, "decode_instance": 0}]
     # time scale 2: wall seconds of the dispatcher halve into paper seconds
-    assert stages(records, timelines, 2.0) == [[1.0, 2.0, 1.0, 0.5, 0],
-                                               [2.0, None, None, None, None],
-                                               [3.0, None, None, None, 1],
-                                               [4.0, 0.5, 5.0, None, 2]]
+    assert stages(records, timelines, 2.0) == [[1.0, 2.0, 1.0, 0.5, 0, 1],
+                                               [2.0, None, None, None, None, None],
+                                               [3.0, None, None, None, 1, 0],
+                                               [4.0, 0.5, 5.0, None, 2, 1]]
 
 
 def test_the_plot_marks_kills_and_failed_requests(tmp_path):
@@ -63,7 +63,8 @@ def test_the_plot_marks_kills_and_failed_requests(tmp_path):
                                  "kills": []}, "faults": run_}}
     path = plot_chaos(out, tmp_path / "sub" / "chaos.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
-    run_["stages"] = [[0.5, 0.1, 0.1, 0.05, 0], [9.0, 3.0, 0.4, 0.1, 1], [9.5, None, None, None, 2]]
+    run_["stages"] = [[0.5, 0.1, 0.1, 0.05, 0, 0], [9.0, 3.0, 0.4, 0.1, 1, 1],
+                      [9.5, None, None, None, 2, 0]]
     split = plot_chaos(out, tmp_path / "split.png")   # a second panel: taller
     assert split.stat().st_size > path.stat().st_size
 
@@ -92,8 +93,9 @@ def test_killed_workers_heal_and_no_request_fails(serve_http, tmp_path):
     assert 0 <= r["requests"][0][0] <= r["requests"][-1][0] <= 24
     # every request's TTFT split into stages, the same requests in the same order
     assert [row[0] for row in r["stages"]] == [a for a, _t, _ok in r["requests"]]
-    for (_a, ttft, _ok), (_a2, queue, prefill, handoff, retries) in zip(r["requests"], r["stages"]):
-        assert queue >= 0 and prefill > 0 and retries >= 0
+    for (_a, ttft, _ok), (_a2, queue, prefill, handoff, retries, decode) in zip(r["requests"],
+                                                                                 r["stages"]):
+        assert queue >= 0 and prefill > 0 and retries >= 0 and decode == 0
         assert queue + prefill <= ttft * 1.5 + 0.5    # the client's TTFT includes the hops
     assert (tmp_path / "chaos.png").stat().st_size > 10_000 and out["plot"].endswith("chaos.png")
     assert r["decode_down_at_end"] == [] and r["held_zero"] is True
