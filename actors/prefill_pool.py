@@ -12,7 +12,8 @@ Lifecycle of one request (``run``):
    gets a ``PrefillError`` naming the chunk and the worker; the pool keeps serving. A worker
    that died raises ``PrefillWorkerLost`` at once (nothing was wrong with the request, and a
    new plan for it can run at once, around the instance) while its replacement starts in the
-   background; a chunk planned onto the instance meanwhile waits for the replacement.
+   background. Meanwhile a chunk on the instance is lost at once too if its plan was made
+   before the worker was found dead, and waits for the replacement if it was made since.
 The KV stays on the workers until ``release`` (after hand-off) or ``abort``.
 
 ``run`` is thread-safe. Chunks start on each instance in commit order (``commit``, tickets of
@@ -251,8 +252,8 @@ class PrefillPool:
         and the whole pool used to wait for it); the pool stops only to swap them in and
         form the world again, once running chunks have finished. Each dead worker is
         replaced once: a thread that finds one already being replaced waits for that
-        replacement instead (unless ``wait=False``), and a chunk planned onto it waits
-        before it starts (``_await_replacements``). A receiver the replacements cannot
+        replacement instead (unless ``wait=False``); a chunk on it meanwhile is lost or
+        waits before it starts (``_await_replacements``). A receiver the replacements cannot
         reach is left to its owner to reconnect."""
         with self._replacing_lock:
             current = {i: h for i, h in dead.items() if self.workers[i] is h}
