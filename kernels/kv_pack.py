@@ -79,6 +79,10 @@ def scatter_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
         raise ValueError(f"packed KV must be {(n, 2, hkv, d)}, got {tuple(packed.shape)}")
     if packed.dtype != k_cache.dtype:
         raise ValueError(f"packed KV dtype {packed.dtype} differs from the cache dtype {k_cache.dtype}")
+    if k_cache.is_meta and v_cache.is_meta:
+        # An emulated cache (actors/emulated_decode.py) holds no memory: nothing to write, and
+        # index_copy_ on meta tensors runs a Python decomposition (~50 us a piece, per rank).
+        return
     slots = slots.to(device=k_cache.device, dtype=torch.int64)
     _flat(k_cache).index_copy_(0, slots, packed[:, 0].to(k_cache.device))
     _flat(v_cache).index_copy_(0, slots, packed[:, 1].to(k_cache.device))

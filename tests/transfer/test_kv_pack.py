@@ -61,3 +61,22 @@ def test_pack_rejects_positions_past_the_block_table_and_wrong_dtype():
     packed = pack_kv(cache, table, torch.tensor([1, 2]), [0])
     with pytest.raises(ValueError, match="dtype"):
         unpack_kv(cache, table, torch.tensor([1, 2]), [0], packed.to(torch.float64))
+
+
+def test_scatter_into_a_meta_cache_checks_the_piece_and_writes_nothing():
+    """The emulated decode side's cache is meta tensors (no memory): a piece is still checked
+    against the cache's geometry, and nothing runs to store it."""
+    from tetris.kernels.kv_pack import scatter_kv
+
+    k = torch.empty(4, 16, 8, 1, dtype=torch.bfloat16, device="meta")
+    v = torch.empty_like(k)
+    slots = torch.arange(3, 8)
+    scatter_kv(k, v, slots, torch.zeros(5, 2, 8, 1, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="packed KV must be"):
+        scatter_kv(k, v, slots, torch.zeros(5, 2, 8, 2, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="dtype"):
+        scatter_kv(k, v, slots, torch.zeros(5, 2, 8, 1, dtype=torch.float32))
+    # a real cache is still written
+    kr, vr = torch.zeros(4, 16, 8, 1), torch.zeros(4, 16, 8, 1)
+    scatter_kv(kr, vr, slots, torch.ones(5, 2, 8, 1))
+    assert kr.view(-1, 8, 1)[3:8].eq(1).all() and kr.sum() == 5 * 8 and vr.sum() == 5 * 8
