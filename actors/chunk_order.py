@@ -39,8 +39,8 @@ class ChunkTickets:
         self._queues: list[list[Ticket]] = [[] for _ in range(pool_size)]
         self._plans: dict[str, PrefillPlan] = {}   # committed, not finished
         self._running: set[str] = set()
-        self._current: dict[str, int] = {}          # running request -> chunk now executing
-        self._started: dict[str, float] = {}        # running request -> when that chunk started
+        # running request -> (the chunk now executing, when it started)
+        self._current: dict[str, tuple[int, float]] = {}
         self._cancelled: set[str] = set()           # cancelled before their run started
         self._aborted: set[str] = set()             # cancelled while their run was under way
         self._progress = 0                          # tickets removed so far (stall detection)
@@ -93,8 +93,7 @@ class ChunkTickets:
                 if request_id in self._aborted:
                     raise PrefillError(f"request {request_id} was aborted during its prefill")
                 if all(self._queues[i][0] == me for i in instances):
-                    self._current[request_id] = k
-                    self._started[request_id] = time.monotonic()
+                    self._current[request_id] = (k, time.monotonic())
                     return
                 if self._progress != seen:
                     seen, deadline = self._progress, time.monotonic() + stall_s
@@ -109,7 +108,6 @@ class ChunkTickets:
     def chunk_done(self, request_id: str, k: int) -> None:
         with self._cond:
             self._current.pop(request_id, None)
-            self._started.pop(request_id, None)
             plan = self._plans.get(request_id)
             if plan is not None:
                 self._remove(plan.chunks[k].instances, lambda t: t == (request_id, k))
@@ -120,7 +118,6 @@ class ChunkTickets:
             self._running.discard(request_id)
             self._aborted.discard(request_id)
             self._current.pop(request_id, None)
-            self._started.pop(request_id, None)
             self._drop(request_id)
 
     def cancel(self, request_id: str) -> None:
@@ -133,7 +130,7 @@ class ChunkTickets:
                 self._drop(request_id)
                 return
             self._aborted.add(request_id)
-            plan, now = self._plans[request_id], self._current.get(request_id)
+            plan, now = self._plans[request_id], self._current.get(request_id, (None,))[0]
             self._remove(sorted({i for c in plan.chunks for i in c.instances}),
                          lambda t: t[0] == request_id and t[1] != now)
 
@@ -150,10 +147,10 @@ class ChunkTickets:
             now = time.monotonic() if now is None else now
             free = [now] * len(self._queues)
             ends: dict[Ticket, float] = {}
-            for rid, k in self._current.items():
+            for rid, (k, started) in self._current.items():
                 c = self._plans[rid].chunks[k] if rid in self._plans else None
                 if c is not None:
-                    end = max(now, self._started.get(rid, now) + _duration(c))
+                    end = max(now, started + _duration(c))
                     ends[(rid, k)] = end
                     for i in c.instances:
                         free[i] = end

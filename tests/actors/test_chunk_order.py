@@ -162,7 +162,7 @@ def test_busy_for_replays_the_tickets_from_what_runs_now():
     assert t.busy_for(100.0) == [3.5, 2.5, 0.0]      # nothing started: x 2, a 1 then 2..2.5, b 3.5
     t.start(x)
     t.wait_turn("x", 0, stall_s=1.0)                 # x starts now
-    started = t._started["x"]
+    started = t._current["x"][1]
     assert t.busy_for(started + 0.5) == pytest.approx([3.0, 2.0, 0.0])   # x has 1.5 s left
     # x overdue: it ends "now" (unknown), and a's second chunk follows a's first
     assert t.busy_for(started + 5.0) == pytest.approx([2.5, 1.5, 0.0])
