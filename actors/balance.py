@@ -19,9 +19,9 @@ import time
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from tetris.actors.prefill_messages import Move
+from tetris.actors.world import DefaultWorld, PeerLink
 from tetris.actors.zigzag import Ranges, normalize_ranges, ranges_len
 
 __all__ = ["plan_balance", "take_tail", "LayerBalancer", "BALANCE_TAG_KIND"]
@@ -120,7 +120,8 @@ class LayerBalancer:
     """
 
     def __init__(self, store, request_id: str, instance: int, moves: tuple[Move, ...],
-                 tag: int, timeout_s: float) -> None:
+                 tag: int, timeout_s: float, link: PeerLink | None = None) -> None:
+        self.link = link or DefaultWorld()   # the chunk's world (actors/world.py)
         self.store = store
         self.request_id = request_id
         self.sends = [m for m in moves if m.src == instance]
@@ -140,19 +141,18 @@ class LayerBalancer:
         """Start layer ``layer``'s moves: pack ``[n, 2, Hkv, D]`` rows and post isend/irecv."""
         if not self.active or layer in self.pending or layer >= self.store.num_layers:
             return
-        ops = []
+        works = []
         keep = []
         for m in self.sends:
             k, v = self.store.read(self.request_id, layer, m.positions)
             buf = torch.stack([k, v], dim=1).contiguous()
             keep.append(buf)
-            ops.append(dist.P2POp(dist.isend, buf, m.dst, tag=self.tag))
+            works.append(self.link.isend(buf, m.dst, self.tag))
         bufs = []
         for m in self.recvs:
             buf = self.store.empty_rows(ranges_len(m.positions), 2)
             bufs.append((m, buf))
-            ops.append(dist.P2POp(dist.irecv, buf, m.src, tag=self.tag))
-        works = dist.batch_isend_irecv(ops) if ops else []
+            works.append(self.link.irecv(buf, m.src, self.tag))
         self.pending[layer] = (works, bufs, keep)
 
     def wait(self, layer: int) -> None:

@@ -20,6 +20,7 @@ from tetris.actors.emulated_decode import PLACEHOLDER_TOKEN, WIRE_HEAD_DIM, torc
 from tetris.actors.kv_store import PagedKVStore, ranges_tensor
 from tetris.actors.prefill_messages import ChunkResult, ChunkTask
 from tetris.actors.ring import RING_TAG_KIND, RingAttention
+from tetris.actors.world import PeerLink
 from tetris.actors.zigzag import normalize_ranges, ranges_len
 from tetris.sampling_params import SamplingParams
 
@@ -54,8 +55,9 @@ class Executor(Protocol):
     def prepare(self, task: ChunkTask) -> None:
         """Check the task and reserve what it needs, without communicating."""
 
-    def execute(self, task: ChunkTask) -> ChunkResult:
-        """Run this member's share of the chunk (all members of the group run together)."""
+    def execute(self, task: ChunkTask, link: PeerLink | None = None) -> ChunkResult:
+        """Run this member's share of the chunk (all members of the group run together),
+        talking to the others over ``link`` (the chunk's world; default: the default group)."""
 
     def abort(self, request_id: str) -> None:
         """Free everything held for the request."""
@@ -92,7 +94,7 @@ class ModelExecutor:
         if hkv % n or len(set(task.kv_receivers)) != n:
             raise ValueError(f"{hkv} KV heads cannot be split over receivers {task.kv_receivers}")
 
-    def execute(self, task: ChunkTask) -> ChunkResult:
+    def execute(self, task: ChunkTask, link: PeerLink | None = None) -> ChunkResult:
         t0 = time.perf_counter()
         model, store, req = self.model, self.store, task.request_id
         mine = task.chunk_positions[task.rank]
@@ -100,10 +102,10 @@ class ModelExecutor:
         blocks = [normalize_ranges(list(h) + list(c))
                   for h, c in zip(task.history, task.chunk_positions)]
         ring = RingAttention(task.group, task.rank, [ranges_tensor(b) for b in blocks],
-                             message_tag(task.seq, RING_TAG_KIND), task.timeout_s)
+                             message_tag(task.seq, RING_TAG_KIND), task.timeout_s, link)
         moves = task.moves if task.balance != "off" else ()
         balancer = LayerBalancer(store, req, task.instance, moves,
-                                 message_tag(task.seq, BALANCE_TAG_KIND), task.timeout_s)
+                                 message_tag(task.seq, BALANCE_TAG_KIND), task.timeout_s, link)
         overlap = task.balance == "overlap"
         if overlap:
             balancer.issue(0)   # runs during embedding and layer 0's projections
@@ -213,8 +215,8 @@ class EmulatedExecutor:
             if hkv % n or len(set(task.kv_receivers)) != n:
                 raise ValueError(f"{hkv} KV heads cannot be split over receivers {task.kv_receivers}")
 
-    def execute(self, task: ChunkTask) -> ChunkResult:
-        t0 = self.clock()
+    def execute(self, task: ChunkTask, link: PeerLink | None = None) -> ChunkResult:
+        t0 = self.clock()   # the emulated body talks to no peer: ``link`` is unused
         if self.fault is not None and self.fault[:2] == (task.request_id, task.chunk_index):
             self.fault = None
             raise FaultInjected("injected fault (emulated)")

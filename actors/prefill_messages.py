@@ -24,7 +24,7 @@ import msgspec
 
 from tetris.actors.token_ids import TokenIds
 from tetris.actors.zigzag import Ranges
-from tetris.errors import InstanceLost
+from tetris.errors import InstanceLost, PlanOutdated
 from tetris.sampling_params import SamplingParams
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "PrefillResult",
     "PrefillError",
     "PrefillWorkerLost",
+    "PrefillPlanOutdated",
 ]
 
 # "overlap": layer i+1's moves run during layer i's MLP (paper Fig. 6-b);
@@ -50,6 +51,11 @@ class PrefillError(RuntimeError):
 class PrefillWorkerLost(PrefillError, InstanceLost):
     """A prefill worker died during the request's chunk (it has been replaced): the request
     was fine and can be planned again."""
+
+
+class PrefillPlanOutdated(PrefillWorkerLost, PlanOutdated):
+    """A chunk's member instance is being replaced and the plan was committed before its
+    worker was found dead: lost before it started there, the request is planned again."""
 
 
 class Move(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -85,6 +91,7 @@ class ChunkTask(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Receiver ids (decode_instance * decode_tp + tp_rank) in TP-rank order: this member streams
     # the KV it computes, receiver j taking KV heads [j*h, (j+1)*h), h = Hkv // len. Empty: none.
     kv_receivers: tuple[int, ...] = ()
+    world: int = 0                # the generation of the pool's world its rings use (world.py)
 
     @property
     def instance(self) -> int:

@@ -1,4 +1,4 @@
-"""The driver side of the SP pool: N prefill workers, one gloo world, plans executed chunk by chunk.
+"""The driver side of the SP pool: N prefill workers, a gloo world, plans executed chunk by chunk.
 
 Lifecycle of one request (``run``):
 
@@ -12,8 +12,12 @@ Lifecycle of one request (``run``):
    gets a ``PrefillError`` naming the chunk and the worker; the pool keeps serving. A worker
    that died raises ``PrefillWorkerLost`` at once (nothing was wrong with the request, and a
    new plan for it can run at once, around the instance) while its replacement starts in the
-   background. Meanwhile a chunk on the instance is lost at once too if its plan was made
-   before the worker was found dead, and waits for the replacement if it was made since.
+   background; once it is in, every worker joins a new generation of the world beside the
+   chunks it runs (``actors/world.py``), so the pool never stops. Meanwhile ``commit``
+   refuses a new plan on the instance (``InstanceReplacing``: the planner plans again around
+   it), and a chunk there whose plan was committed before the worker was found dead is lost
+   at once (``PrefillPlanOutdated``); only a plan its planner insisted on
+   (``wait_replacing``) waits for the replacement.
 The KV stays on the workers until ``release`` (after hand-off) or ``abort``.
 
 ``run`` is thread-safe. Chunks start on each instance in commit order (``commit``, tickets of
@@ -24,6 +28,7 @@ streams the KV it computes to the decode ranks, layer by layer, while the chunk 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -43,12 +48,14 @@ from tetris.actors.prefill_messages import (
     ChunkResult,
     ChunkTask,
     PrefillError,
+    PrefillPlanOutdated,
     PrefillResult,
     PrefillWorkerLost,
 )
 from tetris.actors.prefill_worker import PrefillWorkerActor
 from tetris.actors.token_ids import TokenIds, compact_tokens, token_slices
 from tetris.config import DeploymentConfig
+from tetris.errors import InstanceReplacing
 from tetris.plan import PlanError, PrefillPlan
 from tetris.sampling_params import SamplingParams
 from tetris.transfer.messages import AgentInfo
@@ -101,8 +108,15 @@ class PrefillPool:
         self.node_of = tuple(node_map(self.node_ids, per_node))
         self._seq = itertools.count()
         self._lock = threading.Lock()
-        self._gate = _SharedExclusive()
         self._tickets = ChunkTickets(n)
+        # The world in generations (actors/world.py): chunks start on ``_world`` with the
+        # workers of ``self.workers`` as read together under ``_world_lock``; ``_running`` counts
+        # the chunks on each generation, and every worker has left those below ``_dropped``.
+        self._world = 0
+        self._world_lock = threading.Lock()
+        self._forming = threading.Lock()   # one new generation at a time
+        self._running: collections.Counter[int] = collections.Counter()
+        self._dropped = 0
         self._transfer = None          # TransferConfig once enable_transfer ran
         self._receivers: dict = {}     # receiver id -> (actor handle, AgentInfo)
         self.replacements = 0          # dead workers replaced so far
@@ -112,7 +126,7 @@ class PrefillPool:
         self._found_dead_after: dict[int, int] = {}   # instance -> plans committed when found dead
         self._replacing_lock = threading.Lock()
         try:
-            self._form_world()
+            self._form_world(self.workers, 0)
         except BaseException:
             self._release_actors()
             raise
@@ -124,23 +138,75 @@ class PrefillPool:
             i, self.node_of[i], self.deployment.model, self.deployment.prefill,
             profile=self._profile)
 
-    def _form_world(self) -> None:
-        """(Re)make the one gloo world of all workers, with its store in worker 0 on a port
-        free on worker 0's node."""
-        host, port = ray.get(self.workers[0].store_address.remote(),
+    def _form_world(self, workers: list, generation: int) -> None:
+        """Have ``workers`` join generation ``generation`` of the world, its store in worker 0
+        on a port free on worker 0's node. Workers join beside the chunks they run."""
+        host, port = ray.get(workers[0].store_address.remote(),
                              timeout=max(120.0, self.timeout_s))
-        ray.get([w.init_world.remote(host, port, self.size, self.timeout_s)
-                 for w in self.workers], timeout=max(120.0, self.timeout_s))
+        ray.get([w.join_world.remote(generation, host, port, len(workers), self.timeout_s)
+                 for w in workers], timeout=max(120.0, self.timeout_s))
+
+    def _new_world(self, new: dict) -> None:
+        """Form the next generation of the world with the workers of ``new`` (instance -> a
+        started worker) in place of the current ones, and start new chunks on it. Chunks
+        running meanwhile finish on their own generation; nothing waits for them."""
+        with self._forming:
+            with self._world_lock:
+                workers, generation = list(self.workers), self._world + 1
+            for i, w in new.items():
+                workers[i] = w
+            self._form_world(workers, generation)
+            with self._world_lock:
+                self.workers = workers
+                self._world = generation
+        self._drop_unused_worlds()
+
+    @contextlib.contextmanager
+    def _in_world(self):
+        """The generation and the worker handles a chunk starting now runs with."""
+        with self._world_lock:
+            world, workers = self._world, list(self.workers)
+            self._running[world] += 1
+        try:
+            yield world, workers
+        finally:
+            with self._world_lock:
+                self._running[world] -= 1
+                if not self._running[world]:
+                    del self._running[world]
+            self._drop_unused_worlds()
+
+    def _drop_unused_worlds(self) -> None:
+        """Every worker leaves the generations older than the oldest one still in use."""
+        with self._world_lock:
+            oldest = min([self._world, *self._running])
+            if oldest <= self._dropped:
+                return
+            self._dropped, workers = oldest, list(self.workers)
+        for w in workers:   # not waited for: a dead worker answers nothing, a live one soon
+            w.drop_worlds.remote(oldest)
 
     @property
     def size(self) -> int:
         return len(self.workers)
 
-    def commit(self, plan: PrefillPlan) -> list[float]:
+    def commit(self, plan: PrefillPlan, *, wait_replacing: bool = False) -> list[float]:
         """Fix the plan's place in every member instance's chunk order (call in planning order);
-        returns ``busy_for()`` with it committed."""
+        returns ``busy_for()`` with it committed.
+
+        A plan on an instance whose worker is being replaced is refused (``InstanceReplacing``,
+        nothing committed) unless ``wait_replacing``: its planner had not heard yet (the pool
+        tells it with each commit), and the plan would hold its other members' turns, and so
+        every plan behind it there, until the replacement is in (tens of seconds for a real
+        model). The planner plans again with a fresh ``busy_for``."""
         plan.validate(self.size)
-        self._tickets.commit(plan)
+        with self._replacing_lock:   # atomic with ``_reform`` marking workers dead
+            replacing = sorted({i for c in plan.chunks for i in c.instances} & self._replacing.keys())
+            if replacing and not wait_replacing:
+                raise InstanceReplacing(
+                    f"plan {plan.request_id} uses prefill instances {replacing}, whose workers "
+                    "are being replaced; plan it again around them", tuple(replacing))
+            self._tickets.commit(plan)
         return self.busy_for()
 
     def busy_for(self) -> list[float]:
@@ -185,6 +251,7 @@ class PrefillPool:
         try:
             for k, lay in enumerate(layouts):
                 w0 = time.perf_counter()
+                self._await_replacements(plan, k, wait=False)
                 self._tickets.wait_turn(plan.request_id, k, self.chunk_timeout_s)
                 waits.append(time.perf_counter() - w0)
                 if k == 0:
@@ -203,14 +270,16 @@ class PrefillPool:
     def _run_chunk(self, plan, k, lay, token_ids, opts: "_RunOptions") -> list[ChunkResult]:
         with self._lock:
             seq = next(self._seq)
-        tasks = [self._task(plan, k, r, lay, token_ids, seq, opts) for r in range(len(lay.group))]
         if opts.on_chunk_start is not None:
             opts.on_chunk_start(k)
         try:
-            self._await_replacements(plan.request_id, k, lay.group)
-            with self._gate.shared():
-                self._phase(plan, k, tasks, "prepare")
-                out = self._phase(plan, k, tasks, "execute")
+            self._await_replacements(plan, k)
+            with self._in_world() as (world, workers):
+                tasks = [self._task(plan, k, r, lay, token_ids, seq, opts, world)
+                         for r in range(len(lay.group))]
+                handles = [workers[t.instance] for t in tasks]
+                self._phase(plan, k, tasks, handles, "prepare")
+                out = self._phase(plan, k, tasks, handles, "execute")
         except BaseException:
             if opts.on_chunk_end is not None:
                 try:
@@ -224,11 +293,12 @@ class PrefillPool:
         return out
 
     def _recover(self, request_id: str, touched: list[int], failed: "_ChunkFailed") -> None:
-        """Free the request everywhere; after a failure inside a ring, re-form the world.
+        """Free the request everywhere; after a failure inside a ring, form the world again.
 
         A gloo wait that times out closes its connection for good, so once a chunk failed
-        while its members were communicating, the world is rebuilt (dead actors replaced)
-        before the next chunk runs; chunks already running elsewhere finish first.
+        while its members were communicating, a new generation of the world is formed (dead
+        actors replaced) for the chunks that start from then on; chunks already running
+        finish on theirs.
         """
         dead = {i: failed.handles[i] for i, err in failed.errors
                 if isinstance(err, ray.exceptions.RayActorError)}
@@ -241,7 +311,7 @@ class PrefillPool:
         if dead:
             self._reform(dead, wait=False)
         elif failed.method == "execute" and failed.group_size > 1:
-            self._reform({})
+            self._new_world({})
 
     def _reform(self, dead: dict, *, wait: bool = True) -> None:
         """Form the world again with the dead workers (instance -> the handle found dead)
@@ -249,8 +319,9 @@ class PrefillPool:
 
         The replacements start, load their model and get the send side and the current
         receivers while chunks go on elsewhere (a real model takes tens of seconds to load,
-        and the whole pool used to wait for it); the pool stops only to swap them in and
-        form the world again, once running chunks have finished. Each dead worker is
+        and the whole pool used to wait for it); then every worker joins a new generation of
+        the world beside the chunks it runs, and new chunks start on it (the pool never
+        stops: running chunks finish on the old generation). Each dead worker is
         replaced once: a thread that finds one already being replaced waits for that
         replacement instead (unless ``wait=False``); a chunk on it meanwhile is lost or
         waits before it starts (``_await_replacements``). A receiver the replacements cannot
@@ -282,24 +353,28 @@ class PrefillPool:
         except Exception as e:  # noqa: BLE001 - a thread of its own: nobody else would see it
             log.error("replacing prefill workers %s failed: %s: %s", mine, type(e).__name__, e)
 
-    def _await_replacements(self, request_id: str, k: int, instances) -> None:
-        """Before a chunk takes the gate (which the swap needs exclusively): if a member is
-        being replaced, a plan committed before that worker was found dead fails at once with
-        ``PrefillWorkerLost`` (it could not plan around it; waiting would hold every member's
-        turn, and so every plan behind it, for as long as a replacement takes); a plan committed
-        since (its planner was told, ``busy_for``, and chose the instance anyway) waits."""
-        number = self._tickets.number(request_id) or 0
+    def _await_replacements(self, plan: PrefillPlan, k: int, *, wait: bool = True) -> None:
+        """Before chunk ``k`` waits for its turn, and again before it starts: if an instance of this or a later chunk is being replaced and
+        the plan was committed before that worker was found dead, the run fails at once with
+        ``PrefillPlanOutdated`` (it could not plan around it; going on would spend its earlier
+        chunks' GPU time on a run that is lost anyway, and waiting would hold every member's
+        turn, and so every plan behind it, for as long as a replacement takes). A chunk whose
+        plan was committed since (``commit(..., wait_replacing=True)``, or run without a
+        commit) waits for its own members' replacements (``wait``)."""
+        number = self._tickets.number(plan.request_id) or 0
+        later = {i for c in plan.chunks[k:] for i in c.instances}
         while True:
             with self._replacing_lock:
-                replacing = [i for i in instances if i in self._replacing]
-                blind = [i for i in replacing if number <= self._found_dead_after[i]]
-                pending = [self._replacing[i] for i in replacing]
+                blind = sorted(i for i in later if i in self._replacing
+                               and number <= self._found_dead_after[i])
+                pending = [self._replacing[i] for i in plan.chunks[k].instances
+                           if i in self._replacing]
             if blind:
-                raise PrefillWorkerLost(
-                    f"request {request_id} chunk {k}: prefill instance {blind[0]} "
+                raise PrefillPlanOutdated(
+                    f"request {plan.request_id} chunk {k}: prefill instance {blind[0]} "
                     f"(node {self.node_of[blind[0]]}) is being replaced; its worker died after "
                     "the plan was made")
-            if not pending:
+            if not pending or not wait:
                 return
             for done in pending:
                 if not done.wait(timeout=max(120.0, self.timeout_s)):
@@ -315,17 +390,18 @@ class PrefillPool:
             t0 = time.perf_counter()
             new, table = self._start_replacements(mine)
             t1 = time.perf_counter()
-            with self._gate.exclusive():
-                t2 = time.perf_counter()
-                for i in mine:
-                    self.workers[i] = new[i]
-                self._form_world()
-                self.replacements += len(mine)
-                self._restore_transfer(new, table)
+            try:
+                self._new_world(new)
+            except BaseException:
+                for w in new.values():
+                    ray.kill(w)
+                raise
+            self.replacements += len(mine)
+            self._restore_transfer(new, table)
             if mine:
-                log.warning("prefill workers %s replaced: %.1f s to start them while the pool "
-                            "ran, %.1f s waiting for running chunks, %.1f s with the pool stopped",
-                            mine, t1 - t0, t2 - t1, time.perf_counter() - t2)
+                log.warning("prefill workers %s replaced: %.1f s to start them, %.1f s to form "
+                            "world %d, while the pool ran", mine, t1 - t0,
+                            time.perf_counter() - t1, self._world)
         finally:
             with self._replacing_lock:
                 for i in mine:
@@ -383,7 +459,7 @@ class PrefillPool:
             self._reform(dead)
         return sorted(dead)
 
-    def _task(self, plan, k, r, lay, token_ids, seq, opts: "_RunOptions") -> ChunkTask:
+    def _task(self, plan, k, r, lay, token_ids, seq, opts: "_RunOptions", world: int) -> ChunkTask:
         c = plan.chunks[k]
         balance = opts.balance
         mine = lay.chunk_positions[r]
@@ -394,7 +470,7 @@ class PrefillPool:
             history=lay.history, moves=lay.moves if balance != "off" else (),
             token_ids=self._member_tokens(token_ids, mine), balance=balance,
             sampling=opts.sampling, return_logits=opts.return_logits, timeout_s=self.timeout_s,
-            kv_receivers=opts.kv_receivers,
+            kv_receivers=opts.kv_receivers, world=world,
         )
 
     def _member_tokens(self, token_ids: TokenIds, mine) -> TokenIds:
@@ -402,9 +478,10 @@ class PrefillPool:
         executor (it computes nothing from token values)."""
         return TokenIds("i") if self.emulated else token_slices(token_ids, mine)
 
-    def _phase(self, plan: PrefillPlan, k: int, tasks: list[ChunkTask], method: str):
-        """Run ``method`` on every member; on failure name the root-cause worker."""
-        handles = [self.workers[t.instance] for t in tasks]
+    def _phase(self, plan: PrefillPlan, k: int, tasks: list[ChunkTask], handles: list,
+               method: str):
+        """Run ``method`` on every member (``handles``, in task order); on failure name the
+        root-cause worker."""
         refs = [getattr(h, method).remote(t) for h, t in zip(handles, tasks)]
         done, pending = ray.wait(refs, num_returns=len(refs), timeout=self.chunk_timeout_s)
         out, errors = [], []
@@ -588,40 +665,6 @@ class _ChunkFailed(Exception):
         super().__init__(str(error))
         self.method, self.group_size, self.errors, self.error = method, group_size, errors, error
         self.handles = handles   # instance -> the worker actor the chunk was sent to
-
-
-class _SharedExclusive:
-    """Chunks run under a shared hold; re-forming the world waits for them and runs alone."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._shared = 0
-        self._exclusive = False
-
-    @contextlib.contextmanager
-    def shared(self):
-        with self._cond:
-            self._cond.wait_for(lambda: not self._exclusive)
-            self._shared += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._shared -= 1
-                self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def exclusive(self):
-        with self._cond:
-            self._cond.wait_for(lambda: not self._exclusive)
-            self._exclusive = True
-            self._cond.wait_for(lambda: self._shared == 0)
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._exclusive = False
-                self._cond.notify_all()
 
 
 def _first_line(err: BaseException) -> str:

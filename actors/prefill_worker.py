@@ -1,10 +1,12 @@
 """The prefill worker: one Ray actor per prefill instance of the SP pool.
 
-The pool's workers form one torch.distributed world, made once (``init_world``); a chunk's
-ring and its cache balancing use point-to-point operations on that world between the chunk's
-members only. A worker runs one chunk at a time (the actor's default concurrency group has one
-thread); the pool starts the chunks of every instance in commit order, and every chunk's
-messages carry their own tags, so rings of different requests never mix.
+The pool's workers form a gloo world (``join_world``, in generations: ``actors/world.py``); a
+chunk's ring and its cache balancing use point-to-point operations on the generation the chunk
+names, between the chunk's members only. A new generation is joined on a thread of its own
+(the ``"world"`` concurrency group) while a chunk runs on an older one. A worker runs one chunk
+at a time (the actor's default concurrency group has one thread); the pool starts the chunks
+of every instance in commit order, and every chunk's messages carry their own tags, so rings of
+different requests never mix.
 
 KV streaming (``enable_transfer``): the worker owns a ``SendManager`` on a NIXL agent
 ``prefill-<instance>``, driven by a ``TransferPump`` thread. Control messages from the decode
@@ -18,23 +20,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from datetime import timedelta
 
 import ray
 import torch
-import torch.distributed as dist
 
 from tetris.actors.executor import EmulatedExecutor, ModelExecutor
 from tetris.actors.kv_store import PagedKVStore
 from tetris.actors.prefill_messages import ChunkResult, ChunkTask
 from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
+from tetris.actors.world import World
 from tetris.config import ModelConfig, PrefillConfig
 from tetris.transfer.messages import AgentInfo, ControlMessage
 from tetris.transfer.states import ShardSent, TransferConfig, TransferEvent, TransferFailed
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PrefillWorker", "PrefillWorkerActor"]
+__all__ = ["PrefillWorker", "PrefillWorkerActor", "WORLD_GROUP"]
+
+WORLD_GROUP = "world"   # the actor's concurrency group that joins and drops worlds
 
 
 class _Streaming:
@@ -123,6 +126,8 @@ class PrefillWorker:
         self.store: PagedKVStore | None = None
         self.streaming: _Streaming | None = None
         self._busy = False   # a chunk call is running (guards the one-chunk-at-a-time rule)
+        self._worlds: dict[int, World] = {}   # generation -> the world joined (world.py)
+        self._world_in_use: int | None = None  # the running chunk's generation
         if prefill_cfg.executor == "emulated":
             from tetris.scheduler.latency import load_profile
 
@@ -140,20 +145,25 @@ class PrefillWorker:
             )
             self.executor = ModelExecutor(model, self.store)
 
-    def init_world(self, host: str, port: int, world_size: int, timeout_s: float) -> int:
-        """Join the pool's world (gloo); every worker must call this at the same time.
+    @ray.method(concurrency_group=WORLD_GROUP)
+    def join_world(self, generation: int, host: str, port: int, world_size: int,
+                   timeout_s: float) -> int:
+        """Join generation ``generation`` of the pool's world (gloo; its store at
+        ``host:port``, served by instance 0); every worker of it must call this at the same
+        time. Runs beside a chunk, which goes on on its own generation. Returns the rank."""
+        if generation in self._worlds:
+            raise ValueError(f"prefill instance {self.instance} already joined world {generation}")
+        self._worlds[generation] = World(generation, host, port, self.instance, world_size,
+                                         timeout_s)
+        return self.instance
 
-        Called again after a failed ring: the old world (whose timed-out connections gloo
-        closed) is dropped first. KV stores are untouched.
-        """
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://{host}:{port}", rank=self.instance,
-            world_size=world_size, timeout=timedelta(seconds=timeout_s),
-        )
-        dist.barrier()
-        return dist.get_rank()
+    @ray.method(concurrency_group=WORLD_GROUP)
+    def drop_worlds(self, below: int) -> list[int]:
+        """Leave every generation older than ``below`` (the pool runs no chunk on them any
+        more; the running chunk's own is kept regardless). Returns the ones left."""
+        for g in [g for g in self._worlds if g < below and g != self._world_in_use]:
+            self._worlds.pop(g).close()
+        return sorted(self._worlds)
 
     def prepare(self, task: ChunkTask) -> None:
         self._check(task)
@@ -162,8 +172,17 @@ class PrefillWorker:
 
     def execute(self, task: ChunkTask) -> ChunkResult:
         self._check(task)
+        link = self._worlds.get(task.world)
+        if link is None and len(task.group) > 1:   # a chunk of one talks to no one
+            raise RuntimeError(f"prefill instance {self.instance} got chunk {task.chunk_index} "
+                               f"of {task.request_id} on world {task.world}, which it has not "
+                               f"joined (it has {sorted(self._worlds)})")
         with self._exclusive(task):
-            return self.executor.execute(task)
+            self._world_in_use = task.world
+            try:
+                return self.executor.execute(task, link)
+            finally:
+                self._world_in_use = None
 
     @contextlib.contextmanager
     def _exclusive(self, task: ChunkTask):
@@ -273,6 +292,7 @@ class PrefillWorker:
         """The Ray node id this worker runs on (the pool's node map is built from these)."""
         return ray.get_runtime_context().get_node_id()
 
+    @ray.method(concurrency_group=WORLD_GROUP)   # asked while a chunk runs (world.py)
     def store_address(self) -> tuple[str, int]:
         """(this node's IP, a port free on it): the world's store runs in rank 0, so its
         address must be reachable from every node, which 127.0.0.1 is not."""
@@ -287,10 +307,13 @@ class PrefillWorker:
         if self.streaming is not None:
             self.streaming.close()
             self.streaming = None
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        for world in self._worlds.values():
+            world.close()
+        self._worlds.clear()
 
 
-# "transfer": deliver_transfer must run while a chunk computes; the default group keeps one
-# thread, so chunks still run one at a time.
-PrefillWorkerActor = ray.remote(concurrency_groups={TRANSFER_GROUP: 1})(PrefillWorker)
+# "transfer": deliver_transfer must run while a chunk computes; "world": a new generation of
+# the world is joined while a chunk computes; the default group keeps one thread, so chunks
+# still run one at a time.
+PrefillWorkerActor = ray.remote(
+    concurrency_groups={TRANSFER_GROUP: 1, WORLD_GROUP: 1})(PrefillWorker)

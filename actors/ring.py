@@ -9,8 +9,8 @@ by log-sum-exp. Visibility is by absolute position (key ``j`` visible to query `
 
 Block sizes differ by member and are known to every member from the plan, so receivers size
 their buffers without a handshake, and empty blocks are simply not sent. The rings use P2P
-operations on the one world group made at pool start: no group is created per chunk, and
-ranks outside the ring take no part.
+operations on the pool's world (``actors/world.py``: the generation the chunk names): no group
+is created per chunk, and ranks outside the ring take no part.
 
 ``simulate_ring`` runs the same steps in one process (no communication): the reference the
 distributed version is tested against.
@@ -22,12 +22,12 @@ import time
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 __all__ = ["partial_attention", "ring_source", "simulate_ring", "RingAttention", "RING_TAG_KIND"]
 
 RING_TAG_KIND = 0
 
+from tetris.actors.world import DefaultWorld, PeerLink
 from tetris.kernels.dispatch import attention_with_lse, merge_attention
 
 
@@ -101,14 +101,16 @@ def simulate_ring(qs, q_pos, ks, vs, k_pos, scale=None) -> list[torch.Tensor]:
 
 
 class RingAttention:
-    """One member's ring for one chunk: runs every layer's ring on the world group.
+    """One member's ring for one chunk: runs every layer's ring on ``link`` (the chunk's
+    world; default: the process's default group).
 
     group: world ranks in ring order; block_positions[j]: int64 positions of member j's block.
     ``tag`` keeps this chunk's messages apart from other traffic between the same ranks.
     """
 
     def __init__(self, group: tuple[int, ...], rank: int, block_positions: list[torch.Tensor],
-                 tag: int, timeout_s: float) -> None:
+                 tag: int, timeout_s: float, link: PeerLink | None = None) -> None:
+        self.link = link or DefaultWorld()
         self.group = group
         self.rank = rank
         self.block_positions = block_positions
@@ -143,12 +145,12 @@ class RingAttention:
         incoming = ring_source(r, step + 1, s)
         n_in = self.block_positions[incoming].numel()
         nxt = cur.new_empty((n_in, *cur.shape[1:]))
-        ops = []
+        works = []
         if cur.shape[0]:
-            ops.append(dist.P2POp(dist.isend, cur, self.group[(r + 1) % s], tag=self.tag))
+            works.append(self.link.isend(cur, self.group[(r + 1) % s], self.tag))
         if n_in:
-            ops.append(dist.P2POp(dist.irecv, nxt, self.group[(r - 1) % s], tag=self.tag))
-        return (dist.batch_isend_irecv(ops) if ops else []), nxt
+            works.append(self.link.irecv(nxt, self.group[(r - 1) % s], self.tag))
+        return works, nxt
 
     def _wait(self, works, layer: int, step: int) -> None:
         t0 = time.perf_counter()

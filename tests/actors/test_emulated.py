@@ -92,3 +92,57 @@ def _turn_waits_are_timed(pool, profile) -> None:
     assert got["a"].elapsed_s == pytest.approx(t_a0 + got["a"].turn_wait_s + t_a1, abs=0.3)
     assert t_x + t_a1 - 0.05 <= got["b"].queued_s < t_x + t_a1 + 0.4   # behind a's second chunk
     assert got["b"].elapsed_s < profile.predict(1, 0, 1000) + 0.25
+
+
+@pytest.mark.ray
+def test_a_replacement_joins_a_new_world_while_a_long_chunk_runs_on_the_old(ray_session):
+    """A dead worker's replacement does not wait for running chunks: every worker joins the
+    next generation of the world beside its chunk (worker 0, busy for ~28 s, serves the new
+    world's store too), the replacement serves at once next to a worker still on the old
+    generation, and the old generation is dropped everywhere once its last chunk is done."""
+    import threading
+
+    import ray
+
+    from tetris.actors.prefill_messages import PrefillWorkerLost
+    from tetris.actors.prefill_pool import PrefillPool
+    from tetris.plan import Chunk, PrefillPlan
+
+    cfg = load_deployment("tiny-cpu.toml")
+    cfg = msgspec.structs.replace(
+        cfg, prefill=msgspec.structs.replace(cfg.prefill, executor="emulated"))
+    pool = PrefillPool(cfg, num_instances=3, node_size=3, profile=PROFILE, timeout_s=30.0)
+    try:
+        tokens = 130_000
+        busy_s = load_profile(PROFILE).predict(1, 0, tokens)
+        assert busy_s > 25
+        long = PrefillPlan("long", tokens, (Chunk(0, tokens, (0,)),), policy="forced")
+        pool.commit(long)
+        out: dict = {}
+        runner = threading.Thread(target=lambda: out.update(
+            result=pool.run(long, [1] * tokens), end=time.monotonic()))
+        runner.start()
+        before, dead = pool.replacements, pool.workers[2]
+        ray.kill(dead)
+        time.sleep(0.5)
+        with pytest.raises(PrefillWorkerLost, match="prefill instance 2"):
+            pool.run(PrefillPlan("finds-it", 100, (Chunk(0, 100, (2,)),), policy="forced"), [1] * 100)
+        deadline = time.monotonic() + busy_s
+        while pool.replacements == before:
+            assert time.monotonic() < deadline, "the replacement waited for the running chunk"
+            time.sleep(0.1)
+        assert runner.is_alive() and pool.workers[2] is not dead
+        # the replacement serves in a ring with instance 1 while instance 0 is on the old world
+        both = pool.run(PrefillPlan("new", 200, (Chunk(0, 200, (1, 2)),), policy="forced"), [1] * 200)
+        assert both.emulated and runner.is_alive()
+        runner.join(timeout=busy_s + 30)
+        assert out["result"].emulated and out["result"].elapsed_s >= busy_s
+        worlds = None
+        for _ in range(50):   # the pool drops the old world without waiting for the workers
+            worlds = ray.get([w.drop_worlds.remote(0) for w in pool.workers])
+            if worlds == [[1]] * 3:
+                break
+            time.sleep(0.1)
+        assert worlds == [[1]] * 3
+    finally:
+        pool.shutdown()

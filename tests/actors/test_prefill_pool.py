@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tetris.actors.layout import forced_plan
-from tetris.actors.prefill_messages import PrefillError, PrefillWorkerLost
-from tetris.errors import InstanceLost
+from tetris.actors.prefill_messages import PrefillError, PrefillPlanOutdated, PrefillWorkerLost
+from tetris.errors import InstanceLost, InstanceReplacing
 from tetris.actors.zigzag import ranges_to_list
 from tetris.config import load_deployment
 from tetris.kernels.dispatch import attention_with_lse
@@ -185,8 +185,9 @@ def test_failed_worker_frees_request_and_pool_keeps_serving(pool, model):
 def test_a_killed_worker_is_replaced_and_its_instance_serves_again(pool, model):
     """A worker that died is found by the first call it gets (``prepare``): the request fails
     at once and frees everything while the worker is replaced in the background (the pool
-    reports the instance as being replaced); a plan on its instance waits for the replacement
-    and the world formed again, then matches the single-instance reference."""
+    reports the instance as being replaced); a new plan on its instance is refused at commit,
+    or, committed to wait, waits for the replacement and the world formed again, then matches
+    the single-instance reference."""
     import ray
 
     plan = forced_plan("killed", 600, "200x2,restx4", pool.node_of)
@@ -210,14 +211,20 @@ def test_a_killed_worker_is_replaced_and_its_instance_serves_again(pool, model):
     # a plan made before the worker was found dead does not hold its members' turns for the
     # replacement: it is lost at once and the dispatcher plans it again around the instance
     t1 = time.monotonic()
-    with pytest.raises(PrefillWorkerLost, match=rf"prefill instance {victim} .*being replaced"):
+    with pytest.raises(PrefillPlanOutdated, match=rf"prefill instance {victim} .*being replaced"):
         pool.run(blind, _prompt(600, 4))
     assert time.monotonic() - t1 < 2.0 and pool.replacements == replaced
     assert all(b < float("inf") for i, b in enumerate(busy) if i != victim)
     assert all(not held for i, held in pool.held_requests().items() if i != victim)
-    # a plan made since (its planner was told) waits for the replacement and runs on it
-    _check_against_reference(pool, model, forced_plan("after-kill", 600, "200x2,restx4",
-                                                        pool.node_of), _prompt(600, 5))
+    # a new plan on the instance is refused at commit (its planner plans again around it),
+    # unless its planner insists: then it waits for the replacement and runs on it
+    after = forced_plan("after-kill", 600, "200x2,restx4", pool.node_of)
+    commits = pool._tickets.commits()
+    with pytest.raises(InstanceReplacing, match=rf"instances \[{victim}\].*being replaced") as e:
+        pool.commit(after)
+    assert e.value.instances == (victim,) and pool._tickets.commits() == commits
+    pool.commit(after, wait_replacing=True)
+    _check_against_reference(pool, model, after, _prompt(600, 5))
     assert pool.workers[victim] is not old and pool.replacements == replaced + 1
     assert pool.busy_for()[victim] < float("inf")
     assert all(not held for held in pool.held_requests().values())

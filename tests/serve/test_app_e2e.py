@@ -389,7 +389,8 @@ def test_a_dead_prefill_worker_is_replaced_and_streams_kv_to_decode_again(app, e
         want = _reference(engine, [prompt], 12)[0].text
         # instances 1-3 held for longer than an instance being replaced counts as busy
         # (LiveQueue.REPLACING_S): the plan lands on instance 0, dead, and so does the run
-        # again, which waits for the replacement
+        # again: the pool refuses it while instance 0 is being replaced (InstanceReplacing
+        # through the handle), and the last plan the dispatcher tries waits for the replacement
         httpx.post(f"{base}/admin/drain", json={"instances": [1, 2, 3], "seconds": 120.0}, timeout=60)
         r = asyncio.run(_complete_once(base, prompt, 12))
         httpx.post(f"{base}/admin/drain", json={"instances": [1, 2, 3], "seconds": 0.001}, timeout=60)

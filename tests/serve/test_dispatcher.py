@@ -34,7 +34,7 @@ class FakePrefill:
         self.released: list[str] = []
         self.aborted: list[str] = []
 
-    async def commit(self, plan: PrefillPlan) -> None:
+    async def commit(self, plan: PrefillPlan, wait_replacing: bool = False) -> None:
         self.committed.append(plan.request_id)
 
     async def busy_for(self) -> None:
@@ -266,7 +266,7 @@ def test_a_late_pool_keeps_plans_off_its_busy_instances():
     """The pool's report (not the bookings, which say free) steers the next plan."""
 
     class LatePrefill(FakePrefill):
-        async def commit(self, plan):
+        async def commit(self, plan, wait_replacing=False):
             await super().commit(plan)
             return [30.0, 30.0, 30.0, 0.0]   # 0-2 still have 30 s of queued work
 

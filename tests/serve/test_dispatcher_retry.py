@@ -15,7 +15,7 @@ import pytest
 
 from tetris.config import load_deployment
 from tetris.engine.request import OutputDelta, Transcript
-from tetris.errors import InstanceLost
+from tetris.errors import InstanceLost, InstanceReplacing, PlanOutdated
 from tetris.sampling_params import SamplingParams
 from tetris.serve.dispatcher import Dispatcher
 from tetris.serve.first_token import EarlyFirstToken
@@ -41,19 +41,29 @@ class _Result(msgspec.Struct):
 
 
 class ToyPrefill:
-    """Samples ``_next`` of the prompt it is given; ``lose`` runs raise ``InstanceLost``."""
+    """Samples ``_next`` of the prompt it is given; ``lose`` runs raise ``InstanceLost``
+    (``PlanOutdated`` with ``outdated``). Instances in ``lost`` are being replaced: a plan on
+    one is refused at commit, as ``PrefillPool.commit`` does, unless told to wait."""
 
-    def __init__(self, lose: int = 0) -> None:
+    def __init__(self, lose: int = 0, outdated: bool = False) -> None:
         self.lose = lose
+        self.outdated = outdated
         self.ran: list[tuple[str, int]] = []     # (run id, prompt tokens)
         self.plans: list = []
+        self.refused: list = []                  # plans refused at commit
+        self.waited: list = []                   # plans committed with wait_replacing
         self.aborted: list[str] = []
         self.released: list[str] = []
         self.reports = 0                         # busy_for asked (a run again)
         self.lost: set[int] = set()              # instances being replaced
 
-    async def commit(self, plan) -> None:
-        pass
+    async def commit(self, plan, wait_replacing: bool = False) -> None:
+        on = {i for c in plan.chunks for i in c.instances} & self.lost
+        if on and not wait_replacing:
+            self.refused.append(plan)
+            raise InstanceReplacing(f"plan {plan.request_id} uses instances {sorted(on)}")
+        if wait_replacing:
+            self.waited.append(plan)
 
     async def busy_for(self):
         self.reports += 1
@@ -66,7 +76,7 @@ class ToyPrefill:
         if self.lose:
             self.lose -= 1
             self.lost |= set(plan.chunks[0].instances)
-            raise InstanceLost("prefill worker 1 died")
+            raise (PlanOutdated if self.outdated else InstanceLost)("prefill worker 1 died")
         return _Result(_next(list(token_ids)), 0.001)
 
     async def release(self, request_id: str) -> None:
@@ -275,3 +285,51 @@ def test_a_client_that_leaves_during_the_run_again_frees_both_runs():
     assert _client_view(outs)[0] == ref
     assert sorted(decode.aborted) == ["z", "z#retry1"] and decode.runs == {}
     assert d.timelines[-1].outcome == "aborted" and d.held() == _IDLE
+
+
+def test_a_plan_refused_for_an_instance_being_replaced_is_made_again_around_it():
+    """The first plan after a worker was found dead is made before the dispatcher hears of
+    it; the pool refuses it at commit and the dispatcher plans again on a fresh report, before
+    anything ran: no run again, nothing charged against the retries."""
+    prefill, decode = ToyPrefill(), ToyDecode()
+    d = _dispatcher(prefill, decode)
+    asyncio.run(_collect(d, "warm", PROMPT, 2))       # bookings and reports: all idle
+    first = {i for c in prefill.plans[0].chunks for i in c.instances}
+    prefill.lost = set(first)                         # found dead since the last report
+    outs = asyncio.run(_collect(d, "r", PROMPT, 4))
+    assert _client_view(outs) == (_reference(PROMPT, 4), _text(_reference(PROMPT, 4)))
+    assert [p.request_id for p in prefill.refused] == ["r"] and prefill.reports == 1
+    (plan,) = [p for p in prefill.plans if p.request_id == "r"]
+    assert not first & {i for c in plan.chunks for i in c.instances}
+    assert prefill.waited == [] and [r for r, _ in prefill.ran] == ["warm", "r"]
+    tl = d.timelines[-1]
+    assert tl.retries == 0 and tl.outcome == "length" and d.held() == _IDLE
+    assert _retries(d) == {}
+
+
+def test_when_every_instance_is_being_replaced_the_last_plan_waits_for_one():
+    prefill, decode = ToyPrefill(), ToyDecode()
+    prefill.lost = {0, 1, 2, 3}
+    d = _dispatcher(prefill, decode)
+    outs = asyncio.run(_collect(d, "all", PROMPT, 3))
+    assert _client_view(outs)[0] == _reference(PROMPT, 3)
+    # refused twice, then committed to wait for the replacement (nothing better exists)
+    assert len(prefill.refused) == 2 and [p.request_id for p in prefill.waited] == ["all"]
+    assert prefill.reports == 2 and d.held() == _IDLE
+
+
+def test_runs_lost_to_outdated_plans_are_not_charged_against_the_retries():
+    """A run lost because its plan predates a worker's death lost no work there: with
+    ``retries=1`` it still runs again three times (each needs a new death in practice)."""
+    prefill, decode = ToyPrefill(lose=3, outdated=True), ToyDecode()
+    d = _dispatcher(prefill, decode, retries=1)
+    outs = asyncio.run(_collect(d, "o", PROMPT, 3))
+    assert _client_view(outs)[0] == _reference(PROMPT, 3)
+    assert [r for r, _ in prefill.ran] == ["o", "o#retry1", "o#retry2", "o#retry3"]
+    assert d.timelines[-1].retries == 3 and d.held() == _IDLE
+    # bounded all the same: past the outdated allowance a loss is charged as any other
+    endless, decode = ToyPrefill(lose=100, outdated=True), ToyDecode()
+    e = _dispatcher(endless, decode, retries=1)
+    with pytest.raises(PlanOutdated):
+        asyncio.run(_collect(e, "e", PROMPT, 3))
+    assert len(endless.ran) == 1 + 4 + 1 and e.held() == _IDLE

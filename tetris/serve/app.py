@@ -37,7 +37,7 @@ from tetris.actors.process_env import runtime_env
 from tetris.actors.token_ids import compact_tokens
 from tetris.config import DeploymentConfig, load_deployment
 from tetris.engine.request import Transcript
-from tetris.errors import InstanceLost
+from tetris.errors import InstanceLost, InstanceReplacing, PlanOutdated
 from tetris.serve.backend import Overloaded
 from tetris.serve.protocol import GenerateRequest
 from tetris.serve.types import Generation, GenerationDelta, GenerationRequest
@@ -91,8 +91,8 @@ class PrefillPoolServer:
     async def node_map(self) -> list[int]:
         return list(self.pool.node_map())
 
-    async def commit(self, plan) -> list[float]:
-        return self.pool.commit(plan)
+    async def commit(self, plan, wait_replacing: bool = False) -> list[float]:
+        return self.pool.commit(plan, wait_replacing=wait_replacing)
 
     async def busy_for(self) -> list[float]:
         return self.pool.busy_for()
@@ -200,8 +200,14 @@ class _PrefillHandleClient:
     def __init__(self, handle) -> None:
         self.h = handle
 
-    async def commit(self, plan) -> list[float]:
-        return await self.h.commit.remote(plan)
+    async def commit(self, plan, wait_replacing: bool = False) -> list[float]:
+        try:
+            return await self.h.commit.remote(plan, wait_replacing)
+        except Exception as e:
+            if _raised(e, InstanceReplacing):
+                raise InstanceReplacing(str(e).strip().splitlines()[-1],
+                                        getattr(e, "instances", ())) from None
+            raise
 
     async def busy_for(self) -> list[float]:
         return await self.h.busy_for.remote()
@@ -277,10 +283,11 @@ def _check_period(seconds: float) -> float:
 
 
 def _lost(err: BaseException) -> BaseException:
-    """``err`` as an ``InstanceLost`` when a pool raised one (the dispatcher then runs the
-    request again), else ``err`` itself."""
-    if _raised(err, InstanceLost) and type(err) is not InstanceLost:
-        return InstanceLost(str(err).strip().splitlines()[-1])
+    """``err`` as an ``InstanceLost`` (a ``PlanOutdated`` when it was one) when a pool raised
+    one (the dispatcher then runs the request again), else ``err`` itself."""
+    for cls in (PlanOutdated, InstanceLost):
+        if _raised(err, cls):
+            return err if type(err) is cls else cls(str(err).strip().splitlines()[-1])
     return err
 
 

@@ -16,7 +16,9 @@ Lifecycle of one request (``generate``), on the dispatcher's monotonic clock:
 1. route: choose a decode instance, book the request's KV tokens there (virtual usage), and
    reserve its KV blocks on the instance (``decode.reserve``); no room -> ``Overloaded``;
 2. plan under the planning lock (so plans commit in the order they were made), book the
-   chunks in the live queue and register them with the pool (``prefill.commit``);
+   chunks in the live queue and register them with the pool (``prefill.commit``). A plan the
+   pool refuses (``InstanceReplacing``: a worker found dead since its last report) is made
+   again around the instance on a fresh report, before anything ran;
 3. run the plan (``prefill.run``): chunks stream their KV layer by layer to the decode
    instance's TP ranks; the result carries the first token, which this generator yields at
    once (``first_token``: TTFT ends with the prefill, the KV hand-off is not in it);
@@ -30,7 +32,9 @@ Lifecycle of one request (``generate``), on the dispatcher's monotonic clock:
    lost decode instance: its prefill covers the prompt plus the output tokens the client
    already has, the decode instance takes those as output already made, and the stream goes on
    where the client's stopped. Greedy and seeded requests resume exactly (a seeded draw is
-   keyed by seed and position); an unseeded sampled one goes on with fresh random draws.
+   keyed by seed and position); an unseeded sampled one goes on with fresh random draws. A
+   run lost to an outdated plan (``PlanOutdated``: committed before a member's worker was
+   found dead, not yet started there) runs again without being charged against ``retries``.
 
 The two sides are reached through ``PrefillClient`` and ``DecodeClient``: Serve deployment
 handles in the app (``tetris.serve.app``), plain objects in tests.
@@ -52,7 +56,7 @@ import msgspec
 from tetris.actors.token_ids import TokenIds, compact_tokens
 from tetris.config import DeploymentConfig
 from tetris.engine.request import OutputDelta
-from tetris.errors import InstanceLost
+from tetris.errors import InstanceLost, InstanceReplacing, PlanOutdated
 from tetris.plan import PrefillPlan
 from tetris.scheduler.latency import PrefillLatencyModel, PrefillProfile, load_profile
 from tetris.scheduler.policies import policy_from_config
@@ -73,6 +77,8 @@ DEFAULT_PROFILE = "a100-llama3-8b-tp1"
 _COMPLETED = ("stop", "length")   # finish reasons after which nothing is left to abort
 _HOLD = "\x00hold"                # the booking key of a drain hold (no request id has it)
 _RETRY = "#retry"                 # a run of a request after a lost instance: "<id>#retry<n>"
+_PLAN_TRIES = 3                   # plans per run refused for instances being replaced, at most
+_OUTDATED_RUNS = 4                # runs again for outdated plans, beyond ``retries``
 
 
 def _attempt_id(request_id: str, retries: int) -> str:
@@ -84,17 +90,20 @@ def _attempt_id(request_id: str, retries: int) -> str:
 class _Sent:
     """What the client of one request already has, and where its current run is."""
 
-    __slots__ = ("token_ids", "chars", "stage", "lost_decode")
+    __slots__ = ("token_ids", "chars", "stage", "lost_decode", "outdated")
 
     def __init__(self) -> None:
         self.token_ids: list[int] = []         # output tokens yielded so far
         self.chars = 0                         # characters of text yielded so far
         self.stage = "routing"
         self.lost_decode: int | None = None    # the decode instance the last run lost
+        self.outdated = 0                      # runs again for outdated plans (not charged)
 
 
 class PrefillClient(Protocol):
-    async def commit(self, plan: PrefillPlan) -> Sequence[float] | None: ...   # PrefillPool.busy_for
+    # PrefillPool.commit: returns its busy_for; raises InstanceReplacing
+    async def commit(self, plan: PrefillPlan,
+                     wait_replacing: bool = False) -> Sequence[float] | None: ...
     async def busy_for(self) -> Sequence[float] | None: ...
     async def run(self, plan: PrefillPlan, token_ids: TokenIds, sampling, kv_receivers) -> Any: ...
     async def release(self, request_id: str) -> None: ...
@@ -328,8 +337,12 @@ class Dispatcher:
                                 return
                     raise RuntimeError(f"request {rid}: the decode stream ended without a final output")
                 except InstanceLost as e:
-                    if tl.retries >= self.retries:
+                    # A run lost to an outdated plan lost no work on the dead worker: it is not
+                    # charged against ``retries`` (a few times at most: each needs a new death).
+                    outdated = isinstance(e, PlanOutdated) and sent.outdated < _OUTDATED_RUNS
+                    if tl.retries - sent.outdated >= self.retries and not outdated:
                         raise
+                    sent.outdated += outdated
                     log.warning("request %s lost its instance during %s (%s); running it again "
                                 "from its %d output tokens", rid, sent.stage, e, len(sent.token_ids))
                     await self._free(_attempt_id(rid, tl.retries), tl.decode_instance, completed=False)
@@ -452,10 +465,22 @@ class Dispatcher:
             now = self.clock()
             if not tl.retries:   # a run again is not an arrival
                 self._update_theta(now)
-            plan = self.policy.plan(aid, prompt_tokens, now, self.queue.pool_state(now),
-                                    improvement_rate=self.improvement_rate)
+            for tries in range(1, _PLAN_TRIES + 1):
+                plan = self.policy.plan(aid, prompt_tokens, now, self.queue.pool_state(now),
+                                        improvement_rate=self.improvement_rate)
+                try:
+                    # The last try is let wait for a replacement: the policy chose the
+                    # instance knowing (every other one is busier still).
+                    busy = await self.prefill.commit(plan, wait_replacing=tries == _PLAN_TRIES)
+                    break
+                except InstanceReplacing as e:
+                    # A worker was found dead since the last report: plan around it.
+                    log.info("plan of %s refused (%s); planning it again", aid, e)
+                    busy = await self.prefill.busy_for()
+                    if busy is not None:
+                        self.queue.observe(busy, self.clock())
+                    now = self.clock()
             self.queue.commit(plan)
-            busy = await self.prefill.commit(plan)
             if busy is not None:
                 self.queue.observe(busy, self.clock())
         tl.planned = self.clock()

@@ -1,0 +1,78 @@
+"""Generations of the prefill pool's gloo world: a new one forms while chunks run on the old.
+
+A gloo world counts every worker, so a dead worker's replacement (or a ring whose timed-out
+connections gloo closed for good) needs the world formed again. One world made with
+``init_process_group`` can only be torn down and made again by every worker at once, so the
+pool used to stop: new chunks held, running ones waited for (up to a long prompt's whole
+prefill), then everyone re-joined. Here each world is a *generation*: its own store (on a
+fresh port, served by instance 0's worker) and its own ``ProcessGroupGloo``, joined by every
+worker on a thread beside the one that runs chunks. A chunk names the generation its members
+use (``ChunkTask.world``); the pool starts new chunks on the newest one as soon as every worker
+has joined it, while chunks already running finish on theirs, and drops a generation once no
+chunk uses it. A dead rank in an old generation matters to no one: only the pairs a ring uses
+carry traffic.
+
+``DefaultWorld`` sends on the process's default group instead (a world made with
+``init_process_group``), for code that runs outside the pool.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["World", "DefaultWorld", "PeerLink"]
+
+
+class PeerLink:
+    """What a ring or a cache balancer needs from a world: point-to-point sends and receives
+    by world rank (the prefill instance), each returning a work to ``wait`` on."""
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int):
+        raise NotImplementedError
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int):
+        raise NotImplementedError
+
+
+class DefaultWorld(PeerLink):
+    """The process's default group (``torch.distributed.init_process_group``)."""
+
+    def isend(self, tensor, peer, tag):
+        return dist.isend(tensor, peer, tag=tag)
+
+    def irecv(self, tensor, peer, tag):
+        return dist.irecv(tensor, peer, tag=tag)
+
+
+class World(PeerLink):
+    """Generation ``generation`` of the pool's world, as seen by ``rank``.
+
+    Every member constructs it at the same time (the full mesh connects in the constructor,
+    blocking until all ``size`` ranks have joined or ``timeout_s`` passes); rank 0 serves the
+    store at ``host:port``.
+    """
+
+    def __init__(self, generation: int, host: str, port: int, rank: int, size: int,
+                 timeout_s: float) -> None:
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} outside a world of {size}")
+        self.generation = generation
+        self.rank = rank
+        self.size = size
+        timeout = timedelta(seconds=timeout_s)
+        self._store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
+        self._group = dist.ProcessGroupGloo(self._store, rank, size, timeout)
+
+    def isend(self, tensor, peer, tag):
+        return self._group.send([tensor], peer, tag)
+
+    def irecv(self, tensor, peer, tag):
+        return self._group.recv([tensor], peer, tag)
+
+    def close(self) -> None:
+        """Drop the group's connections and the store (no chunk may be using it)."""
+        self._group = None
+        self._store = None
