@@ -183,8 +183,11 @@ class PrefillPool:
             if oldest <= self._dropped:
                 return
             self._dropped, workers = oldest, list(self.workers)
-        for w in workers:   # not waited for: a dead worker answers nothing, a live one soon
-            w.drop_worlds.remote(oldest)
+        with self._replacing_lock:   # a dead worker, not yet replaced, holds no world anyway
+            skip = set(self._replacing)
+        for i, w in enumerate(workers):   # not waited for: a live worker answers soon
+            if i not in skip:
+                w.drop_worlds.remote(oldest)
 
     @property
     def size(self) -> int:
