@@ -35,6 +35,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tetris.kernels.kv_pack import positions_to_slots
 from tetris.transfer.messages import Handshake, RegionDesc
 from tetris.transfer.states import TransferConfig, TransferState
 
@@ -76,6 +77,15 @@ class IncomingShard:
         # which only makes ``pieces_wanted`` an underestimate: a credit is never granted idle.
         self.piece_tokens = max(1, piece_tokens)
         self.outstanding = 0    # credits granted and not yet used
+        self._slots: torch.Tensor | None = None
+
+    def slots(self, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+        """The cache slot of each of the shard's positions through the request's block table
+        (fixed once the request is reserved), computed and checked on the first piece only:
+        a piece's slots are then a slice of it."""
+        if self._slots is None:
+            self._slots = positions_to_slots(block_table, self.positions_t, block_size)
+        return self._slots
 
     def mark_received(self, layer: int, token_offset: int, num_tokens: int) -> None:
         self.received[layer, token_offset:token_offset + num_tokens] = True
@@ -106,6 +116,10 @@ class IncomingRequest:
         self.block_table = torch.tensor(blocks, dtype=torch.int32)
         self.block_size = block_size
         self.coverage = np.zeros((num_layers, prompt_tokens), dtype=bool)
+        # (layer, position) pairs covered, in all and per chunk: completion is read from
+        # counts, and ``coverage`` scanned only to confirm it (once per chunk, not per piece)
+        self.covered = 0
+        self.chunk_covered: dict[int, int] = {}
         self.claimed = np.zeros(prompt_tokens, dtype=bool)
         self.shards: dict[ShardKey, IncomingShard] = {}
         self.chunks: dict[int, tuple[int, int]] = {}
@@ -114,9 +128,22 @@ class IncomingRequest:
         self.state = TransferState.BOOTSTRAPPING
         self.last_progress = now
 
+    def cover(self, layer: int, positions: np.ndarray, chunk: int) -> None:
+        """Positions of ``layer`` arrived (from a shard of ``chunk``)."""
+        row = self.coverage[layer]
+        new = positions.size - int(np.count_nonzero(row[positions]))
+        row[positions] = True
+        self.covered += new
+        self.chunk_covered[chunk] = self.chunk_covered.get(chunk, 0) + new
+
+    def chunk_complete(self, chunk: int) -> bool:
+        start, end = self.chunks[chunk]
+        return (self.chunk_covered.get(chunk, 0) >= self.coverage.shape[0] * (end - start)
+                and bool(self.coverage[:, start:end].all()))
+
     @property
     def complete(self) -> bool:
-        return bool(self.coverage.all())
+        return self.covered >= self.coverage.size and bool(self.coverage.all())
 
     def sorted_shards(self) -> list[IncomingShard]:
         return [self.shards[k] for k in sorted(self.shards, key=lambda k: (k[1], k[0]))]

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from tetris.kernels.kv_pack import packed_bytes_per_token, positions_to_slots, scatter_kv
+from tetris.kernels.kv_pack import packed_bytes_per_token, scatter_kv
 from tetris.transfer.backends.base import TransferAgent
 from tetris.transfer.messages import (Abort, ControlMessage, Envelope, Grant, Handshake, LayersReady, PieceNotice,
                                       TransferError, decode_notice)
@@ -284,12 +284,12 @@ class ReceiveManager:
         # staging bytes -> [num_tokens, 2, Hkv, D] -> paged cache slots of their absolute positions
         packed = backend.slot_view(n.slot, n.nbytes).view(self.dtype).view(n.num_tokens, 2, self.kv_heads,
                                                                            self.head_dim)
-        positions = shard.positions_t[n.token_offset:n.token_offset + n.num_tokens]
-        slots = positions_to_slots(req.block_table, positions, self.block_size)
+        piece = slice(n.token_offset, n.token_offset + n.num_tokens)
+        slots = shard.slots(req.block_table, self.block_size)[piece]
         k_cache, v_cache = self.kv_caches[n.layer]
         scatter_kv(k_cache, v_cache, slots, packed)
         shard.mark_received(n.layer, n.token_offset, n.num_tokens)
-        req.coverage[n.layer, shard.positions[n.token_offset:n.token_offset + n.num_tokens]] = True
+        req.cover(n.layer, shard.positions[piece], shard.key[1])
 
     @staticmethod
     def _spend(backend: ReceiveBackend, slot: int, shard: IncomingShard) -> None:
@@ -298,8 +298,7 @@ class ReceiveManager:
 
     def _check_complete(self, req: IncomingRequest, shard: IncomingShard, layer: int) -> None:
         chunk = shard.key[1]
-        start, end = req.chunks[chunk]
-        if chunk not in req.chunks_done and req.coverage[:, start:end].all():
+        if chunk not in req.chunks_done and req.chunk_complete(chunk):
             req.chunks_done.append(chunk)
             self._emit(ChunkArrived(request_id=req.request_id, chunk_index=chunk))
         if req.complete:
