@@ -63,6 +63,8 @@ from tetris.transfer.states import TransferConfig
 
 __all__ = ["PrefillPool", "free_port"]
 
+_FORM_ATTEMPTS = 4   # tries to form a new world (each after the workers that died were replaced)
+
 log = logging.getLogger(__name__)
 
 
@@ -117,6 +119,7 @@ class PrefillPool:
         self._forming = threading.Lock()   # one new generation at a time
         self._running: collections.Counter[int] = collections.Counter()
         self._dropped = 0
+        self._next_world = 1   # a failed attempt's generation is never used again
         self._transfer = None          # TransferConfig once enable_transfer ran
         self._receivers: dict = {}     # receiver id -> (actor handle, AgentInfo)
         self.replacements = 0          # dead workers replaced so far
@@ -124,9 +127,12 @@ class PrefillPool:
         # many threads find it dead)
         self._replacing: dict[int, threading.Event] = {}
         self._found_dead_after: dict[int, int] = {}   # instance -> plans committed when found dead
+        self._ready: dict[int, object] = {}   # instance -> its started replacement, not yet in
         self._replacing_lock = threading.Lock()
         try:
-            self._form_world(self.workers, 0)
+            dead = self._form_world(self.workers, 0)
+            if dead:
+                raise RuntimeError(f"prefill workers {sorted(dead)} died while the pool started")
         except BaseException:
             self._release_actors()
             raise
@@ -138,28 +144,97 @@ class PrefillPool:
             i, self.node_of[i], self.deployment.model, self.deployment.prefill,
             profile=self._profile)
 
-    def _form_world(self, workers: list, generation: int) -> None:
+    def _form_world(self, workers: list, generation: int) -> dict[int, object]:
         """Have ``workers`` join generation ``generation`` of the world, its store in worker 0
-        on a port free on worker 0's node. Workers join beside the chunks they run."""
-        host, port = ray.get(workers[0].store_address.remote(),
-                             timeout=max(120.0, self.timeout_s))
-        ray.get([w.join_world.remote(generation, host, port, len(workers), self.timeout_s)
-                 for w in workers], timeout=max(120.0, self.timeout_s))
+        on a port free on worker 0's node. Workers join beside the chunks they run.
 
-    def _new_world(self, new: dict) -> None:
-        """Form the next generation of the world with the workers of ``new`` (instance -> a
-        started worker) in place of the current ones, and start new chunks on it. Chunks
-        running meanwhile finish on their own generation; nothing waits for them."""
-        with self._forming:
-            with self._world_lock:
-                workers, generation = list(self.workers), self._world + 1
-            for i, w in new.items():
-                workers[i] = w
-            self._form_world(workers, generation)
-            with self._world_lock:
-                self.workers = workers
-                self._world = generation
-        self._drop_unused_worlds()
+        Returns the workers found dead meanwhile (instance -> handle; the world is not formed
+        then). Every join has ended, one way or the other, before this returns: a worker's
+        joins run one at a time, so a join left waiting would make the next attempt's time
+        out too. Raises if the world did not form for another reason (a timeout)."""
+        timeout = max(120.0, self.timeout_s)
+        try:
+            host, port = ray.get(workers[0].store_address.remote(), timeout=timeout)
+        except ray.exceptions.RayActorError:
+            return {0: workers[0]}
+        refs = [w.join_world.remote(generation, host, port, len(workers), self.timeout_s)
+                for w in workers]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        dead, failed = {}, []
+        for i, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError:
+                dead[i] = workers[i]
+            except Exception as e:  # noqa: BLE001 - reported together below
+                failed.append(f"instance {i}: {type(e).__name__}: {_first_line(e)}")
+        if not dead and failed:
+            raise RuntimeError(f"world {generation} did not form: {'; '.join(failed[:3])}")
+        return dead
+
+    def _new_world(self, mine: list[int]) -> dict:
+        """Swap the started replacements in (``_ready``: instance -> worker, ``mine`` among
+        them) and start new chunks on a new generation of the world formed with them. Chunks
+        running meanwhile finish on their own generation; nothing waits for them. Returns the
+        replacements this call swapped in: every one ready, other threads' too (they then
+        find theirs in and return ``{}``). With ``mine`` empty (a ring timed out with every
+        worker alive) a new generation is formed regardless.
+
+        A worker can die while the world forms (the others then wait for it in vain): the
+        attempt ends, a dead current worker is handed to ``_reform`` (its own replacement
+        thread, or the one already under way), a dead replacement is started again here, and
+        the world forms again once they are ready."""
+        for attempt in range(1, _FORM_ATTEMPTS + 1):
+            with self._forming:
+                with self._replacing_lock:
+                    ready = dict(self._ready)
+                if mine and not any(i in ready for i in mine):
+                    return {}   # another thread swapped them in with its own
+                with self._world_lock:
+                    workers, generation = list(self.workers), self._next_world
+                    self._next_world += 1
+                for i, w in ready.items():
+                    workers[i] = w
+                try:
+                    dead = self._form_world(workers, generation)
+                except Exception as e:  # noqa: BLE001 - a slow machine: try again
+                    log.warning("forming world %d (attempt %d): %s", generation, attempt, e)
+                    continue
+                if not dead:
+                    with self._world_lock:
+                        self.workers = workers
+                        self._world = generation
+                    with self._replacing_lock:
+                        for i in ready:
+                            self._ready.pop(i, None)
+                    self._drop_unused_worlds()
+                    return ready
+            log.warning("prefill workers %s died while world %d formed (attempt %d)",
+                        sorted(dead), generation, attempt)
+            self._replace_dead_while_forming(dead, ready)
+        raise RuntimeError(f"the world did not form in {_FORM_ATTEMPTS} attempts")
+
+    def _replace_dead_while_forming(self, dead: dict, ready: dict) -> None:
+        """Have every worker found dead while a world formed replaced, and wait (bounded) until
+        each has a started replacement in ``_ready``."""
+        again = [i for i, h in dead.items() if ready.get(i) is h]   # a replacement died
+        current = {i: h for i, h in dead.items() if i not in again}
+        if current:
+            self._reform(current, wait=False)
+        if again:
+            with self._replacing_lock:
+                for i in again:
+                    self._ready.pop(i, None)
+            new, _table = self._start_replacements(again)
+            with self._replacing_lock:
+                self._ready.update(new)
+        deadline = time.monotonic() + max(120.0, self.timeout_s)
+        while time.monotonic() < deadline:
+            with self._replacing_lock:
+                # ready to be swapped in, or swapped in already by another thread
+                if all(i in self._ready or i not in self._replacing for i in dead):
+                    return
+            time.sleep(0.1)
 
     @contextlib.contextmanager
     def _in_world(self):
@@ -314,7 +389,7 @@ class PrefillPool:
         if dead:
             self._reform(dead, wait=False)
         elif failed.method == "execute" and failed.group_size > 1:
-            self._new_world({})
+            self._new_world([])
 
     def _reform(self, dead: dict, *, wait: bool = True) -> None:
         """Form the world again with the dead workers (instance -> the handle found dead)
@@ -392,19 +467,22 @@ class PrefillPool:
                 self._tell_receivers(self._receivers, dict.fromkeys(mine))
             t0 = time.perf_counter()
             new, table = self._start_replacements(mine)
+            with self._replacing_lock:
+                self._ready.update(new)
             t1 = time.perf_counter()
-            try:
-                self._new_world(new)
-            except BaseException:
-                for w in new.values():
-                    ray.kill(w)
-                raise
-            self.replacements += len(mine)
-            self._restore_transfer(new, table)
-            if mine:
+            swapped = self._new_world(mine)
+            if swapped:
+                self.replacements += len(swapped)
+                self._restore_transfer(swapped, table)
                 log.warning("prefill workers %s replaced: %.1f s to start them, %.1f s to form "
-                            "world %d, while the pool ran", mine, t1 - t0,
+                            "world %d, while the pool ran", sorted(swapped), t1 - t0,
                             time.perf_counter() - t1, self._world)
+        except BaseException:
+            with self._replacing_lock:   # started and never swapped in: not to be leaked
+                unused = [self._ready.pop(i) for i in mine if i in self._ready]
+            for w in unused:
+                ray.kill(w)
+            raise
         finally:
             with self._replacing_lock:
                 for i in mine:

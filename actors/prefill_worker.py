@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 
 import ray
 import torch
@@ -128,6 +129,7 @@ class PrefillWorker:
         self._busy = False   # a chunk call is running (guards the one-chunk-at-a-time rule)
         self._worlds: dict[int, World] = {}   # generation -> the world joined (world.py)
         self._world_in_use: int | None = None  # the running chunk's generation
+        self._worlds_lock = threading.Lock()   # joins and drops run beside chunks
         if prefill_cfg.executor == "emulated":
             from tetris.scheduler.latency import load_profile
 
@@ -151,19 +153,25 @@ class PrefillWorker:
         """Join generation ``generation`` of the pool's world (gloo; its store at
         ``host:port``, served by instance 0); every worker of it must call this at the same
         time. Runs beside a chunk, which goes on on its own generation. Returns the rank."""
-        if generation in self._worlds:
-            raise ValueError(f"prefill instance {self.instance} already joined world {generation}")
-        self._worlds[generation] = World(generation, host, port, self.instance, world_size,
-                                         timeout_s)
+        with self._worlds_lock:
+            if generation in self._worlds:
+                raise ValueError(f"prefill instance {self.instance} already joined world {generation}")
+        world = World(generation, host, port, self.instance, world_size, timeout_s)
+        with self._worlds_lock:
+            self._worlds[generation] = world
         return self.instance
 
     @ray.method(concurrency_group=WORLD_GROUP)
     def drop_worlds(self, below: int) -> list[int]:
         """Leave every generation older than ``below`` (the pool runs no chunk on them any
         more; the running chunk's own is kept regardless). Returns the ones left."""
-        for g in [g for g in self._worlds if g < below and g != self._world_in_use]:
-            self._worlds.pop(g).close()
-        return sorted(self._worlds)
+        with self._worlds_lock:
+            gone = [self._worlds.pop(g) for g in list(self._worlds)
+                    if g < below and g != self._world_in_use]
+            left = sorted(self._worlds)
+        for world in gone:
+            world.close()
+        return left
 
     def prepare(self, task: ChunkTask) -> None:
         self._check(task)
@@ -172,14 +180,16 @@ class PrefillWorker:
 
     def execute(self, task: ChunkTask) -> ChunkResult:
         self._check(task)
-        link = self._worlds.get(task.world)
-        if link is None and len(task.group) > 1:   # a chunk of one talks to no one
-            raise RuntimeError(f"prefill instance {self.instance} got chunk {task.chunk_index} "
-                               f"of {task.request_id} on world {task.world}, which it has not "
-                               f"joined (it has {sorted(self._worlds)})")
         with self._exclusive(task):
-            self._world_in_use = task.world
+            with self._worlds_lock:   # kept from a drop until the chunk is done
+                link = self._worlds.get(task.world)
+                self._world_in_use = task.world
             try:
+                if link is None and len(task.group) > 1:   # a chunk of one talks to no one
+                    raise RuntimeError(
+                        f"prefill instance {self.instance} got chunk {task.chunk_index} of "
+                        f"{task.request_id} on world {task.world}, which it has not joined "
+                        f"(it has {sorted(self._worlds)})")
                 return self.executor.execute(task, link)
             finally:
                 self._world_in_use = None
@@ -307,9 +317,10 @@ class PrefillWorker:
         if self.streaming is not None:
             self.streaming.close()
             self.streaming = None
-        for world in self._worlds.values():
+        with self._worlds_lock:   # a drop may run beside this, in the "world" group
+            worlds, self._worlds = list(self._worlds.values()), {}
+        for world in worlds:
             world.close()
-        self._worlds.clear()
 
 
 # "transfer": deliver_transfer must run while a chunk computes; "world": a new generation of

@@ -146,3 +146,37 @@ def test_a_replacement_joins_a_new_world_while_a_long_chunk_runs_on_the_old(ray_
         assert worlds == [[1]] * 3
     finally:
         pool.shutdown()
+
+
+@pytest.mark.ray
+def test_a_worker_found_dead_while_the_world_forms_is_replaced_too(ray_session):
+    """Two workers die; a chunk finds one. Forming the new world with its replacement finds the
+    other dead (its join fails): that one is replaced as well, the world forms with both, and
+    every instance serves again. No replacement is lost on the way."""
+    import ray
+
+    from tetris.actors.prefill_messages import PrefillWorkerLost
+    from tetris.actors.prefill_pool import PrefillPool
+    from tetris.plan import Chunk, PrefillPlan
+
+    cfg = load_deployment("tiny-cpu.toml")
+    cfg = msgspec.structs.replace(
+        cfg, prefill=msgspec.structs.replace(cfg.prefill, executor="emulated"))
+    pool = PrefillPool(cfg, num_instances=3, node_size=3, profile=PROFILE, timeout_s=30.0)
+    try:
+        before, old = pool.replacements, list(pool.workers)
+        ray.kill(old[1])
+        ray.kill(old[2])
+        time.sleep(0.5)
+        with pytest.raises(PrefillWorkerLost, match="prefill instance 2"):
+            pool.run(PrefillPlan("finds-2", 100, (Chunk(0, 100, (2,)),), policy="forced"), [1] * 100)
+        deadline = time.monotonic() + 180
+        while pool.replacements < before + 2:
+            assert time.monotonic() < deadline, f"replaced {pool.replacements - before} of 2"
+            time.sleep(0.2)
+        assert pool.workers[1] is not old[1] and pool.workers[2] is not old[2]
+        assert pool.busy_for() == [0.0, 0.0, 0.0]
+        res = pool.run(PrefillPlan("both", 300, (Chunk(0, 300, (1, 2)),), policy="forced"), [1] * 300)
+        assert res.emulated and pool._ready == {}
+    finally:
+        pool.shutdown()
