@@ -64,6 +64,7 @@ from tetris.transfer.states import TransferConfig
 __all__ = ["PrefillPool", "free_port"]
 
 _FORM_ATTEMPTS = 4   # tries to form a new world (each after the workers that died were replaced)
+_PROBE_S = 10.0      # how long the workers are probed before a world forms
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,9 @@ class PrefillPool:
                 for i, w in ready.items():
                     workers[i] = w
                 try:
-                    dead = self._form_world(workers, generation)
+                    # A worker already dead would keep the others waiting for the whole
+                    # timeout: probe first (``alive`` answers beside a chunk).
+                    dead = _dead_among(workers, _PROBE_S) or self._form_world(workers, generation)
                 except Exception as e:  # noqa: BLE001 - a slow machine: try again
                     log.warning("forming world %d (attempt %d): %s", generation, attempt, e)
                     continue
@@ -525,17 +528,7 @@ class PrefillPool:
         tells the receivers too (``_restore_transfer``), and they give up the dead worker's
         shards at once. A worker that does not answer within ``timeout_s`` but is not known dead
         is left alone."""
-        workers = list(self.workers)
-        refs = [w.alive.remote() for w in workers]
-        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        dead = {}
-        for i, (w, ref) in enumerate(zip(workers, refs)):
-            try:
-                ray.get(ref, timeout=0)
-            except ray.exceptions.RayActorError:
-                dead[i] = w
-            except ray.exceptions.GetTimeoutError:
-                pass
+        dead = _dead_among(list(self.workers), timeout_s)
         if dead:
             self._reform(dead)
         return sorted(dead)
@@ -746,6 +739,22 @@ class _ChunkFailed(Exception):
         super().__init__(str(error))
         self.method, self.group_size, self.errors, self.error = method, group_size, errors, error
         self.handles = handles   # instance -> the worker actor the chunk was sent to
+
+
+def _dead_among(workers: list, timeout_s: float) -> dict:
+    """instance -> handle of the workers known dead after probing them all (``alive``) for at
+    most ``timeout_s``; one that does not answer in time is not counted dead."""
+    refs = [w.alive.remote() for w in workers]
+    ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    dead = {}
+    for i, (w, ref) in enumerate(zip(workers, refs)):
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayActorError:
+            dead[i] = w
+        except ray.exceptions.GetTimeoutError:
+            pass
+    return dead
 
 
 def _first_line(err: BaseException) -> str:
