@@ -204,6 +204,10 @@ class PrefillPool:
                     log.warning("forming world %d (attempt %d): %s", generation, attempt, e)
                     continue
                 if not dead:
+                    # The receivers learn the new senders before any chunk can run on them
+                    # (a chunk streams as soon as it starts; a receiver that still knew the
+                    # instance as dead would leave its KV waiting for the stall timeout).
+                    self._restore_transfer(ready, None)
                     with self._world_lock:
                         self.workers = workers
                         self._world = generation
@@ -469,14 +473,13 @@ class PrefillPool:
                 # replacements are in: no peer under those ids until then.
                 self._tell_receivers(self._receivers, dict.fromkeys(mine))
             t0 = time.perf_counter()
-            new, table = self._start_replacements(mine)
+            new, _table = self._start_replacements(mine)
             with self._replacing_lock:
                 self._ready.update(new)
             t1 = time.perf_counter()
             swapped = self._new_world(mine)
             if swapped:
                 self.replacements += len(swapped)
-                self._restore_transfer(swapped, table)
                 log.warning("prefill workers %s replaced: %.1f s to start them, %.1f s to form "
                             "world %d, while the pool ran", sorted(swapped), t1 - t0,
                             time.perf_counter() - t1, self._world)
@@ -684,10 +687,11 @@ class PrefillPool:
         states = ray.get([w.transfer_state.remote(request_id) for w in self.workers])
         return {i: st for i, st in enumerate(states) if st["shards"] or st["sent"] or st["failed"]}
 
-    def _restore_transfer(self, new: dict, table: dict) -> None:
+    def _restore_transfer(self, new: dict, table: dict | None) -> None:
         """Every receiver is told the replaced workers' new actors (``new``: instance -> actor,
-        connected by ``_start_replacements`` to the receivers of ``table``), so that its grants
-        reach them and not the dead ones, and it gives up what the dead ones owed it."""
+        connected by ``_start_replacements`` to the receivers of ``table``; None: not known,
+        connect them again), so that its grants reach them and not the dead ones, and it gives
+        up what the dead ones owed it."""
         if self._transfer is None or not new:
             return
         if self._receivers:
