@@ -344,6 +344,13 @@ def test_a_replaced_sender_fails_what_it_owed_at_once_not_at_the_timeout(cluster
         await inst.reserve("lost-1", prompt, GREEDY)
         await _send_kv(senders, "lost-1", kv, [(0, 12)])
         inst.commit("lost-1", first)
+        # The old sender's handshake must have reached rank 0 (which then holds a backend for
+        # it) before it dies: killed first, nothing would be owed to give up, and the request
+        # would wait for the transfer timeout instead (a race of this test, not of the code).
+        deadline = time.monotonic() + 30
+        while not (await inst.ranks[0].held.remote()).backends_held:
+            assert time.monotonic() < deadline, "the old sender's handshake never arrived"
+            await asyncio.sleep(0.05)
         ray.kill(old)
         senders[0] = successor
         await inst.connect_senders({0: successor})
