@@ -207,7 +207,7 @@ class PrefillPool:
                     # The receivers learn the new senders before any chunk can run on them
                     # (a chunk streams as soon as it starts; a receiver that still knew the
                     # instance as dead would leave its KV waiting for the stall timeout).
-                    self._restore_transfer(ready, None)
+                    self._restore_transfer(ready)
                     with self._world_lock:
                         self.workers = workers
                         self._world = generation
@@ -232,7 +232,7 @@ class PrefillPool:
             with self._replacing_lock:
                 for i in again:
                     self._ready.pop(i, None)
-            new, _table = self._start_replacements(again)
+            new = self._start_replacements(again)
             with self._replacing_lock:
                 self._ready.update(new)
         deadline = time.monotonic() + max(120.0, self.timeout_s)
@@ -439,8 +439,8 @@ class PrefillPool:
             log.error("replacing prefill workers %s failed: %s: %s", mine, type(e).__name__, e)
 
     def _await_replacements(self, plan: PrefillPlan, k: int, *, wait: bool = True) -> None:
-        """Before chunk ``k`` waits for its turn, and again before it starts: if an instance of this or a later chunk is being replaced and
-        the plan was committed before that worker was found dead, the run fails at once with
+        """Before chunk ``k`` waits for its turn, and again before it starts: if an instance of
+        this or a later chunk is being replaced and the plan was committed before that worker was found dead, the run fails at once with
         ``PrefillPlanOutdated`` (it could not plan around it; going on would spend its earlier
         chunks' GPU time on a run that is lost anyway, and waiting would hold every member's
         turn, and so every plan behind it, for as long as a replacement takes). A chunk whose
@@ -473,7 +473,7 @@ class PrefillPool:
                 # replacements are in: no peer under those ids until then.
                 self._tell_receivers(self._receivers, dict.fromkeys(mine))
             t0 = time.perf_counter()
-            new, _table = self._start_replacements(mine)
+            new = self._start_replacements(mine)
             with self._replacing_lock:
                 self._ready.update(new)
             t1 = time.perf_counter()
@@ -495,31 +495,29 @@ class PrefillPool:
                     self._found_dead_after.pop(i, None)
                     self._replacing.pop(i).set()
 
-    def _start_replacements(self, instances: list[int]) -> tuple[dict, dict]:
-        """(instance -> a new worker that has answered (model loaded), with the send side on
-        and the receivers connected, the receiver table it was given); none is used yet."""
+    def _start_replacements(self, instances: list[int]) -> dict:
+        """instance -> a new worker that has answered (model loaded), with the send side on
+        and the receivers connected; none is used yet."""
         new = {i: self._spawn(i) for i in instances}
         timeout = max(120.0, self.timeout_s)
-        table: dict = {}
         try:
             ray.get([w.alive.remote() for w in new.values()], timeout=timeout)
             if self._transfer is not None and new:
                 ray.get([w.enable_transfer.remote(self._transfer) for w in new.values()],
                         timeout=timeout)
-                table = self._connect_new(new)
+                self._connect_new(new)
         except BaseException:
             for w in new.values():
                 ray.kill(w)
             raise
-        return new, table
+        return new
 
-    def _connect_new(self, new: dict) -> dict:
-        """Connect workers not yet in the pool to the receivers as they are now; the table used."""
+    def _connect_new(self, new: dict) -> None:
+        """Connect workers not yet in the pool to the receivers as they are now."""
         table = dict(self._receivers)
         if table:
             ray.get([w.connect_receivers.remote(table) for w in new.values()],
                     timeout=max(120.0, self.timeout_s))
-        return table
 
     def heal(self, timeout_s: float = 10.0) -> list[int]:
         """Replace the workers that died since a chunk last ran on them; returns their instances.
@@ -687,16 +685,15 @@ class PrefillPool:
         states = ray.get([w.transfer_state.remote(request_id) for w in self.workers])
         return {i: st for i, st in enumerate(states) if st["shards"] or st["sent"] or st["failed"]}
 
-    def _restore_transfer(self, new: dict, table: dict | None) -> None:
-        """Every receiver is told the replaced workers' new actors (``new``: instance -> actor,
-        connected by ``_start_replacements`` to the receivers of ``table``; None: not known,
-        connect them again), so that its grants reach them and not the dead ones, and it gives
-        up what the dead ones owed it."""
+    def _restore_transfer(self, new: dict) -> None:
+        """The replaced workers' new actors (``new``: instance -> actor) are connected to the
+        receivers as they are now (some may have restarted since the workers started) and
+        every receiver is told them, so that its grants reach them and not the dead ones, and
+        it gives up what the dead ones owed it."""
         if self._transfer is None or not new:
             return
         if self._receivers:
-            if self._receivers != table:   # receivers restarted while the workers started
-                self._connect_new(new)
+            self._connect_new(new)
             self._tell_receivers(self._receivers, new)
 
     def _tell_receivers(self, receivers: dict, senders: dict) -> None:
