@@ -47,6 +47,10 @@ def _common(p: argparse.ArgumentParser, requests: int) -> None:
                    help="θ for tetris policies: a number, or 'online' (rate table, default)")
     p.add_argument("--rate-table", default=None, help="improvement-rate table file")
     p.add_argument("--no-decode", action="store_true", help="simulate prefill only")
+    p.add_argument("--execution", choices=["profile", "measured"], default="profile",
+                   help="chunk times on the simulated hardware: the scheduler's fitted profile "
+                        "(default; execution equals the plan) or the profile's measurements "
+                        "(8B: Table 1), which the scheduler does not see")
 
 
 def _output_mean_arg(p: argparse.ArgumentParser) -> None:
@@ -98,7 +102,7 @@ def _spec(args, **kw):
     return RunSpec(model=args.model, workload=args.workload, requests=args.requests,
                    seed=args.seed, improvement_rate=args.improvement_rate,
                    rate_table=args.rate_table, decode=not args.no_decode,
-                   output_mean=args.output_mean, **kw)
+                   output_mean=args.output_mean, execution=args.execution, **kw)
 
 
 def _bar(args, total: int, desc: str):
@@ -154,7 +158,8 @@ def _sweep(args) -> int:
     if args.out:
         from tetris.sim.experiments import light_load
         from tetris.sim.plots import plot_ttft_vs_rate
-        plot_ttft_vs_rate(rows, f"{args.out}/ttft_vs_rate.png", light_load(args.model, args.workload))
+        plot_ttft_vs_rate(rows, f"{args.out}/ttft_vs_rate.png",
+                          light_load(args.model, args.workload, execution=args.execution))
     lines = [f"{'policy':22s} {'rate':>5s} {'P50':>8s} {'P99':>8s}"] + [
         f"{r['policy']:22s} {r['rate']:5.2f} {r['ttft_p50']:8.3f} {r['ttft_p99']:8.3f}" for r in rows]
     return _emit(args, {"model": args.model, "workload": args.workload, "rows": rows}, lines)
@@ -164,7 +169,7 @@ def _capacity(args) -> int:
     import msgspec
 
     from tetris.sim.experiments import capacity, light_load
-    light = light_load(args.model, args.workload)
+    light = light_load(args.model, args.workload, execution=args.execution)
     caps = []
     with _bar(args, len(args.policy.split(",")), "capacity") as bar:
         for policy in args.policy.split(","):
@@ -174,7 +179,8 @@ def _capacity(args) -> int:
     lines = [f"light load P50 {light[0]:.3f}s P99 {light[1]:.3f}s; SLO 25x"] + [
         f"{c.policy:22s} capacity {c.capacity_rps:.2f} req/s" for c in caps]
     return _emit(args, {"model": args.model, "workload": args.workload,
-                        "capacities": msgspec.to_builtins(caps)}, lines)
+                        "execution": args.execution, "capacities": msgspec.to_builtins(caps)},
+                 lines)
 
 
 def _profile(args) -> int:
@@ -184,7 +190,7 @@ def _profile(args) -> int:
     thetas = args.thetas or list(DEFAULT_THETAS)
     with _bar(args, len(rates) * len(thetas), "profile-rate") as bar:
         rates, best, grid = profile_rates(args.model, args.workload, rates, thetas, args.seeds,
-                                          args.requests, bar, args.output_mean)
+                                          args.requests, bar, args.output_mean, args.execution)
     path = save_table(args.rate_table or rate_table_path(args.model, args.workload), rates, best,
                       model=args.model, workload=args.workload)
     lines = [f"wrote {path}"] + [f"{r:5.2f} req/s -> θ {t:.2f}" for r, t in zip(rates, best)]

@@ -49,6 +49,9 @@ class ClusterSpec(msgspec.Struct, frozen=True):
     decode_tp: int
     sp_candidates: tuple[int, ...]
     decode_max_batch: int = 256
+    # The profile's measurement table in configs/profiles/ (None: a derived profile), which
+    # execution "measured" runs on (tetris.sim.execution).
+    measurements: str | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -77,7 +80,7 @@ class ClusterSpec(msgspec.Struct, frozen=True):
 # LLaMA3-70B: 8 nodes, TP 4 everywhere; 4 nodes of 2 prefill instances, 8 decode instances.
 CLUSTERS: dict[str, ClusterSpec] = {
     "8b": ClusterSpec("llama3-8b", "a100-llama3-8b-tp1", 32, 8, 128, 8.03, 16, 8, 1, 2, 8,
-                      (1, 2, 4, 8, 16)),
+                      (1, 2, 4, 8, 16), measurements="paper_table1_llama3_8b_a100.csv"),
     "70b": ClusterSpec("llama3-70b", "a100-llama3-70b-tp4", 80, 8, 128, 70.6, 8, 2, 4, 8, 4,
                        (1, 2, 4, 8)),
 }
@@ -103,13 +106,16 @@ class Simulation:
     know of a stall), or "report", also the pool's own queue (the live pool's ``busy_for``
     report: its tickets replayed, which equals this pool's ``free_at``). With an exact latency
     model and no stalls the two agree.
+
+    ``execution`` is what a chunk takes on the simulated hardware, ``(sp, h, l) -> s``
+    (``tetris.sim.execution``); None runs the plans at the scheduler's own model, ``latency``.
     """
 
     def __init__(self, requests: list[SimRequest], *, cluster: ClusterSpec, policy: Any,
                  pool: Any, latency: Any, improvement_rate: float | None = None,
                  rate_monitor: Any = None, decode_step: Any = None, router: Any = None,
                  record: bool = False, workload: str = "", seed: int = 0, rate: float = 0.0,
-                 stalls: Any = (), pool_view: str = "bookings"):
+                 stalls: Any = (), pool_view: str = "bookings", execution: Any = None):
         if not requests:
             raise ValueError("a simulation needs at least one request")
         if pool_view not in ("bookings", "report"):
@@ -121,7 +127,8 @@ class Simulation:
         self.requests, self.cluster, self.policy, self.pool = requests, cluster, policy, pool
         self.theta = improvement_rate
         self.monitor = rate_monitor
-        self.prefill = PrefillPoolSim(len(pool.queue_times), latency.predict, record=record)
+        self.prefill = PrefillPoolSim(len(pool.queue_times), execution or latency.predict,
+                                      record=record)
         self.transfer = cluster.transfer_model()
         self.router = router
         self.decoders = [] if decode_step is None else [

@@ -6,6 +6,10 @@ TTFT on an idle pool (``min_s T_s(0, L)`` over the SP candidates; policy-indepen
 sustains rate ``r`` when, over ``requests`` Poisson arrivals per seed and the given seeds
 pooled, TTFT P50 <= 25·ℓ50 and TTFT P99 <= 25·ℓ99. Its capacity is the highest such rate,
 found by bisection to ``tol`` req/s (the same requests at every rate: only time is scaled).
+
+``RunSpec.execution`` is what the simulated hardware takes per chunk (``tetris.sim.execution``):
+``"profile"``, the scheduler's own fit, or ``"measured"``, the profile's measurements. The
+light-load latencies and throughput ceilings are properties of the hardware, so they follow it.
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ from tetris.scheduler.policies import make_policy
 from tetris.scheduler.pool import PoolState
 from tetris.sim import contract
 from tetris.sim.cluster import ClusterSpec, Simulation, cluster_by_name
+from tetris.sim.execution import LatencyFn, execution_latency
 from tetris.sim.metrics import SimResult
 from tetris.sim.workload import (OUTPUT_LENGTHS, SimRequest, WORKLOADS, load_trace,
                                  output_lengths, poisson_workload, scale_to_rate)
 
-__all__ = ["RunSpec", "make_requests", "run_one", "sweep", "light_load", "capacity",
+__all__ = ["RunSpec", "execution_fn", "make_requests", "run_one", "sweep", "light_load", "capacity",
            "Capacity", "SLO_FACTOR", "rate_table_path", "BASELINES", "throughput_ceiling",
            "policy_sp_sizes"]
 
@@ -52,6 +57,7 @@ class RunSpec(msgspec.Struct, frozen=True):
     rate_update_interval_s: float = 30.0
     rate_min_arrivals: int = 100       # RateMonitor.min_arrivals: a sparse window (70B) stretches
     output_mean: float = OUTPUT_LENGTHS.mean_tokens   # mean output tokens (named workloads only)
+    execution: str = "profile"         # chunk times on the simulated hardware: profile | measured
 
 
 def rate_table_path(model: str, workload: str) -> Path:
@@ -70,6 +76,18 @@ def make_requests(workload: str, rate: float, n: int, seed: int,
 
 def _profile(cluster: ClusterSpec) -> PrefillLatencyModel:
     return load_profile(cluster.profile)
+
+
+_EXECUTION: dict[tuple[str, str], LatencyFn] = {}
+
+
+def execution_fn(model: str, execution: str = "profile") -> LatencyFn:
+    """``(sp, h, l) -> seconds`` on the simulated hardware of ``model``'s cluster (cached)."""
+    key = (model, execution)
+    if key not in _EXECUTION:
+        cluster = cluster_by_name(model)
+        _EXECUTION[key] = execution_latency(execution, _profile(cluster), cluster.measurements)
+    return _EXECUTION[key]
 
 
 def _online_monitor(spec: RunSpec):
@@ -99,7 +117,7 @@ def run_one(spec: RunSpec, requests: list[SimRequest] | None = None,
         if simulation:
             raise ValueError(f"the loongserve simulation takes no {sorted(simulation)}")
         from tetris.sim.loongserve import run_loongserve
-        return run_loongserve(spec, cluster, requests)
+        return run_loongserve(spec, cluster, requests, execution_fn(spec.model, spec.execution))
     lat = _profile(cluster)
     theta = spec.improvement_rate
     monitor = _online_monitor(spec) if spec.policy == "tetris" and theta is None else None
@@ -111,7 +129,8 @@ def run_one(spec: RunSpec, requests: list[SimRequest] | None = None,
                      pool=PoolState(cluster.prefill_instances * [0.0], cluster.node_of()),
                      latency=lat, improvement_rate=theta if monitor is None else None,
                      rate_monitor=monitor, decode_step=step, router=router, record=spec.record,
-                     workload=spec.workload, seed=spec.seed, rate=spec.rate, **simulation)
+                     workload=spec.workload, seed=spec.seed, rate=spec.rate,
+                     execution=execution_fn(spec.model, spec.execution), **simulation)
     if monitor is not None:
         sim.theta = monitor.improvement_rate
     return sim.run(), sim
@@ -152,13 +171,14 @@ def _pooled(spec: RunSpec, seeds: Iterable[int]) -> dict:
     return row
 
 
-def light_load(model: str, workload: str, n: int = 2000, seed: int = 0) -> tuple[float, float]:
+def light_load(model: str, workload: str, n: int = 2000, seed: int = 0,
+               execution: str = "profile") -> tuple[float, float]:
     """``ℓ50, ℓ99``: percentiles of each request's TTFT alone on an idle pool."""
     cluster = cluster_by_name(model)
-    lat = _profile(cluster)
+    run = execution_fn(model, execution)
     reqs = make_requests(workload, 1.0, n, seed)
     sizes = [s for s in cluster.sp_candidates if s <= cluster.prefill_instances]
-    alone = np.array([min(lat.predict(s, 0, r.prompt_tokens) for s in sizes) for r in reqs])
+    alone = np.array([min(run(s, 0, r.prompt_tokens) for s in sizes) for r in reqs])
     return float(np.percentile(alone, 50)), float(np.percentile(alone, 99))
 
 
@@ -174,7 +194,7 @@ def policy_sp_sizes(model: str, policy: str) -> tuple[int, ...] | None:
 
 
 def throughput_ceiling(model: str, workload: str, sizes: Sequence[int], n: int = 20000,
-                       seed: int = 0) -> float:
+                       seed: int = 0, execution: str = "profile") -> float:
     """The arrival rate (req/s) at which the prefill pool is busy all the time even if every
     request ran at its most efficient size in ``sizes``: ``instances / E[min_s s·T_s(0, L)]``.
 
@@ -192,7 +212,11 @@ def throughput_ceiling(model: str, workload: str, sizes: Sequence[int], n: int =
     for s in sizes:
         a, b, _, d = lat.table[s]
         # Eq. 1 with h = 0, times the s instances the ring holds.
-        per_size.append(s * (a + lengths * (b + d * lengths)))
+        t = a + lengths * (b + d * lengths)
+        if execution != "profile":
+            run = execution_fn(model, execution)
+            t = np.array([run(s, 0, int(n_tok)) for n_tok in lengths])
+        per_size.append(s * t)
     return cluster.prefill_instances / float(np.min(per_size, axis=0).mean())
 
 
@@ -208,7 +232,7 @@ class Capacity(msgspec.Struct):
 def capacity(base: RunSpec, seeds: Sequence[int] = (0,), lo: float = 0.25, hi: float = 16.0,
              tol: float = 0.05, light: tuple[float, float] | None = None) -> Capacity:
     """Bisection for the highest sustainable rate (module docstring); ``lo`` must be sustainable."""
-    l50, l99 = light or light_load(base.model, base.workload)
+    l50, l99 = light or light_load(base.model, base.workload, execution=base.execution)
     probes = []
 
     def ok(rate: float) -> bool:
@@ -218,7 +242,8 @@ def capacity(base: RunSpec, seeds: Sequence[int] = (0,), lo: float = 0.25, hi: f
         return good
 
     sizes = policy_sp_sizes(base.model, base.policy) if base.workload in WORKLOADS else None
-    ceiling = None if sizes is None else throughput_ceiling(base.model, base.workload, sizes)
+    ceiling = None if sizes is None else throughput_ceiling(base.model, base.workload, sizes,
+                                                            execution=base.execution)
     if not ok(lo):
         return Capacity(base.policy, 0.0, l50, l99, probes, ceiling)
     while ok(hi):  # grow the bracket until it fails

@@ -7,6 +7,9 @@ CDF (Fig. 9); (3) TTFT P50/P99 against rate (Fig. 8); (4) Tetris at fixed θ aga
 table the profiler made for that workload. Disaggregated policies are swept prefill-only (their
 TTFT does not depend on decode); LoongServe (unified) always simulates decode, which takes
 instances away from its prefill.
+
+With ``--execution measured`` every file name carries ``_measured``, so both sets can sit side
+by side in one directory.
 """
 
 from __future__ import annotations
@@ -34,11 +37,20 @@ def _baselines(model: str) -> tuple[str, ...]:
 FIXED_THETAS = (0.1, 0.3, 0.5, 0.7)
 
 
+def _execution(args) -> str:
+    return getattr(args, "execution", "profile")
+
+
+def _suffix(args) -> str:
+    return "" if _execution(args) == "profile" else f"_{_execution(args)}"
+
+
 def _spec(args, workload: str, policy: str, **kw) -> RunSpec:
     decode = kw.pop("decode", False) or policy == "loongserve"
     return RunSpec(model=args.model, workload=workload, policy=policy, requests=args.requests,
                    seed=args.seed, rate_table=args.rate_table, decode=decode,
-                   output_mean=getattr(args, "output_mean", OUTPUT_LENGTHS.mean_tokens), **kw)
+                   output_mean=getattr(args, "output_mean", OUTPUT_LENGTHS.mean_tokens),
+                   execution=_execution(args), **kw)
 
 
 def _at_critical(args, workload: str, rate: float, seeds) -> tuple[list[dict], dict]:
@@ -65,7 +77,7 @@ def _one_workload(args, workload: str, out: Path, bar) -> dict:
     seeds = list(range(args.seed, args.seed + args.seeds))
     BASELINES = _baselines(args.model)
     POLICIES = ("tetris",) + BASELINES
-    light = light_load(args.model, workload)
+    light = light_load(args.model, workload, execution=_execution(args))
     caps = {}
     for policy in POLICIES:
         caps[policy] = capacity(_spec(args, workload, policy), seeds, light=light)
@@ -78,10 +90,10 @@ def _one_workload(args, workload: str, out: Path, bar) -> dict:
     best_d = max((b for b in BASELINES if b != "loongserve"), key=lambda p: caps[p].capacity_rps)
     crit_d = caps[best_d].capacity_rps
     at_crit_d, ttfts_d = _at_critical(args, workload, crit_d, seeds)
-    plot_cdf(ttfts_d, out / f"fig9_cdf_disagg_{args.model}_{workload}.png",
+    plot_cdf(ttfts_d, out / f"fig9_cdf_disagg_{args.model}_{workload}{_suffix(args)}.png",
              f"TTFT CDF at {crit_d:.2f} req/s ({args.model}, {workload})")
     bar.update(1)
-    tag = f"{args.model}_{workload}"
+    tag = f"{args.model}_{workload}{_suffix(args)}"
     plot_cdf(ttfts, out / f"fig9_cdf_{tag}.png", f"TTFT CDF at {crit:.2f} req/s ({args.model}, {workload})")
     top = max(c.capacity_rps for c in caps.values())
     rates = [round(top * f, 2) for f in (0.2, 0.4, 0.6, 0.75, 0.85, 0.95, 1.05, 1.15)]
@@ -129,7 +141,7 @@ def _schedule_png(args, workload: str, rate: float, out: Path) -> str:
     res, sim = run_one(_spec(args, workload, "tetris", record=True, rate=rate))
     runs = sim.prefill.runs
     mid = runs[len(runs) // 2].start
-    return str(plot_schedule(runs, len(sim.prefill.free_at), out / f"schedule_{args.model}_{workload}.png",
+    return str(plot_schedule(runs, len(sim.prefill.free_at), out / f"schedule_{args.model}_{workload}{_suffix(args)}.png",
                              mid, mid + 15.0, f"Tetris CDSP, LLaMA3-{args.model}, {workload}, {rate:.2f} req/s"))
 
 
@@ -160,9 +172,11 @@ def reproduce(args) -> tuple[dict, list[str]]:
             results.append(_one_workload(args, w, out, bar))
     sched = _schedule_png(args, workloads[0], results[0]["critical_rate"], out)
     table = _table(args.model, results)
-    (out / f"results_{args.model}.json").write_text(json.dumps(results, indent=1, default=float))
-    (out / f"capacity_{args.model}.md").write_text("\n".join(table) + "\n")
+    (out / f"results_{args.model}{_suffix(args)}.json").write_text(
+        json.dumps(results, indent=1, default=float))
+    (out / f"capacity_{args.model}{_suffix(args)}.md").write_text("\n".join(table) + "\n")
     obj = {"model": args.model, "requests": args.requests, "seeds": args.seeds,
+           "execution": _execution(args),
            "output_mean": getattr(args, "output_mean", OUTPUT_LENGTHS.mean_tokens),
            "schedule_png": sched,
            "results": [{k: v for k, v in r.items() if k not in ("fig8", "fig11", "fig13")} for r in results]}

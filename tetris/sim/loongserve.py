@@ -110,7 +110,8 @@ class _NoRouter:
 
 class LoongServeSimulation(Simulation):
     def __init__(self, requests: list[SimRequest], *, cluster: ClusterSpec, decode_step,
-                 record: bool = False, workload: str = "", seed: int = 0, rate: float = 0.0):
+                 record: bool = False, workload: str = "", seed: int = 0, rate: float = 0.0,
+                 execution=None):
         tp = cluster.prefill_tp
         n = cluster.total_gpus // tp
         node_size = GPUS_PER_NODE // tp
@@ -119,7 +120,8 @@ class LoongServeSimulation(Simulation):
         policy.name = "loongserve"
         pool = PoolState([0.0] * n, [i // node_size for i in range(n)])
         super().__init__(requests, cluster=cluster, policy=policy, pool=pool, latency=lat,
-                         decode_step=None, record=record, workload=workload, seed=seed, rate=rate)
+                         decode_step=None, record=record, workload=workload, seed=seed, rate=rate,
+                         execution=execution)
         self.router = _NoRouter()
         cap = cluster.kv_capacity_tokens(tp)
         self.decoders = [_LoongDecoder(i, tp, cap, MAX_REQUESTS_PER_MASTER, decode_step)
@@ -206,10 +208,11 @@ class LoongServeSimulation(Simulation):
         pass
 
 
-def run_loongserve(spec, cluster: ClusterSpec, requests: list[SimRequest]):
+def run_loongserve(spec, cluster: ClusterSpec, requests: list[SimRequest], execution=None):
     from tetris.sim.contract import decode_step_fn
     step = decode_step_fn(cluster)
     sim = LoongServeSimulation(requests, cluster=cluster, decode_step=step, record=spec.record,
-                               workload=spec.workload, seed=spec.seed, rate=spec.rate)
+                               workload=spec.workload, seed=spec.seed, rate=spec.rate,
+                               execution=execution)
     res = sim.run()
     return res, sim

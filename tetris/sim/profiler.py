@@ -35,13 +35,14 @@ def default_rate_grid(model: str, workload: str) -> list[float]:
 def profile_rates(model: str, workload: str, rates: Sequence[float],
                   thetas: Sequence[float] = DEFAULT_THETAS, seeds: int = 3,
                   requests: int = 500, progress=None,
-                  output_mean: float = OUTPUT_LENGTHS.mean_tokens
+                  output_mean: float = OUTPUT_LENGTHS.mean_tokens, execution: str = "profile"
                   ) -> tuple[list[float], list[float], list[dict]]:
     """Returns (rates, best θ per rate, every grid point's mean TTFT).
 
     ``output_mean`` only sets the sampled output lengths: prefill-only runs do not read them,
     and arrivals and prompts do not depend on them, so the table is the same at every output
     mean (a test checks this); the argument keeps the recorded workload honest.
+    ``execution``: the simulated hardware's chunk times (``RunSpec.execution``).
     """
     if not rates or not thetas or seeds <= 0:
         raise ValueError("profiling needs at least one rate, one θ and one seed")
@@ -51,7 +52,8 @@ def profile_rates(model: str, workload: str, rates: Sequence[float],
         means = []
         for theta in thetas:
             spec = RunSpec(model=model, workload=workload, policy="tetris", rate=rate,
-                           requests=requests, improvement_rate=theta, decode=False)
+                           requests=requests, improvement_rate=theta, decode=False,
+                           execution=execution)
             ttfts = np.concatenate([run_one(spec, r)[0].ttft_s for r in reqs])
             means.append(float(ttfts.mean()))
             grid.append({"rate": rate, "theta": theta, "ttft_mean": means[-1]})

@@ -1,0 +1,103 @@
+"""What the simulated hardware takes to run a chunk, as distinct from what the scheduler believes.
+
+The scheduler plans with its fitted latency model (Eq. 1, ``PrefillLatencyModel``); a real
+cluster then runs each chunk in whatever time the GPUs take. The simulator can execute either:
+
+- ``"profile"``: the fit itself. Execution equals the plan (``max_plan_deviation_s`` is 0), the
+  model every unit test and earlier result used.
+- ``"measured"``: the profile's measurements where it has them. At ``h = 0`` a chunk of a
+  measured length takes exactly the measured time; between measured lengths the fit is
+  scaled by the measured/fit ratio, interpolated linearly in ``log(tokens)``; below the
+  shortest and above the longest measured length the ratio of the nearest end is held. A
+  chunk with history ``h`` is the fit's ``T_s(h, l)`` scaled by the ratio at ``h + l`` (the
+  context it ends at): the measurements have no history, so the fit's shape carries it.
+
+With ``"measured"``, CDSP's chunks, cut to fill gaps the fit predicts, overrun or underrun
+them as they would on the hardware, and every policy's GPU time is the measured one. On the
+8B profile the fit is within 0.5% of Table 1 at SP 1 but up to 5.9% off at SP 8/16 (its
+SP-8 times are ~3.5% fast over Long's lengths; docs/simulation.md, "Execution on the
+measurements").
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from importlib import resources
+from pathlib import Path
+from typing import Callable, Iterable
+
+from tetris.scheduler.latency import (LatencySample, PrefillLatencyModel, ProfileError,
+                                      read_table_csv)
+
+__all__ = ["EXECUTION_MODELS", "MeasuredLatency", "execution_latency", "measurements_path"]
+
+EXECUTION_MODELS = ("profile", "measured")
+
+LatencyFn = Callable[[int, int, int], float]
+
+
+class MeasuredLatency:
+    """The fit corrected to its measurements (module docstring); call as ``(sp, h, l) -> s``.
+
+    Only ``h = 0`` samples are used; every SP size of ``model`` needs at least one.
+    """
+
+    def __init__(self, model: PrefillLatencyModel, samples: Iterable[LatencySample]):
+        points: dict[int, dict[int, float]] = {}
+        for s in samples:
+            if s.history_tokens == 0:
+                points.setdefault(s.sp_size, {})[s.chunk_tokens] = s.seconds
+        missing = [sp for sp in model.sp_sizes if sp not in points]
+        if missing:
+            raise ProfileError(f"profile {model.name!r}: no measurement with h = 0 for SP sizes "
+                               f"{missing}; measured execution needs one per SP size")
+        self.model = model
+        # sp -> (log tokens ascending, measured / fit at each)
+        self._curve: dict[int, tuple[list[float], list[float]]] = {}
+        for sp in model.sp_sizes:
+            rows = sorted(points[sp].items())
+            self._curve[sp] = ([math.log(n) for n, _ in rows],
+                               [t / model.predict(sp, 0, n) for n, t in rows])
+
+    def ratio(self, sp: int, context_tokens: float) -> float:
+        """Measured / fit at ``context_tokens`` (log-linear between measured lengths)."""
+        xs, ys = self._curve[sp]
+        x = math.log(max(context_tokens, 1.0))
+        k = bisect.bisect_right(xs, x)
+        if k == 0:
+            return ys[0]
+        if k == len(xs):
+            return ys[-1]
+        w = (x - xs[k - 1]) / (xs[k] - xs[k - 1])
+        return ys[k - 1] + w * (ys[k] - ys[k - 1])
+
+    def __call__(self, sp: int, history_tokens: int, chunk_tokens: int) -> float:
+        if sp not in self._curve:
+            raise ProfileError(f"profile {self.model.name!r} has no measurements for SP size {sp}")
+        return (self.model.predict(sp, history_tokens, chunk_tokens)
+                * self.ratio(sp, history_tokens + chunk_tokens))
+
+
+def measurements_path(name: str) -> Path:
+    """A measurement table shipped in ``configs/profiles/`` (or a path as given)."""
+    p = Path(name)
+    if p.is_file():
+        return p
+    res = resources.files("tetris.configs").joinpath("profiles", name)
+    if not res.is_file():
+        raise ProfileError(f"{name}: no such measurement table")
+    return Path(str(res))
+
+
+def execution_latency(kind: str, model: PrefillLatencyModel,
+                      measurements: str | None) -> LatencyFn:
+    """The chunk-time function a simulated pool executes with (module docstring)."""
+    if kind == "profile":
+        return model.predict
+    if kind == "measured":
+        if measurements is None:
+            raise ProfileError(f"profile {model.name!r} has no measurements (it is derived, not "
+                               "profiled); use execution 'profile'")
+        return MeasuredLatency(model, read_table_csv(measurements_path(measurements)))
+    raise ValueError(f"execution is one of {', '.join(EXECUTION_MODELS)}, got {kind!r}")
