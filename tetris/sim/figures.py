@@ -45,6 +45,12 @@ def _suffix(args) -> str:
     return "" if _execution(args) == "profile" else f"_{_execution(args)}"
 
 
+def _label(args, workload: str) -> str:
+    """What a figure's title says it shows: the model, the workload, and the hardware model."""
+    hw = "" if _execution(args) == "profile" else f", {_execution(args)} execution"
+    return f"{args.model}, {workload}{hw}"
+
+
 def _spec(args, workload: str, policy: str, **kw) -> RunSpec:
     decode = kw.pop("decode", False) or policy == "loongserve"
     return RunSpec(model=args.model, workload=workload, policy=policy, requests=args.requests,
@@ -91,14 +97,14 @@ def _one_workload(args, workload: str, out: Path, bar) -> dict:
     crit_d = caps[best_d].capacity_rps
     at_crit_d, ttfts_d = _at_critical(args, workload, crit_d, seeds)
     plot_cdf(ttfts_d, out / f"fig9_cdf_disagg_{args.model}_{workload}{_suffix(args)}.png",
-             f"TTFT CDF at {crit_d:.2f} req/s ({args.model}, {workload})")
+             f"TTFT CDF at {crit_d:.2f} req/s ({_label(args, workload)})")
     bar.update(1)
     tag = f"{args.model}_{workload}{_suffix(args)}"
-    plot_cdf(ttfts, out / f"fig9_cdf_{tag}.png", f"TTFT CDF at {crit:.2f} req/s ({args.model}, {workload})")
+    plot_cdf(ttfts, out / f"fig9_cdf_{tag}.png", f"TTFT CDF at {crit:.2f} req/s ({_label(args, workload)})")
     top = max(c.capacity_rps for c in caps.values())
     rates = [round(top * f, 2) for f in (0.2, 0.4, 0.6, 0.75, 0.85, 0.95, 1.05, 1.15)]
     fig8 = sweep(_spec(args, workload, "tetris"), POLICIES, rates, seeds)
-    plot_ttft_vs_rate(fig8, out / f"fig8_ttft_{tag}.png", light, f"LLaMA3-{args.model}, {workload}")
+    plot_ttft_vs_rate(fig8, out / f"fig8_ttft_{tag}.png", light, f"LLaMA3-{_label(args, workload)}")
     bar.update(1)
     fixed = sweep(_spec(args, workload, "tetris"), ["tetris"], rates, seeds)
     theta_series: dict[str, list] = {}
@@ -106,12 +112,12 @@ def _one_workload(args, workload: str, out: Path, bar) -> dict:
         rows = sweep(_spec(args, workload, "tetris", improvement_rate=theta), ["tetris"], rates, seeds)
         theta_series[f"θ={theta}"] = [(r["rate"], r["ttft_mean"] / d["ttft_mean"]) for r, d in zip(rows, fixed)]
     plot_ratio_vs_rate(theta_series, out / f"fig11_theta_{tag}.png", "mean TTFT / online θ",
-                       f"fixed vs online θ ({args.model}, {workload})")
+                       f"fixed vs online θ ({_label(args, workload)})")
     single = sweep(_spec(args, workload, "tetris-single-chunk"), ["tetris-single-chunk"], rates, seeds)
     chunk_series = {"P50 single/CDSP": [(s["rate"], s["ttft_p50"] / d["ttft_p50"]) for s, d in zip(single, fixed)],
                     "P99 single/CDSP": [(s["rate"], s["ttft_p99"] / d["ttft_p99"]) for s, d in zip(single, fixed)]}
     plot_ratio_vs_rate(chunk_series, out / f"fig13_chunking_{tag}.png", "TTFT ratio",
-                       f"single-chunk vs CDSP ({args.model}, {workload})")
+                       f"single-chunk vs CDSP ({_label(args, workload)})")
     bar.update(1)
     tetris = next(r for r in at_crit if r["policy"] == "tetris")
     base = next(r for r in at_crit if r["policy"] == best)
@@ -142,7 +148,7 @@ def _schedule_png(args, workload: str, rate: float, out: Path) -> str:
     runs = sim.prefill.runs
     mid = runs[len(runs) // 2].start
     return str(plot_schedule(runs, len(sim.prefill.free_at), out / f"schedule_{args.model}_{workload}{_suffix(args)}.png",
-                             mid, mid + 15.0, f"Tetris CDSP, LLaMA3-{args.model}, {workload}, {rate:.2f} req/s"))
+                             mid, mid + 15.0, f"Tetris CDSP, LLaMA3-{_label(args, workload)}, {rate:.2f} req/s"))
 
 
 def _table(model: str, results: list[dict]) -> list[str]:
