@@ -127,3 +127,12 @@ def test_cli_capacity_takes_the_execution(capsys):
     assert out["execution"] == "measured" and out["capacities"][0]["capacity_rps"] > 0
     with pytest.raises(SystemExit):
         main(["sim", "run", "--execution", "table"])
+
+
+def test_cli_says_a_bad_argument_in_one_line_and_exits_2(capsys):
+    assert main(["sim", "run", "--model", "70b", "--execution", "measured", "--requests", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "tetris sim run: error: profile 'a100-llama3-70b-tp4' has no measurements" in err
+    assert "Traceback" not in err
+    assert main(["sim", "capacity", "--policy", "fixed-sp-99", "--requests", "5", "--json"]) == 2
+    assert "SP sizes [99] do not fit the 8b pool" in capsys.readouterr().err

@@ -67,34 +67,46 @@ def register(subparsers) -> None:
     _output_mean_arg(p)
     p.add_argument("--policy", default="tetris")
     p.add_argument("--rate", type=float, default=2.0)
-    p.set_defaults(func=_run)
+    p.set_defaults(func=_user_errors(_run))
     p = sub.add_parser("sweep", help="TTFT P50/P99 against rate per policy (Fig. 8)")
     _common(p, 1000)
     _output_mean_arg(p)
     p.add_argument("--policy", default=ALL_POLICIES)
     p.add_argument("--rates", type=_rates, default=_rates("1,2,3,4,5,6"))
     p.add_argument("--seeds", type=int, default=1)
-    p.set_defaults(func=_sweep)
+    p.set_defaults(func=_user_errors(_sweep))
     p = sub.add_parser("capacity", help="highest rate under the 25x light-load criterion")
     _common(p, 1000)
     _output_mean_arg(p)
     p.add_argument("--policy", default=ALL_POLICIES)
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument("--tol", type=float, default=0.05)
-    p.set_defaults(func=_capacity)
+    p.set_defaults(func=_user_errors(_capacity))
     p = sub.add_parser("profile-rate", help="build the improvement-rate table of a workload")
     _output_mean_arg(p)
     _common(p, 500)
     p.add_argument("--rates", type=_rates, default=None, help="default: 0.5 req/s steps")
     p.add_argument("--thetas", type=_thetas, default=None)
     p.add_argument("--seeds", type=int, default=3)
-    p.set_defaults(func=_profile)
+    p.set_defaults(func=_user_errors(_profile))
     p = sub.add_parser("figures", help="reproduce Figs. 8, 9, 11-13 and the capacity table")
     _output_mean_arg(p)
     _common(p, 1000)
     p.add_argument("--workloads", default="short,medium,long")
     p.add_argument("--seeds", type=int, default=1)
-    p.set_defaults(func=_figures)
+    p.set_defaults(func=_user_errors(_figures))
+
+
+def _user_errors(func):
+    """A bad argument (unknown policy or workload, missing trace or table, a profile without
+    measurements, ...) raises ValueError deep in the simulator: say it in one line, exit 2."""
+    def run(args) -> int:
+        try:
+            return func(args)
+        except ValueError as e:
+            print(f"tetris sim {args.sim_command}: error: {e}", file=sys.stderr)
+            return 2
+    return run
 
 
 def _spec(args, **kw):
@@ -125,6 +137,7 @@ def _run(args) -> int:
     spec = _spec(args, policy=args.policy, rate=args.rate, record=args.out is not None)
     res, sim = run_one(spec)
     out = res.brief()
+    out["execution"] = args.execution
     if args.out:
         from tetris.sim.plots import plot_schedule
         from tetris.sim.trace_export import write_chrome_trace
@@ -144,6 +157,9 @@ def _run(args) -> int:
                      f"throughput {res.throughput_rps:.2f} req/s")
     lines.append(f"prefill utilisation {res.prefill_utilisation:.2f}, chunks/request "
                  f"{res.mean_chunks:.2f}, mean SP {res.mean_sp:.2f}, θ {res.improvement_rates[:8]}")
+    if args.execution != "profile":
+        lines.append(f"{args.execution} execution: plans missed by up to "
+                     f"{res.max_plan_deviation_s:.3f}s")
     lines.append(f"simulated {res.sim_requests_per_s:.0f} requests/s of wall time")
     return _emit(args, out, lines)
 
