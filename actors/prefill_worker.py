@@ -135,8 +135,12 @@ class PrefillWorker:
 
             if profile is None:
                 raise ValueError("the emulated executor needs a latency profile")
-            self.executor = EmulatedExecutor(load_profile(profile), model_cfg,
-                                             tp_size=prefill_cfg.tp_size)
+            timing = load_profile(profile)
+            if prefill_cfg.emulated_measurements is not None:
+                from tetris.sim.execution import execution_latency
+
+                timing = execution_latency("measured", timing, prefill_cfg.emulated_measurements)
+            self.executor = EmulatedExecutor(timing, model_cfg, tp_size=prefill_cfg.tp_size)
         else:
             from tetris.model.loader import load_model
 

@@ -51,7 +51,7 @@ def scale_deployment(cfg: DeploymentConfig, time_scale: float, workdir: Path) ->
         return cfg
     from tetris.scheduler.latency import load_profile
 
-    sc, tc = cfg.scheduler, cfg.transfer
+    sc, tc, pc = cfg.scheduler, cfg.transfer, cfg.prefill
     if sc.rate_table:
         raise ValueError("a time-scaled run needs a fixed improvement rate (no rate_table): the "
                          "live rate monitor would see the scaled arrival rate")
@@ -59,8 +59,15 @@ def scale_deployment(cfg: DeploymentConfig, time_scale: float, workdir: Path) ->
     path = workdir / f"profile-x{time_scale:g}.json"
     profile.scaled(name=f"{profile.name}-x{time_scale:g}", linear=time_scale,
                    attention=time_scale, overhead=time_scale).save(path)
+    if pc.emulated_measurements is not None:
+        # scaled alike, so that the workers' measured/fit ratio stays what it was
+        from tetris.sim.execution import write_scaled_table
+
+        table = write_scaled_table(pc.emulated_measurements, time_scale,
+                                   workdir / f"measurements-x{time_scale:g}.csv")
+        pc = msgspec.structs.replace(pc, emulated_measurements=str(table))
     out = msgspec.structs.replace(
-        cfg, scheduler=msgspec.structs.replace(sc, profile=str(path)),
+        cfg, prefill=pc, scheduler=msgspec.structs.replace(sc, profile=str(path)),
         transfer=msgspec.structs.replace(
             tc, emulated_link_bandwidth=tc.emulated_link_bandwidth / time_scale,
             timeout_s=tc.timeout_s * time_scale))

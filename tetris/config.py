@@ -113,6 +113,11 @@ class PrefillConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tp_size: int = 1
     node_size: int = 2
     executor: Literal["model", "emulated"] = "model"
+    # EMULATION only: a measurement table (CSV of the profile's format, a path or a file in
+    # configs/profiles/) whose times the emulated workers wait instead of the profile's
+    # prediction, while the dispatcher still plans on the profile (tetris.sim.execution,
+    # docs/emulation.md): the live control plane then meets plans that miss, as on hardware.
+    emulated_measurements: str | None = None
     block_size: int = 16
     kv_blocks_per_instance: int = 4096
     # Ray placement (actors/placement.py): "auto" places with a placement group ("pack") on a
@@ -126,6 +131,9 @@ class PrefillConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.num_instances <= 0 or self.tp_size <= 0 or self.node_size <= 0:
             raise ValueError("prefill.num_instances, tp_size and node_size must be positive")
         _check_bundle("prefill", self.cpus_per_instance, self.gpus_per_instance)
+        if self.emulated_measurements is not None and self.executor != "emulated":
+            raise ValueError("prefill.emulated_measurements needs prefill.executor = "
+                             f"'emulated' (a real model takes its own time), got {self.executor!r}")
         if self.num_instances % self.node_size:
             raise ValueError(
                 f"prefill.num_instances ({self.num_instances}) must be a multiple of "

@@ -180,3 +180,75 @@ def test_a_worker_found_dead_while_the_world_forms_is_replaced_too(ray_session):
         assert res.emulated and pool._ready == {}
     finally:
         pool.shutdown()
+
+
+def _tenfold_table(path, profile):
+    """A measurement table that says the hardware takes 10x the profile's prediction."""
+    sizes = profile.sp_sizes
+    lines = ["prompt_tokens," + ",".join(f"sp{s}" for s in sizes)]
+    for n in (1000, 4000):
+        lines.append(f"{n}," + ",".join(repr(10 * profile.predict(s, 0, n)) for s in sizes))
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_emulated_chunk_waits_the_measured_time_when_given_measurements(tmp_path):
+    from tetris.sim.execution import execution_latency
+
+    profile = load_profile(PROFILE)
+    timing = execution_latency("measured", profile, _tenfold_table(tmp_path / "m.csv", profile))
+    waits = []
+    ex = EmulatedExecutor(timing, sleep=waits.append, clock=lambda: 0.0)
+    plan = forced_plan("m", 3000, "1000x1,restx2", (0, 0))
+    lay = plan_layout(plan)[0][1]
+    task = ChunkTask(request_id="m", chunk_index=1, num_chunks=2, seq=0, group=lay.group,
+                     rank=1, chunk_start=1000, chunk_end=3000, prompt_tokens=3000,
+                     chunk_positions=lay.chunk_positions, history=lay.history, moves=lay.moves)
+    ex.execute(task)
+    assert waits == [pytest.approx(10 * profile.predict(2, 1000, 2000))]
+
+
+def test_emulated_measurements_need_the_emulated_executor():
+    from tetris.config import PrefillConfig
+
+    with pytest.raises(ValueError, match="needs prefill.executor = 'emulated'"):
+        PrefillConfig(emulated_measurements="paper_table1_llama3_8b_a100.csv")
+    assert PrefillConfig(executor="emulated",
+                         emulated_measurements="paper_table1_llama3_8b_a100.csv").executor == "emulated"
+
+
+def test_a_time_scaled_deployment_scales_its_measurements_alike(tmp_path):
+    from tetris.bench_fidelity import scale_deployment
+    from tetris.sim.execution import execution_latency
+
+    cfg = load_deployment("paper-llama3-8b-emulated.toml")
+    table = "paper_table1_llama3_8b_a100.csv"
+    cfg = msgspec.structs.replace(
+        cfg, prefill=msgspec.structs.replace(cfg.prefill, emulated_measurements=table))
+    scaled = scale_deployment(cfg, 4.0, tmp_path)
+    assert scaled.prefill.emulated_measurements != table
+    base = execution_latency("measured", load_profile(PROFILE), table)
+    slow = execution_latency("measured", load_profile(scaled.scheduler.profile),
+                             scaled.prefill.emulated_measurements)
+    for sp, h, l in [(8, 0, 65536), (1, 0, 4096), (4, 20_000, 9000), (16, 0, 262144)]:
+        assert slow(sp, h, l) == pytest.approx(4.0 * base(sp, h, l), rel=1e-9)
+    assert slow(8, 0, 65536) == pytest.approx(4 * 1.37)      # Table 1's cell, slowed 4x
+
+
+@pytest.mark.ray
+def test_emulated_pool_waits_the_measurements_while_plans_use_the_profile(ray_session, tmp_path):
+    from tetris.actors.prefill_pool import PrefillPool
+
+    profile = load_profile(PROFILE)
+    cfg = load_deployment("tiny-cpu.toml")
+    cfg = msgspec.structs.replace(cfg, prefill=msgspec.structs.replace(
+        cfg.prefill, executor="emulated",
+        emulated_measurements=_tenfold_table(tmp_path / "m.csv", profile)))
+    pool = PrefillPool(cfg, num_instances=2, node_size=2, profile=PROFILE, timeout_s=10.0)
+    try:
+        res = pool.run(forced_plan("meas", 3000, "1000x1,restx2", pool.node_of), [1] * 3000)
+        want = [10 * profile.predict(1, 0, 1000), 10 * profile.predict(2, 1000, 2000)]
+        for got, w in zip(res.chunk_elapsed_s, want, strict=True):
+            assert w <= got < w + 0.25
+    finally:
+        pool.shutdown()

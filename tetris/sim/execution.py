@@ -30,7 +30,8 @@ from typing import Callable, Iterable
 from tetris.scheduler.latency import (LatencySample, PrefillLatencyModel, ProfileError,
                                       read_table_csv)
 
-__all__ = ["EXECUTION_MODELS", "MeasuredLatency", "execution_latency", "measurements_path"]
+__all__ = ["EXECUTION_MODELS", "MeasuredLatency", "execution_latency", "measurements_path",
+           "write_scaled_table"]
 
 EXECUTION_MODELS = ("profile", "measured")
 
@@ -78,6 +79,9 @@ class MeasuredLatency:
         return (self.model.predict(sp, history_tokens, chunk_tokens)
                 * self.ratio(sp, history_tokens + chunk_tokens))
 
+    # The emulated prefill executor (actors/executor.py) asks a profile for ``predict``.
+    predict = __call__
+
 
 def measurements_path(name: str) -> Path:
     """A measurement table shipped in ``configs/profiles/`` (or a path as given)."""
@@ -88,6 +92,27 @@ def measurements_path(name: str) -> Path:
     if not res.is_file():
         raise ProfileError(f"{name}: no such measurement table")
     return Path(str(res))
+
+
+def write_scaled_table(name: str, factor: float, path: str | Path) -> Path:
+    """The measurement table ``name`` with every time × ``factor``, written to ``path`` (CSV).
+
+    A time-scaled emulation scales its profile and its measurements alike: the measured/fit
+    ratio is then unchanged and the waits scale by ``factor``.
+    """
+    samples = read_table_csv(measurements_path(name))
+    sizes = sorted({s.sp_size for s in samples})
+    rows: dict[tuple[int, int], dict[int, float]] = {}
+    for s in samples:
+        rows.setdefault((s.history_tokens, s.chunk_tokens), {})[s.sp_size] = s.seconds * factor
+    out = Path(path)
+    lines = [f"# {name} with every time x {factor:g} (a time-scaled emulation)",
+             "history_tokens,prompt_tokens," + ",".join(f"sp{sp}" for sp in sizes)]
+    for (h, n), cells in sorted(rows.items()):
+        lines.append(f"{h},{n}," + ",".join(repr(cells[sp]) if sp in cells else ""
+                                             for sp in sizes))
+    out.write_text("\n".join(lines) + "\n")
+    return out
 
 
 def execution_latency(kind: str, model: PrefillLatencyModel,
