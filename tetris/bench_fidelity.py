@@ -137,7 +137,13 @@ def simulate(cfg: DeploymentConfig, requests) -> dict:
                                       min_chunk_tokens=sc.min_chunk_tokens,
                                       improvement_rate=sc.improvement_rate))
     capacity = dc.kv_blocks * dc.block_size
-    sim = Simulation(list(requests), cluster=cluster, policy=policy,
+    # the hardware the emulated workers stand for: the profile, or its measurements
+    execution = None
+    if cfg.prefill.emulated_measurements is not None:
+        from tetris.sim.execution import execution_latency
+
+        execution = execution_latency("measured", latency, cfg.prefill.emulated_measurements)
+    sim = Simulation(list(requests), cluster=cluster, policy=policy, execution=execution,
                      pool=PoolState([0.0] * cluster.prefill_instances, cluster.node_of()),
                      latency=latency, improvement_rate=sc.improvement_rate,
                      decode_step=DecodeLatencyModel(spec).step_time,

@@ -43,6 +43,25 @@ def test_simulated_ttft_of_a_lone_request_is_the_profile_time(tmp_path):
     assert plan["sp_sizes"] and all(s in (1, 2, 4, 8, 16) for s in plan["sp_sizes"])
 
 
+def test_the_simulated_side_runs_the_measurements_the_workers_wait(tmp_path):
+    import msgspec
+
+    from tetris.scheduler.latency import load_profile
+    from tetris.sim.execution import execution_latency
+
+    table = "paper_table1_llama3_8b_a100.csv"
+    cfg = load_deployment("paper-llama3-8b-emulated.toml")
+    cfg = msgspec.structs.replace(
+        cfg, prefill=msgspec.structs.replace(cfg.prefill, emulated_measurements=table))
+    trace = trace_for(_trace(tmp_path), 0.01, 1, 0, 4)
+    out = simulate(cfg, trace)
+    (plan,) = out["plans"]
+    (sp,) = plan["sp_sizes"]      # 6000 tokens alone: one chunk
+    measured = execution_latency("measured", load_profile("a100-llama3-8b-tp1"), table)(sp, 0, 6000)
+    assert out["ttft_s"][0] == pytest.approx(measured, rel=1e-9)
+    assert abs(plan["ttft_estimate_s"] / measured - 1) > 1e-3   # the plan was made on the fit
+
+
 @pytest.mark.timeout(400)
 def test_tiny_fidelity_run_prints_one_json_object(serve_http, tmp_path, capsys):
     from tetris.cli.main import main
