@@ -136,3 +136,19 @@ def test_cli_says_a_bad_argument_in_one_line_and_exits_2(capsys):
     assert "Traceback" not in err
     assert main(["sim", "capacity", "--policy", "fixed-sp-99", "--requests", "5", "--json"]) == 2
     assert "SP sizes [99] do not fit the 8b pool" in capsys.readouterr().err
+
+
+def test_profiling_on_the_measurements_never_replaces_a_shipped_table(tmp_path, capsys):
+    from tetris.sim.experiments import rate_table_path
+
+    shipped = rate_table_path("8b", "long").read_bytes()
+    assert main(["sim", "profile-rate", "--workload", "long", "--execution", "measured",
+                 "--rates", "1", "--thetas", "0.05,0.55", "--seeds", "1", "--requests", "40",
+                 "--json"]) == 2
+    assert "--rate-table" in capsys.readouterr().err
+    assert rate_table_path("8b", "long").read_bytes() == shipped
+    out = tmp_path / "oracle.toml"
+    assert main(["sim", "profile-rate", "--workload", "long", "--execution", "measured",
+                 "--rates", "1", "--thetas", "0.05,0.55", "--seeds", "1", "--requests", "40",
+                 "--rate-table", str(out), "--json"]) == 0
+    assert out.is_file() and rate_table_path("8b", "long").read_bytes() == shipped

@@ -202,6 +202,11 @@ def _capacity(args) -> int:
 def _profile(args) -> int:
     from tetris.sim.experiments import rate_table_path
     from tetris.sim.profiler import DEFAULT_THETAS, default_rate_grid, profile_rates, save_table
+    if args.execution != "profile" and not args.rate_table:
+        # The shipped tables are the deployable ones: profiled on the fit, the only hardware
+        # model a deployed profiler has. One profiled on the measurements is an oracle's.
+        raise ValueError("profiling on --execution measured needs --rate-table PATH (it must not "
+                         "replace the shipped table, which is profiled on the fit)")
     rates = args.rates or default_rate_grid(args.model, args.workload)
     thetas = args.thetas or list(DEFAULT_THETAS)
     with _bar(args, len(rates) * len(thetas), "profile-rate") as bar:
