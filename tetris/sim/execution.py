@@ -74,10 +74,10 @@ class MeasuredLatency:
         return ys[k - 1] + w * (ys[k] - ys[k - 1])
 
     def __call__(self, sp: int, history_tokens: int, chunk_tokens: int) -> float:
-        if sp not in self._curve:
-            raise ProfileError(f"profile {self.model.name!r} has no measurements for SP size {sp}")
-        return (self.model.predict(sp, history_tokens, chunk_tokens)
-                * self.ratio(sp, history_tokens + chunk_tokens))
+        # predict first: it names an SP size the profile lacks (ProfileError), and every size
+        # the profile has has a curve (checked in __init__), so no check on this hot path.
+        fit = self.model.predict(sp, history_tokens, chunk_tokens)
+        return fit * self.ratio(sp, history_tokens + chunk_tokens)
 
     # The emulated prefill executor (actors/executor.py) asks a profile for ``predict``.
     predict = __call__

@@ -208,15 +208,15 @@ def throughput_ceiling(model: str, workload: str, sizes: Sequence[int], n: int =
         raise ValueError(f"SP sizes {list(sizes)} do not fit the {model} pool "
                          f"({cluster.prefill_instances} instances, profile {list(lat.sp_sizes)})")
     lengths = np.array([r.prompt_tokens for r in make_requests(workload, 1.0, n, seed)], float)
+    run = None if execution == "profile" else execution_fn(model, execution)
     per_size = []
     for s in sizes:
-        a, b, _, d = lat.table[s]
-        # Eq. 1 with h = 0, times the s instances the ring holds.
-        t = a + lengths * (b + d * lengths)
-        if execution != "profile":
-            run = execution_fn(model, execution)
+        if run is None:
+            a, b, _, d = lat.table[s]
+            t = a + lengths * (b + d * lengths)      # Eq. 1 with h = 0, vectorised
+        else:
             t = np.array([run(s, 0, int(n_tok)) for n_tok in lengths])
-        per_size.append(s * t)
+        per_size.append(s * t)   # times the s instances the ring holds
     return cluster.prefill_instances / float(np.min(per_size, axis=0).mean())
 
 
