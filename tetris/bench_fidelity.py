@@ -126,7 +126,7 @@ def simulate(cfg: DeploymentConfig, requests) -> dict:
     from tetris.scheduler.decode_latency import DecodeLatencyModel
     from tetris.scheduler.latency import load_profile
     from tetris.scheduler.policies import make_policy
-    from tetris.scheduler.pool import PoolState
+    from tetris.control import ControlPlane, PrefillQueue
     from tetris.scheduler.router import DecodeRouter
     from tetris.sim.cluster import Simulation
 
@@ -143,11 +143,11 @@ def simulate(cfg: DeploymentConfig, requests) -> dict:
         from tetris.sim.execution import execution_latency
 
         execution = execution_latency("measured", latency, cfg.prefill.emulated_measurements)
-    sim = Simulation(list(requests), cluster=cluster, policy=policy, execution=execution,
-                     pool=PoolState([0.0] * cluster.prefill_instances, cluster.node_of()),
-                     latency=latency, improvement_rate=sc.improvement_rate,
-                     decode_step=DecodeLatencyModel(spec).step_time,
-                     router=DecodeRouter([capacity] * dc.num_instances))
+    control = ControlPlane(policy, PrefillQueue(cluster.node_of()),
+                           DecodeRouter([capacity] * dc.num_instances),
+                           improvement_rate=sc.improvement_rate)
+    sim = Simulation(list(requests), cluster=cluster, control=control, execution=execution,
+                     latency=latency, decode_step=DecodeLatencyModel(spec).step_time)
     res = sim.run()
     plans = {rid: {"sp_sizes": [len(c.instances) for c in p.chunks],
                    "ttft_estimate_s": p.ttft_estimate} for rid, p in policy.plans.items()}

@@ -37,7 +37,7 @@ class MostFreeRouter:
         self.virtual = [0] * n
         self.calls: list[tuple] = []
 
-    def choose(self, kv_tokens: int) -> int:
+    def choose(self, kv_tokens: int, avoid=frozenset()) -> int:
         return max(range(len(self.free)), key=lambda d: (self.free[d] - self.virtual[d], -d))
 
     def reserve(self, d: int, kv_tokens: int) -> None:

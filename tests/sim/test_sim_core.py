@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from tetris.plan import Chunk, PrefillPlan
-from tetris.scheduler.pool import PoolState
+from tetris.control import ControlPlane, PrefillQueue
 from tetris.sim.cluster import CLUSTERS, Simulation
 from tetris.sim.decode import DecodeInstanceSim, DecodeRequest
 from tetris.sim.events import EventKind, EventQueue
@@ -119,9 +119,11 @@ def _tiny_sim(n=40, rate=20.0, seed=0, sp=1, decode=True):
     reqs = [SimRequest(r.request_id, r.arrival_time, r.prompt_tokens // 100, r.output_tokens // 20 + 1)
             for r in poisson_workload(WORKLOADS["short"], rate, n, seed)]
     router = MostFreeRouter(spec.decode_instances)
-    sim = Simulation(reqs, cluster=spec, policy=LeastQueuePolicy(lat, sp), pool=PoolState.uniform(4, 2),
-                     latency=lat, decode_step=(lambda tp, b, ctx: 0.005 + 1e-4 * b) if decode else None,
-                     router=router if decode else None, record=True)
+    control = ControlPlane(LeastQueuePolicy(lat, sp), PrefillQueue([0, 0, 1, 1]),
+                           router if decode else None, improvement_rate=None)
+    sim = Simulation(reqs, cluster=spec, control=control, latency=lat,
+                     decode_step=(lambda tp, b, ctx: 0.005 + 1e-4 * b) if decode else None,
+                     record=True)
     return sim, sim.run(), reqs, router
 
 

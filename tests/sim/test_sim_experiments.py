@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from tetris.cli.main import main
-from tetris.sim import contract
+from tetris.scheduler.rate import ImprovementRateTable
 from tetris.sim.experiments import RunSpec, capacity, light_load, make_requests, run_one
 from tetris.sim.profiler import profile_rates, save_table
 from tetris.sim.trace_export import chrome_trace
@@ -39,7 +39,7 @@ def test_profiler_table_drives_the_online_monitor(tmp_path):
         pts = {g["theta"]: g["ttft_mean"] for g in grid if g["rate"] == r}
         assert pts[b] == min(pts.values())
     path = save_table(tmp_path / "t.toml", rates, best, model="8b", workload="short")
-    table = contract.load_rate_table(path)
+    table = ImprovementRateTable.load(path)
     spec = RunSpec(workload="short", rate=6.0, requests=400, decode=False, rate_table=str(path))
     res, _ = run_one(spec)
     assert res.improvement_rates[-1] == best[1]   # the monitor saw ~6 req/s and switched

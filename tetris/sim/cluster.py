@@ -3,9 +3,10 @@
 The hierarchy mirrors the live system: a prefill pool (``prefill.PrefillPoolSim``) executing
 the plans of a scheduler policy, KV transfer (``transfer.KVTransferModel``) and decode
 instances with continuous batching (``decode.DecodeInstanceSim``), routed by the scheduler's
-``DecodeRouter``. The policy is called exactly as the live dispatcher calls it:
-``plan = policy.plan(request_id, prompt_tokens, now, pool, improvement_rate)`` then
-``pool.commit(plan)``.
+``DecodeRouter``. Every decision is the control plane's (``tetris.control.ControlPlane``),
+called in the order the live dispatcher calls it: ``admit`` (route, plan, commit) at an
+arrival, ``prefill_done`` when the last chunk ends, ``kv_arrived`` when the KV is on the
+decode instance, ``decode_report`` after each decode iteration.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from tetris.control import ControlPlane
 from tetris.sim.decode import DecodeInstanceSim, DecodeRequest
 from tetris.sim.events import EventKind, EventQueue
 from tetris.sim.metrics import SimResult, summarise, weighted_percentiles, LatencySummary
@@ -94,11 +96,12 @@ def cluster_by_name(name: str) -> ClusterSpec:
 
 
 class Simulation:
-    """One run: a workload through a policy on a cluster. Build, then ``run()`` once.
+    """One run: a workload through a control plane on a cluster. Build, then ``run()`` once.
 
-    ``decode_step`` is ``step_time(tp, batch, context_tokens)`` (None: prefill only, as the
-    improvement-rate profiler simulates); ``router`` is a ``DecodeRouter`` for the decode
-    instances; ``rate_monitor`` (optional) sets θ online from its table.
+    ``control`` holds the policy, the prefill queue, θ (fixed or from its rate monitor) and,
+    when ``decode_step`` is given, the decode router. ``decode_step`` is
+    ``step_time(tp, batch, context_tokens)`` (None: prefill only, as the improvement-rate
+    profiler simulates).
 
     ``stalls`` (``prefill.Stall``) take instances out for a while, as a dead worker's
     replacement does in the live pool. ``pool_view`` is what the policy plans on: "bookings",
@@ -111,9 +114,8 @@ class Simulation:
     (``tetris.sim.execution``); None runs the plans at the scheduler's own model, ``latency``.
     """
 
-    def __init__(self, requests: list[SimRequest], *, cluster: ClusterSpec, policy: Any,
-                 pool: Any, latency: Any, improvement_rate: float | None = None,
-                 rate_monitor: Any = None, decode_step: Any = None, router: Any = None,
+    def __init__(self, requests: list[SimRequest], *, cluster: ClusterSpec,
+                 control: ControlPlane, latency: Any, decode_step: Any = None,
                  record: bool = False, workload: str = "", seed: int = 0, rate: float = 0.0,
                  stalls: Any = (), pool_view: str = "bookings", execution: Any = None):
         if not requests:
@@ -122,15 +124,13 @@ class Simulation:
             raise ValueError(f"pool_view is 'bookings' or 'report', got {pool_view!r}")
         self.stalls = sorted(stalls, key=lambda s: s.at)
         self.report = pool_view == "report"
-        if decode_step is not None and router is None:
-            raise ValueError("decode simulation needs a router")
-        self.requests, self.cluster, self.policy, self.pool = requests, cluster, policy, pool
-        self.theta = improvement_rate
-        self.monitor = rate_monitor
-        self.prefill = PrefillPoolSim(len(pool.queue_times), execution or latency.predict,
+        if decode_step is not None and control.router is None:
+            raise ValueError("decode simulation needs a control plane with a decode router")
+        self.requests, self.cluster, self.control = requests, cluster, control
+        self.policy = control.policy
+        self.prefill = PrefillPoolSim(control.queue.size, execution or latency.predict,
                                       record=record)
         self.transfer = cluster.transfer_model()
-        self.router = router
         self.decoders = [] if decode_step is None else [
             DecodeInstanceSim(d, cluster.decode_tp, cluster.kv_capacity_tokens(cluster.decode_tp),
                               cluster.decode_max_batch, decode_step)
@@ -152,32 +152,20 @@ class Simulation:
         while self.stalls and self.stalls[0].at <= now:
             st = self.stalls.pop(0)
             self.prefill.stall(st.instances, st.at + st.seconds)
-        if self.report:
-            q, free = self.pool.queue_times, self.prefill.free_at
-            for k, f in enumerate(free):
-                if f > q[k]:
-                    q[k] = f
-        if self.monitor is not None:
-            self.monitor.observe_arrival(now)
-            theta = self.monitor.maybe_update(now)
-            if theta is not None:
-                self.theta = theta
-        if not self.thetas or self.thetas[-1] != self.theta:
-            self.thetas.append(self.theta)
-        plan = self.policy.plan(r.request_id, r.prompt_tokens, now, self.pool,
-                                improvement_rate=self.theta)
-        self.pool.commit(plan)
-        end, runs = self.prefill.execute(plan, now)
-        if self.plans is not None:
-            self.plans.append(plan)
-        self.ttft[i] = end - now
-        self.prefill_end[i] = end
-        self.chunks += len(runs)
-        self.sp_tokens += sum(len(c.instances) * c.tokens for c in runs)
+        if self.report:   # the pool's report: what each instance still has queued (< 0: idle since)
+            self.control.pool_report([f - now for f in self.prefill.free_at], now)
+        control = self.control
         if self.decoders:
-            kv = r.prompt_tokens + r.output_tokens
-            d = self.router.choose(kv)
-            self.router.reserve(d, kv)
+            admission = control.admit(r.request_id, r.prompt_tokens,
+                                      r.prompt_tokens + r.output_tokens, now)
+            d, plan = admission.decode_instance, admission.plan
+        else:
+            plan = control.plan(r.request_id, r.prompt_tokens, now)
+            control.commit(plan)
+        if not self.thetas or self.thetas[-1] != control.improvement_rate:
+            self.thetas.append(control.improvement_rate)
+        end, runs = self._execute(now, i, plan)
+        if self.decoders:
             ready = self.transfer.ready_time(runs, self.link_free[d])
             self.link_free[d] = ready
             req = DecodeRequest(r.request_id, i, r.prompt_tokens, r.output_tokens, end)
@@ -185,9 +173,22 @@ class Simulation:
             self.decode_reqs[i] = req
             self.events.push(ready, EventKind.KV_READY, (d, req))
 
+    def _execute(self, now: float, i: int, plan: Any) -> tuple[float, list[Any]]:
+        """Run a committed plan on the simulated pool; its end is the control plane's
+        ``prefill_done`` event."""
+        end, runs = self.prefill.execute(plan, now)
+        if self.plans is not None:
+            self.plans.append(plan)
+        self.ttft[i] = end - now
+        self.prefill_end[i] = end
+        self.chunks += len(runs)
+        self.sp_tokens += sum(len(c.instances) * c.tokens for c in runs)
+        self.events.push(end, EventKind.PREFILL_DONE, plan.request_id)
+        return end, runs
+
     def _on_kv_ready(self, now: float, d: int, req: DecodeRequest) -> None:
         inst = self.decoders[d]
-        self.router.release(d, req.kv_tokens)
+        self.control.kv_arrived(req.request_id)
         if req.remaining <= 0:
             req.finish_time = now
             return
@@ -221,7 +222,8 @@ class Simulation:
 
     def _refresh_router(self, inst: DecodeInstanceSim) -> None:
         waiting = sum(r.kv_tokens for r in inst.waiting)
-        self.router.update(inst.index, inst.free_tokens - waiting, inst.batch_size + len(inst.waiting))
+        self.control.decode_report(inst.index, inst.free_tokens - waiting,
+                                   inst.batch_size + len(inst.waiting))
 
     def run(self) -> SimResult:
         t_wall = time.perf_counter()
@@ -232,6 +234,8 @@ class Simulation:
             now, kind, payload = ev.pop()
             if kind is EventKind.ARRIVAL:
                 self._on_arrival(now, payload)
+            elif kind is EventKind.PREFILL_DONE:
+                self.control.prefill_done(payload, now)
             elif kind is EventKind.KV_READY:
                 self._on_kv_ready(now, *payload)
             elif kind is EventKind.DECODE_STEP:

@@ -19,7 +19,8 @@ class EventKind(IntEnum):
 
     KV_READY = 0        # the last byte of a request's KV reached its decode instance
     DECODE_STEP = 1     # a decode instance finished one iteration of its batch (frees KV)
-    ARRIVAL = 2         # a request arrives and is planned (θ updates ride on arrivals)
+    PREFILL_DONE = 2    # a request's last chunk ended: the control plane frees its bookings
+    ARRIVAL = 3         # a request arrives and is planned (θ updates ride on arrivals)
 
 
 class EventQueue:

@@ -22,8 +22,10 @@ import numpy as np
 
 from tetris.scheduler.latency import PrefillLatencyModel, load_profile
 from tetris.scheduler.policies import make_policy
-from tetris.scheduler.pool import PoolState
-from tetris.sim import contract
+from tetris.control import ControlPlane, PrefillQueue
+from tetris.scheduler.decode_latency import DecodeLatencyModel
+from tetris.scheduler.rate import ImprovementRateTable, RateMonitor
+from tetris.scheduler.router import DecodeRouter
 from tetris.sim.cluster import ClusterSpec, Simulation, cluster_by_name
 from tetris.sim.execution import LatencyFn, execution_latency
 from tetris.sim.metrics import SimResult
@@ -95,15 +97,16 @@ def _online_monitor(spec: RunSpec):
     if not path.is_file():
         raise ValueError(f"no improvement-rate table at {path}; run `tetris sim profile-rate "
                          f"--model {spec.model} --workload {spec.workload}` or pass a fixed θ")
-    table = contract.load_rate_table(path)
-    return contract.make_rate_monitor(spec.rate_window_s, spec.rate_update_interval_s, table,
-                                      spec.rate_min_arrivals)
+    # The simulated clock starts at 0: the rate's span counts from there, not the first arrival.
+    return RateMonitor(spec.rate_window_s, spec.rate_update_interval_s,
+                       ImprovementRateTable.load(path), start_time=0.0,
+                       min_arrivals=spec.rate_min_arrivals)
 
 
 def _decode_side(cluster: ClusterSpec):
-    router = contract.make_router([cluster.kv_capacity_tokens(cluster.decode_tp)]
-                                  * cluster.decode_instances)
-    return contract.decode_step_fn(cluster), router
+    router = DecodeRouter([cluster.kv_capacity_tokens(cluster.decode_tp)]
+                          * cluster.decode_instances)
+    return DecodeLatencyModel.for_model(cluster.model).step_time, router
 
 
 def run_one(spec: RunSpec, requests: list[SimRequest] | None = None,
@@ -125,14 +128,11 @@ def run_one(spec: RunSpec, requests: list[SimRequest] | None = None,
                          min_chunk_tokens=spec.min_chunk_tokens,
                          improvement_rate=0.3 if theta is None else theta)
     step, router = _decode_side(cluster) if spec.decode else (None, None)
-    sim = Simulation(requests, cluster=cluster, policy=policy,
-                     pool=PoolState(cluster.prefill_instances * [0.0], cluster.node_of()),
-                     latency=lat, improvement_rate=theta if monitor is None else None,
-                     rate_monitor=monitor, decode_step=step, router=router, record=spec.record,
-                     workload=spec.workload, seed=spec.seed, rate=spec.rate,
+    control = ControlPlane(policy, PrefillQueue(cluster.node_of()), router,
+                           improvement_rate=theta, monitor=monitor)
+    sim = Simulation(requests, cluster=cluster, control=control, latency=lat, decode_step=step,
+                     record=spec.record, workload=spec.workload, seed=spec.seed, rate=spec.rate,
                      execution=execution_fn(spec.model, spec.execution), **simulation)
-    if monitor is not None:
-        sim.theta = monitor.improvement_rate
     return sim.run(), sim
 
 

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import math
 
+from tetris.control import ControlPlane, PrefillQueue
+from tetris.scheduler.decode_latency import DecodeLatencyModel
 from tetris.scheduler.latency import load_profile
 from tetris.scheduler.policies import make_policy
 from tetris.scheduler.pool import PoolState
@@ -98,16 +100,6 @@ def _state(req: DecodeRequest) -> tuple[int, int]:
     return req.kv_tokens - req.remaining, req.remaining
 
 
-class _NoRouter:
-    """LoongServe places KV itself; the Llumnix router of the disaggregated cluster is unused."""
-
-    def release(self, d: int, kv: int) -> None:
-        pass
-
-    def update(self, d: int, free: int, batch: int) -> None:
-        pass
-
-
 class LoongServeSimulation(Simulation):
     def __init__(self, requests: list[SimRequest], *, cluster: ClusterSpec, decode_step,
                  record: bool = False, workload: str = "", seed: int = 0, rate: float = 0.0,
@@ -118,11 +110,12 @@ class LoongServeSimulation(Simulation):
         lat = load_profile(cluster.profile)
         policy = make_policy("loongserve-disagg", lat, sp_candidates=cluster.sp_candidates)
         policy.name = "loongserve"
-        pool = PoolState([0.0] * n, [i // node_size for i in range(n)])
-        super().__init__(requests, cluster=cluster, policy=policy, pool=pool, latency=lat,
+        # LoongServe places KV itself: the control plane has no Llumnix router here.
+        control = ControlPlane(policy, PrefillQueue([i // node_size for i in range(n)]), None,
+                               improvement_rate=0.0)
+        super().__init__(requests, cluster=cluster, control=control, latency=lat,
                          decode_step=None, record=record, workload=workload, seed=seed, rate=rate,
                          execution=execution)
-        self.router = _NoRouter()
         cap = cluster.kv_capacity_tokens(tp)
         self.decoders = [_LoongDecoder(i, tp, cap, MAX_REQUESTS_PER_MASTER, decode_step)
                          for i in range(n)]
@@ -135,8 +128,8 @@ class LoongServeSimulation(Simulation):
         self.max_reserved = 0
         self.homes: list[int] = [-1] * len(requests)
 
-    def _visible_pool(self) -> PoolState:
-        view = self.pool.copy()
+    def _visible_pool(self, now: float) -> PoolState:
+        view = self.control.queue.pool_state(now)
         for i, r in enumerate(self.reserved):
             if r:
                 view.queue_times[i] = math.inf
@@ -159,15 +152,10 @@ class LoongServeSimulation(Simulation):
 
     def _on_arrival(self, now: float, i: int) -> None:
         r = self.requests[i]
-        view = self._visible_pool()
+        view = self._visible_pool(now)
         plan = self.policy.plan(r.request_id, r.prompt_tokens, now, view, improvement_rate=0.0)
-        self.pool.commit(plan)
-        end, runs = self.prefill.execute(plan, now)
-        if self.plans is not None:
-            self.plans.append(plan)
-        self.ttft[i], self.prefill_end[i] = end - now, end
-        self.chunks += len(runs)
-        self.sp_tokens += sum(len(c.instances) * c.tokens for c in runs)
+        self.control.commit(plan)
+        end, runs = self._execute(now, i, plan)
         req = DecodeRequest(r.request_id, i, r.prompt_tokens, r.output_tokens, end)
         kv = req.kv_tokens
         home = self._choose_home(req, plan.instances)
@@ -197,7 +185,7 @@ class LoongServeSimulation(Simulation):
         self.assigned_count[d] -= 1
         if self.assigned_count[d] == 0:
             self.reserved[d] = False
-            self.pool.queue_times[d] = max(self.pool.queue_times[d], now)
+            self.control.queue.hold([d], now)
             self.prefill.free_at[d] = max(self.prefill.free_at[d], now)
 
     def _step_done(self, now: float, inst: DecodeInstanceSim) -> None:
@@ -209,8 +197,7 @@ class LoongServeSimulation(Simulation):
 
 
 def run_loongserve(spec, cluster: ClusterSpec, requests: list[SimRequest], execution=None):
-    from tetris.sim.contract import decode_step_fn
-    step = decode_step_fn(cluster)
+    step = DecodeLatencyModel.for_model(cluster.model).step_time
     sim = LoongServeSimulation(requests, cluster=cluster, decode_step=step, record=spec.record,
                                workload=spec.workload, seed=spec.seed, rate=spec.rate,
                                execution=execution)

@@ -1,6 +1,6 @@
 """The prefill pool as the simulator executes it.
 
-The scheduler commits a plan to its ``PoolState`` (its belief about queue times); this module
+The control plane commits a plan to its ``PrefillQueue`` (its belief about queue times); this module
 runs the plan on the simulated instances by the pool's own rule, independent of the plan's
 expected times: a chunk starts when every member of its group is free and the request's previous
 chunk is done, and lasts what the latency model says for ``(sp, history, chunk)``. Instances run

@@ -65,6 +65,8 @@ def profile_rates(model: str, workload: str, rates: Sequence[float],
 
 def save_table(path: str | Path, rates: list[float], thetas: list[float], *, model: str,
                workload: str, note: str = "") -> Path:
-    from tetris.sim.contract import write_rate_table
-    return write_rate_table(path, rates, thetas, note or f"tetris sim profile-rate --model "
-                            f"{model} --workload {workload}: θ with the lowest mean TTFT per rate")
+    from tetris.scheduler.rate import ImprovementRateTable
+
+    note = note or (f"tetris sim profile-rate --model {model} --workload {workload}: "
+                    f"θ with the lowest mean TTFT per rate")
+    return ImprovementRateTable(rates, thetas, description=note).save(path)
