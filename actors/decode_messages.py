@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import msgspec
 
-from tetris.actors.token_ids import TokenIds
 from tetris.engine.engine import EngineStats
 from tetris.engine.request import OutputDelta
 from tetris.errors import InstanceLost
 from tetris.sampling_params import SamplingParams
+from tetris.token_ids import TokenIds
 
 __all__ = ["Reserve", "Commit", "Add", "Abort", "Command", "Rejected", "Failed", "StepReply",
            "RankHeld", "DecodeFull", "DecodeError", "DecodeInstanceLost", "KVTransferFailed"]

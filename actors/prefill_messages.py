@@ -22,10 +22,10 @@ from typing import Literal
 
 import msgspec
 
-from tetris.actors.token_ids import TokenIds
 from tetris.actors.zigzag import Ranges
 from tetris.errors import InstanceLost, PlanOutdated
 from tetris.sampling_params import SamplingParams
+from tetris.token_ids import TokenIds
 
 __all__ = [
     "BalanceMode",
@@ -81,7 +81,7 @@ class ChunkTask(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     chunk_positions: tuple[Ranges, ...]   # per ring member: its zigzag share of the chunk
     history: tuple[Ranges, ...]           # per ring member: history it holds after balancing
     moves: tuple[Move, ...] = ()
-    # this member's tokens in position order: an int32 array('i') (actors/token_ids.py), empty
+    # this member's tokens in position order: an int32 array('i') (tetris/token_ids.py), empty
     # when the executor is emulated; never msgspec-encoded (tasks travel pickled, by Ray)
     token_ids: TokenIds = msgspec.field(default_factory=lambda: TokenIds("i"))
     balance: BalanceMode = "overlap"

@@ -6,9 +6,9 @@ from array import array
 
 import pytest
 
-from tetris.actors.token_ids import compact_tokens
 from tetris.engine.request import Sequence, Tokens
 from tetris.sampling_params import SamplingParams
+from tetris.token_ids import compact_tokens
 
 
 def _seq(prompt) -> Sequence:

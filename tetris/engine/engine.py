@@ -15,7 +15,6 @@ from collections.abc import Sequence as Seq
 
 import msgspec
 
-from tetris.actors.token_ids import compact_tokens
 from tetris.engine.batcher import Batcher
 from tetris.engine.block_manager import BlockManager, OutOfBlocksError
 from tetris.engine.kv_cache import KVCache
@@ -23,6 +22,7 @@ from tetris.engine.model_runner import ModelRunner
 from tetris.engine.request import FinishReason, RequestOutput, Sequence, SequenceStatus
 from tetris.engine.sampling import check_stop, sample
 from tetris.sampling_params import SamplingParams
+from tetris.token_ids import compact_tokens
 
 __all__ = ["LLMEngine", "EngineStats"]
 

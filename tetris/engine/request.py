@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from tetris.actors.token_ids import compact_tokens
 from tetris.sampling_params import SamplingParams
+from tetris.token_ids import compact_tokens
 
 if TYPE_CHECKING:
     import torch

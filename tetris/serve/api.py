@@ -186,7 +186,7 @@ def _prepare(backend: GenerationBackend, req, prompt: list[int], kind: str,
         gen = GenerateRequest(request_id=f"{prefix}-{uuid.uuid4().hex}",
                               prompt_token_ids=prompt, sampling=sampling, stream=req.stream,
                               include_usage=include_usage, arrival_time=time.monotonic())
-    except ValueError as e:   # an id past int32 cannot even travel (actors/token_ids.py)
+    except ValueError as e:   # an id past int32 cannot even travel (tetris/token_ids.py)
         raise ProtocolError(f"prompt: {e}", param="prompt") from None
     return _Prepared(gen, int(time.time()), kind)
 

@@ -34,13 +34,13 @@ import msgspec
 from ray import serve
 
 from tetris.actors.process_env import runtime_env
-from tetris.actors.token_ids import compact_tokens
 from tetris.config import DeploymentConfig, load_deployment
 from tetris.engine.request import Transcript
 from tetris.errors import InstanceLost, InstanceReplacing, PlanOutdated
 from tetris.serve.backend import Overloaded
 from tetris.serve.protocol import GenerateRequest
 from tetris.serve.types import Generation, GenerationDelta, GenerationRequest
+from tetris.token_ids import compact_tokens
 
 __all__ = ["build_app", "app_builder", "APP_NAME", "Ingress", "DispatcherServer",
            "PrefillPoolServer", "DecodePoolServer"]
@@ -562,7 +562,7 @@ class Ingress:
             ids = self.backend.tokenizer.encode(request.prompt, add_bos=True) if request.prompt else []
         else:
             ids = request.prompt_token_ids
-        # The edge: from here on the prompt is one int32 buffer (actors/token_ids.py).
+        # The edge: from here on the prompt is one int32 buffer (tetris/token_ids.py).
         ids = compact_tokens(ids)
         try:
             validate_generation(self.backend, ids, request.sampling)

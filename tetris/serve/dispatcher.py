@@ -53,7 +53,6 @@ from typing import Any, Protocol
 
 import msgspec
 
-from tetris.actors.token_ids import TokenIds, compact_tokens
 from tetris.config import DeploymentConfig
 from tetris.engine.request import OutputDelta
 from tetris.errors import InstanceLost, InstanceReplacing, PlanOutdated
@@ -67,6 +66,7 @@ from tetris.serve.backend import Overloaded
 from tetris.serve.first_token import EarlyFirstToken, StreamCursor
 from tetris.serve.metrics import ServingMetrics
 from tetris.serve.protocol import GenerateRequest
+from tetris.token_ids import TokenIds, compact_tokens
 
 __all__ = ["Dispatcher", "LiveQueue", "PrefillClient", "DecodeClient", "RequestTimeline",
            "DEFAULT_PROFILE"]
@@ -314,7 +314,7 @@ class Dispatcher:
         up (waiting up to ``retry_wait_s`` for one), and resumed from the output tokens its
         client already has (``_attempt``). The client sees one stream, each token once.
         """
-        # The prompt stays the request's int32 array on every hop (actors/token_ids.py).
+        # The prompt stays the request's int32 array on every hop (tetris/token_ids.py).
         rid, prompt = req.request_id, req.prompt_token_ids
         if rid in self._inflight:
             raise ValueError(f"request {rid!r} is already running")

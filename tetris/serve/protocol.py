@@ -14,8 +14,8 @@ from typing import Any, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
-from tetris.actors.token_ids import TokenIds, compact_tokens
 from tetris.sampling_params import SamplingParams
+from tetris.token_ids import TokenIds, compact_tokens
 
 __all__ = [
     "ProtocolError",

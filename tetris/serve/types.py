@@ -24,8 +24,8 @@ from collections.abc import Sequence
 
 import msgspec
 
-from tetris.actors.token_ids import compact_tokens
 from tetris.sampling_params import SamplingParams
+from tetris.token_ids import compact_tokens
 
 __all__ = ["GenerationRequest", "Generation", "GenerationDelta"]
 

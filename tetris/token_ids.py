@@ -1,6 +1,7 @@
 """Prompt token ids as they travel between Tetris processes: one int32 buffer.
 
-Imports nothing heavy (no torch, no Ray): the ingress, the dispatcher and the actors share it.
+A contract: imports nothing heavy (no torch, no Ray); the engine, the ingress, the dispatcher
+and the actors share it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Prompt token ids between processes: one int32 buffer (actors/token_ids.py)."""
+"""Prompt token ids between processes: one int32 buffer (tetris/token_ids.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from array import array
 import numpy as np
 import pytest
 
-from tetris.actors.token_ids import compact_tokens, token_slices
+from tetris.token_ids import compact_tokens, token_slices
 from tetris.actors.zigzag import ranges_to_list, zigzag_layout
 
 
