@@ -40,13 +40,12 @@ from tetris.actors.decode_messages import (Abort, Add, Command, Commit, DecodeEr
                                            StepReply)
 from tetris.actors.decode_rank import DecodeRankActor
 from tetris.actors.placement import PLACEMENT_TIMEOUT_S, Placement, place_decode
-from tetris.config import DeploymentConfig
+from tetris.config import DeploymentConfig, TransferConfig
 from tetris.engine.engine import EngineStats
 from tetris.engine.request import OutputDelta
 from tetris.sampling_params import SamplingParams
 from tetris.token_ids import compact_tokens
 from tetris.transfer.messages import AgentInfo
-from tetris.transfer.states import TransferConfig
 
 __all__ = ["DecodeInstance", "DecodeFull", "DecodeError", "DecodeInstanceLost"]
 

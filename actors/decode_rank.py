@@ -36,12 +36,11 @@ import torch.distributed as dist
 from tetris.actors.decode_messages import (Abort, Add, Command, Commit, Failed, RankHeld, Rejected,
                                            Reserve, StepReply)
 from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
-from tetris.config import DeploymentConfig
+from tetris.config import DeploymentConfig, TransferConfig
 from tetris.engine.engine import EngineStats, LLMEngine
 from tetris.engine.request import OutputDelta
 from tetris.transfer.messages import AgentInfo, ControlMessage
-from tetris.transfer.states import (MessageRejected, RequestReady, TransferConfig, TransferEvent,
-                                    TransferFailed)
+from tetris.transfer.states import MessageRejected, RequestReady, TransferEvent, TransferFailed
 
 __all__ = ["DecodeRank", "DecodeRankActor", "EngineBlocks"]
 

@@ -53,13 +53,12 @@ from tetris.actors.prefill_messages import (
     PrefillWorkerLost,
 )
 from tetris.actors.prefill_worker import PrefillWorkerActor
-from tetris.config import DeploymentConfig
+from tetris.config import DeploymentConfig, TransferConfig
 from tetris.errors import InstanceReplacing
 from tetris.plan import PlanError, PrefillPlan
 from tetris.sampling_params import SamplingParams
 from tetris.token_ids import TokenIds, compact_tokens, token_slices
 from tetris.transfer.messages import AgentInfo
-from tetris.transfer.states import TransferConfig
 
 __all__ = ["PrefillPool", "free_port"]
 

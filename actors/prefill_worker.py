@@ -30,9 +30,9 @@ from tetris.actors.kv_store import PagedKVStore
 from tetris.actors.prefill_messages import ChunkResult, ChunkTask
 from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
 from tetris.actors.world import World
-from tetris.config import ModelConfig, PrefillConfig
+from tetris.config import ModelConfig, PrefillConfig, TransferConfig
 from tetris.transfer.messages import AgentInfo, ControlMessage
-from tetris.transfer.states import ShardSent, TransferConfig, TransferEvent, TransferFailed
+from tetris.transfer.states import ShardSent, TransferEvent, TransferFailed
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from tetris.config import TransferConfig
 from tetris.transfer.backends import make_agent
 from tetris.transfer.endpoints import ReceiverEndpoint, SenderEndpoint
 from tetris.transfer.messages import AgentInfo, Grant, RegionDesc
-from tetris.transfer.states import TransferConfig
 
 __all__ = ["run_transfer_bench", "WriteTarget", "Writer"]
 

@@ -19,12 +19,13 @@ from collections.abc import Sequence
 
 import torch
 
+from tetris.config import TransferConfig
 from tetris.kernels.kv_pack import pack_kv
 from tetris.transfer.backends import make_agent
 from tetris.transfer.messages import AgentInfo, ControlMessage, Envelope
 from tetris.transfer.receive_manager import ReceiveManager, SimpleBlockAllocator
 from tetris.transfer.send_manager import SendManager
-from tetris.transfer.states import TransferConfig, TransferEvent
+from tetris.transfer.states import TransferEvent
 
 __all__ = ["SenderEndpoint", "ReceiverEndpoint"]
 

@@ -35,9 +35,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tetris.config import TransferConfig
 from tetris.kernels.kv_pack import positions_to_slots
 from tetris.transfer.messages import Handshake, RegionDesc
-from tetris.transfer.states import TransferConfig, TransferState
+from tetris.transfer.states import TransferState
 
 __all__ = ["IncomingShard", "IncomingRequest", "ReceiveBackend", "assign_backends", "shard_positions"]
 

@@ -19,14 +19,15 @@ from typing import Protocol
 
 import torch
 
+from tetris.config import TransferConfig
 from tetris.kernels.kv_pack import packed_bytes_per_token, scatter_kv
 from tetris.transfer.backends.base import TransferAgent
 from tetris.transfer.messages import (Abort, ControlMessage, Envelope, Grant, Handshake, LayersReady, PieceNotice,
                                       TransferError, decode_notice)
 from tetris.transfer.protocol import (IncomingRequest, IncomingShard, ReceiveBackend, assign_backends,
                                       shard_positions)
-from tetris.transfer.states import (ChunkArrived, MessageRejected, RequestReady, TransferConfig,
-                                    TransferEvent, TransferFailed, TransferState)
+from tetris.transfer.states import (ChunkArrived, MessageRejected, RequestReady, TransferEvent,
+                                    TransferFailed, TransferState)
 
 __all__ = ["ReceiveManager", "BlockAllocator", "SimpleBlockAllocator"]
 

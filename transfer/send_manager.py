@@ -23,12 +23,12 @@ from collections.abc import Sequence
 
 import torch
 
+from tetris.config import TransferConfig
 from tetris.kernels.kv_pack import packed_bytes_per_token
 from tetris.transfer.backends.base import TransferAgent
 from tetris.transfer.messages import (Abort, ControlMessage, Envelope, Grant, Handshake, LayersReady, PieceNotice,
                                       TokenRange, TransferError, encode_notice)
-from tetris.transfer.states import (ActivationGo, ShardSent, TransferConfig, TransferEvent, TransferFailed,
-                                    TransferState)
+from tetris.transfer.states import ActivationGo, ShardSent, TransferEvent, TransferFailed, TransferState
 from tetris.transfer.traffic import LinkChunk, LinkScheduler, TrafficClass
 
 __all__ = ["SendManager", "ShardKey"]

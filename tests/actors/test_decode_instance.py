@@ -16,7 +16,7 @@ from tetris.actors.decode_instance import DecodeError, DecodeFull, DecodeInstanc
 from tetris.actors.decode_messages import KVTransferFailed
 from tetris.errors import InstanceLost
 from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
-from tetris.config import DecodeConfig, DeploymentConfig, ModelConfig
+from tetris.config import DecodeConfig, DeploymentConfig, ModelConfig, TransferConfig
 from tetris.engine.engine import LLMEngine
 from tetris.engine.request import OutputDelta
 from tetris.kernels.attention import attention_with_lse
@@ -25,7 +25,7 @@ from tetris.sampling_params import SamplingParams
 from tetris.transfer.backends import make_agent, nixl_unavailable_reason
 from tetris.transfer.messages import Grant
 from tetris.transfer.send_manager import SendManager
-from tetris.transfer.states import ShardSent, TransferConfig, TransferFailed
+from tetris.transfer.states import ShardSent, TransferFailed
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 

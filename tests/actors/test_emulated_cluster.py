@@ -9,12 +9,11 @@ import torch
 
 from tetris.actors.emulated_decode import (PLACEHOLDER_TOKEN, WIRE_HEAD_DIM, EmulatedDecodeEngine,
                                            decode_model_spec)
-from tetris.config import load_deployment
+from tetris.config import TransferConfig, load_deployment
 from tetris.sampling_params import SamplingParams
 from tetris.scheduler.decode_latency import LLAMA3_8B, DecodeLatencyModel
 from tetris.transfer.backends import make_agent
 from tetris.transfer.backends.emulated import EmulatedAgent
-from tetris.transfer.states import TransferConfig
 
 PAPER = "paper-llama3-8b-emulated.toml"
 

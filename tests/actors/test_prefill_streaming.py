@@ -14,12 +14,12 @@ import torch
 
 from tetris.actors.prefill_messages import ChunkTask, PrefillError
 from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
-from tetris.config import ModelConfig, load_deployment
+from tetris.config import ModelConfig, TransferConfig, load_deployment
 from tetris.kernels.kv_pack import pack_kv
 from tetris.plan import Chunk, PrefillPlan
 from tetris.transfer.backends import make_agent, nixl_unavailable_reason
 from tetris.transfer.receive_manager import ReceiveManager, SimpleBlockAllocator
-from tetris.transfer.states import RequestReady, TransferConfig, TransferFailed
+from tetris.transfer.states import RequestReady, TransferFailed
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 

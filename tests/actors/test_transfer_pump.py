@@ -120,7 +120,7 @@ def test_real_managers_ask_for_polling_only_while_a_piece_can_land():
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "transfer"))
     from transfer_helpers import HKV, LAYERS, D, Cluster, source_kv
 
-    from tetris.transfer.states import TransferConfig
+    from tetris.config import TransferConfig
 
     cfg = TransferConfig(num_backends=1, pool_size=1, backend_buffer_bytes=1024, backend_slots=4,
                          send_buffer_bytes=1024, bulk_chunk_bytes=1024)

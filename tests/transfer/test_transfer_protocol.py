@@ -7,11 +7,12 @@ import pytest
 import torch
 from transfer_helpers import HKV, LAYERS, D, Cluster, source_kv
 
+from tetris.config import TransferConfig
 from tetris.kernels.kv_pack import pack_kv
 from tetris.transfer.messages import (Abort, Grant, Handshake, PieceNotice, TokenRange, TransferError,
                                       encode_notice)
-from tetris.transfer.states import (ChunkArrived, MessageRejected, RequestReady, ShardSent, TransferConfig,
-                                    TransferFailed, TransferState)
+from tetris.transfer.states import (ChunkArrived, MessageRejected, RequestReady, ShardSent, TransferFailed,
+                                    TransferState)
 
 SMALL = TransferConfig(num_backends=2, pool_size=3, backend_buffer_bytes=1024, send_buffer_bytes=1024,
                        bulk_chunk_bytes=512, timeout_s=1.0, abort_grace_s=0.05)

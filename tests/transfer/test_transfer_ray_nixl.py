@@ -8,9 +8,10 @@ import time
 import pytest
 import torch
 
+from tetris.config import TransferConfig
 from tetris.transfer.backends import nixl_unavailable_reason
 from tetris.transfer.endpoints import ReceiverEndpoint, SenderEndpoint
-from tetris.transfer.states import MessageRejected, RequestReady, TransferConfig, TransferFailed
+from tetris.transfer.states import MessageRejected, RequestReady, TransferFailed
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
 

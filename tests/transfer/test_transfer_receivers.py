@@ -8,12 +8,13 @@ import itertools
 import pytest
 import torch
 
+from tetris.config import TransferConfig
 from tetris.kernels.kv_pack import pack_kv
 from tetris.transfer.backends import InProcAgent
 from tetris.transfer.messages import TransferError
 from tetris.transfer.receive_manager import ReceiveManager, SimpleBlockAllocator
 from tetris.transfer.send_manager import SendManager
-from tetris.transfer.states import RequestReady, ShardSent, TransferConfig, TransferFailed, TransferState
+from tetris.transfer.states import RequestReady, ShardSent, TransferFailed, TransferState
 
 LAYERS, HKV, D, BS, BLOCKS = 2, 4, 8, 4, 16
 CFG = TransferConfig(num_backends=2, pool_size=2, backend_buffer_bytes=512, send_buffer_bytes=512,

@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 from transfer_helpers import HKV, LAYERS, D, Cluster, source_kv
 
+from tetris.config import TransferConfig
 from tetris.transfer.messages import Grant
-from tetris.transfer.states import ChunkArrived, RequestReady, TransferConfig
+from tetris.transfer.states import ChunkArrived, RequestReady
 
 SENDERS, BACKENDS = 8, 2
 PROMPT, SPLIT = 16, 8     # chunk 0 = [0, 8) on 2 senders, chunk 1 = [8, 16) on 4 senders

@@ -7,7 +7,8 @@ import pytest
 import torch
 from transfer_helpers import HKV, LAYERS, D, Cluster, source_kv
 
-from tetris.transfer.states import ActivationGo, TransferConfig
+from tetris.config import TransferConfig
+from tetris.transfer.states import ActivationGo
 from tetris.transfer.traffic import LinkScheduler, TrafficClass
 
 

@@ -6,11 +6,11 @@ import itertools
 
 import torch
 
+from tetris.config import TransferConfig
 from tetris.kernels.kv_pack import pack_kv
 from tetris.transfer.backends import InProcAgent
 from tetris.transfer.receive_manager import ReceiveManager, SimpleBlockAllocator
 from tetris.transfer.send_manager import SendManager
-from tetris.transfer.states import TransferConfig
 
 _names = itertools.count()
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
+from tetris.config import TransferConfig
 from tetris.transfer.backends.base import BackendCapabilities, TransferAgent, WriteStatus
 from tetris.transfer.backends.inproc import InProcAgent
-from tetris.transfer.states import TransferConfig
 
 __all__ = ["make_agent", "TransferAgent", "BackendCapabilities", "WriteStatus", "InProcAgent",
            "nixl_unavailable_reason"]
