@@ -137,7 +137,7 @@ class PrefillWorker:
                 raise ValueError("the emulated executor needs a latency profile")
             timing = load_profile(profile)
             if prefill_cfg.emulated_measurements is not None:
-                from tetris.sim.execution import execution_latency
+                from tetris.scheduler.execution import execution_latency
 
                 timing = execution_latency("measured", timing, prefill_cfg.emulated_measurements)
             self.executor = EmulatedExecutor(timing, model_cfg, tp_size=prefill_cfg.tp_size)

@@ -3,7 +3,7 @@
 
 The scheduler always plans with its fitted profile (Eq. 1). ``--execution profile`` executes
 chunks at the fit too (plans come true exactly); ``measured`` executes them at the profile's
-measurements (8B: the paper's Table 1, ``tetris.sim.execution``), which no policy sees. Both
+measurements (8B: the paper's Table 1, ``tetris.scheduler.execution``), which no policy sees. Both
 are run side by side here, on the same arrivals, per seed, with the capacity definition of
 ``tetris.sim.experiments``. Disaggregated policies are simulated prefill-only (their TTFT
 does not depend on decode); LoongServe (unified) with decode.

@@ -61,7 +61,7 @@ def scale_deployment(cfg: DeploymentConfig, time_scale: float, workdir: Path) ->
                    attention=time_scale, overhead=time_scale).save(path)
     if pc.emulated_measurements is not None:
         # scaled alike, so that the workers' measured/fit ratio stays what it was
-        from tetris.sim.execution import write_scaled_table
+        from tetris.scheduler.execution import write_scaled_table
 
         table = write_scaled_table(pc.emulated_measurements, time_scale,
                                    workdir / f"measurements-x{time_scale:g}.csv")
@@ -140,7 +140,7 @@ def simulate(cfg: DeploymentConfig, requests) -> dict:
     # the hardware the emulated workers stand for: the profile, or its measurements
     execution = None
     if cfg.prefill.emulated_measurements is not None:
-        from tetris.sim.execution import execution_latency
+        from tetris.scheduler.execution import execution_latency
 
         execution = execution_latency("measured", latency, cfg.prefill.emulated_measurements)
     control = ControlPlane(policy, PrefillQueue(cluster.node_of()),

@@ -114,7 +114,7 @@ class PrefillConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     executor: Literal["model", "emulated"] = "model"
     # EMULATION only: a measurement table (CSV of the profile's format, a path or a file in
     # configs/profiles/) whose times the emulated workers wait instead of the profile's
-    # prediction, while the dispatcher still plans on the profile (tetris.sim.execution,
+    # prediction, while the dispatcher still plans on the profile (tetris.scheduler.execution,
     # docs/emulation.md): the live control plane then meets plans that miss, as on hardware.
     emulated_measurements: str | None = None
     block_size: int = 16

@@ -193,7 +193,7 @@ def _tenfold_table(path, profile):
 
 
 def test_emulated_chunk_waits_the_measured_time_when_given_measurements(tmp_path):
-    from tetris.sim.execution import execution_latency
+    from tetris.scheduler.execution import execution_latency
 
     profile = load_profile(PROFILE)
     timing = execution_latency("measured", profile, _tenfold_table(tmp_path / "m.csv", profile))
@@ -219,7 +219,7 @@ def test_emulated_measurements_need_the_emulated_executor():
 
 def test_a_time_scaled_deployment_scales_its_measurements_alike(tmp_path):
     from tetris.bench_fidelity import scale_deployment
-    from tetris.sim.execution import execution_latency
+    from tetris.scheduler.execution import execution_latency
 
     cfg = load_deployment("paper-llama3-8b-emulated.toml")
     table = "paper_table1_llama3_8b_a100.csv"

@@ -47,7 +47,7 @@ def test_the_simulated_side_runs_the_measurements_the_workers_wait(tmp_path):
     import msgspec
 
     from tetris.scheduler.latency import load_profile
-    from tetris.sim.execution import execution_latency
+    from tetris.scheduler.execution import execution_latency
 
     table = "paper_table1_llama3_8b_a100.csv"
     cfg = load_deployment("paper-llama3-8b-emulated.toml")

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from tetris.cli.main import main
+from tetris.scheduler.execution import MeasuredLatency, execution_latency, measurements_path
 from tetris.scheduler.latency import (LatencySample, PrefillLatencyModel, ProfileError,
                                       SpCoefficients, load_profile, read_table_csv)
-from tetris.sim.execution import MeasuredLatency, execution_latency, measurements_path
 from tetris.sim.experiments import RunSpec, execution_fn, light_load, run_one, throughput_ceiling
 
 TABLE = "paper_table1_llama3_8b_a100.csv"

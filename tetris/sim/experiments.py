@@ -7,7 +7,7 @@ sustains rate ``r`` when, over ``requests`` Poisson arrivals per seed and the gi
 pooled, TTFT P50 <= 25·ℓ50 and TTFT P99 <= 25·ℓ99. Its capacity is the highest such rate,
 found by bisection to ``tol`` req/s (the same requests at every rate: only time is scaled).
 
-``RunSpec.execution`` is what the simulated hardware takes per chunk (``tetris.sim.execution``):
+``RunSpec.execution`` is what the simulated hardware takes per chunk (``tetris.scheduler.execution``):
 ``"profile"``, the scheduler's own fit, or ``"measured"``, the profile's measurements. The
 light-load latencies and throughput ceilings are properties of the hardware, so they follow it.
 """
@@ -20,6 +20,7 @@ from typing import Any, Iterable, Sequence
 import msgspec
 import numpy as np
 
+from tetris.scheduler.execution import LatencyFn, execution_latency
 from tetris.scheduler.latency import PrefillLatencyModel, load_profile
 from tetris.scheduler.policies import make_policy
 from tetris.control import ControlPlane, PrefillQueue
@@ -27,7 +28,6 @@ from tetris.scheduler.decode_latency import DecodeLatencyModel
 from tetris.scheduler.rate import ImprovementRateTable, RateMonitor
 from tetris.scheduler.router import DecodeRouter
 from tetris.sim.cluster import ClusterSpec, Simulation, cluster_by_name
-from tetris.sim.execution import LatencyFn, execution_latency
 from tetris.sim.metrics import SimResult
 from tetris.sim.workload import (OUTPUT_LENGTHS, SimRequest, WORKLOADS, load_trace,
                                  output_lengths, poisson_workload, scale_to_rate)

@@ -1,4 +1,7 @@
-"""What the simulated hardware takes to run a chunk, as distinct from what the scheduler believes.
+"""What the hardware takes to run a chunk, as distinct from what the scheduler believes.
+
+Shared by the simulator (``tetris.sim``) and the emulated prefill workers
+(``actors/prefill_worker.py``), so neither imports the other; no torch, no Ray.
 
 The scheduler plans with its fitted latency model (Eq. 1, ``PrefillLatencyModel``); a real
 cluster then runs each chunk in whatever time the GPUs take. The simulator can execute either:
