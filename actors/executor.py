@@ -22,6 +22,7 @@ from tetris.actors.prefill_messages import ChunkResult, ChunkTask
 from tetris.actors.ring import RING_TAG_KIND, RingAttention
 from tetris.actors.world import PeerLink
 from tetris.actors.zigzag import normalize_ranges, ranges_len
+from tetris.engine.logprobs import token_logprob
 from tetris.sampling_params import SamplingParams
 
 __all__ = ["Executor", "ModelExecutor", "EmulatedExecutor", "sample_first_token", "message_tag"]
@@ -41,7 +42,10 @@ class FaultInjected(RuntimeError):
 def sample_first_token(logits: torch.Tensor, params: SamplingParams | None,
                        prompt_tokens: int) -> int:
     """The first output token from the last prompt token's logits [V], as the engine samples
-    it: a seeded draw is keyed by (seed, position ``prompt_tokens``) (engine/sampling.py)."""
+    it: a seeded draw is keyed by (seed, position ``prompt_tokens``) (engine/sampling.py).
+    Penalties and ``min_tokens`` need the whole prompt, which no member holds: the serving
+    layer refuses ``repetition_penalty`` and ``min_tokens`` on the cluster, and presence and
+    frequency penalties count output tokens only, of which the first token has none."""
     if params is None or params.greedy:
         return int(logits.argmax().item())
     from tetris.engine.sampling import draw, process_logits
@@ -134,12 +138,13 @@ class ModelExecutor:
                 hidden = model.layer_mlp(i, model.layer_attn_out(i, hidden, attn))
         sent = normalize_ranges([p for m in balancer.sends for p in m.positions])
         store.release(req, sent)
-        token, logits = self._first_token(task, hidden, q_pos)
+        token, logits, logprob = self._first_token(task, hidden, q_pos)
         return ChunkResult(
             request_id=req, chunk_index=task.chunk_index, instance=task.instance,
             rank=task.rank, elapsed_s=time.perf_counter() - t0,
             balance_wait_s=balancer.wait_s, balance_sent_tokens=balancer.sent_tokens,
             balance_recv_tokens=balancer.recv_tokens, first_token=token, logits=logits,
+            first_logprob=logprob,
         )
 
     def _open_shards(self, task: ChunkTask) -> list[tuple[int, slice]]:
@@ -167,11 +172,15 @@ class ModelExecutor:
     def _first_token(self, task: ChunkTask, hidden, q_pos):
         last = task.prompt_tokens - 1
         if task.chunk_index != task.num_chunks - 1 or not bool((q_pos == last).any()):
-            return None, None
+            return None, None, None
         idx = int((q_pos == last).nonzero()[0, 0])
         logits = self.model.logits(self.model.final_norm(hidden[idx: idx + 1]))[0]
         token = sample_first_token(logits, task.sampling, task.prompt_tokens)
-        return token, (logits.tolist() if task.return_logits else None)
+        logprob = None
+        if task.sampling is not None and task.sampling.logprobs is not None:
+            # from the raw logits, as the decode engine reads its tokens' (engine/logprobs.py)
+            logprob = token_logprob(logits, token, task.sampling.logprobs)
+        return token, (logits.tolist() if task.return_logits else None), logprob
 
     def _maybe_fail(self, task: ChunkTask, layer: int) -> None:
         if self.fault == (task.request_id, task.chunk_index, layer):

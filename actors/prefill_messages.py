@@ -23,6 +23,7 @@ from typing import Literal
 import msgspec
 
 from tetris.actors.zigzag import Ranges
+from tetris.engine.request import TokenLogprob
 from tetris.errors import InstanceLost, PlanOutdated
 from tetris.sampling_params import SamplingParams
 from tetris.token_ids import TokenIds
@@ -110,6 +111,7 @@ class ChunkResult(msgspec.Struct, frozen=True):
     first_token: int | None = None
     logits: list[float] | None = None
     emulated: bool = False
+    first_logprob: TokenLogprob | None = None   # when ``sampling.logprobs`` asks for it
 
 
 class PrefillResult(msgspec.Struct, frozen=True):
@@ -127,3 +129,6 @@ class PrefillResult(msgspec.Struct, frozen=True):
     # ``elapsed_s``, add up to ``turn_wait_s``.
     queued_s: float = 0.0
     turn_wait_s: float = 0.0
+    # the first token's logprobs, when the request asked for them (the decode engines report
+    # the later tokens'): ``LLMEngine.commit_prefilled`` takes them with the token
+    first_logprob: TokenLogprob | None = None

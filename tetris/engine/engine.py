@@ -19,7 +19,13 @@ from tetris.engine.batcher import Batcher
 from tetris.engine.block_manager import BlockManager, OutOfBlocksError
 from tetris.engine.kv_cache import KVCache
 from tetris.engine.model_runner import ModelRunner
-from tetris.engine.request import FinishReason, RequestOutput, Sequence, SequenceStatus
+from tetris.engine.request import (
+    FinishReason,
+    RequestOutput,
+    Sequence,
+    SequenceStatus,
+    TokenLogprob,
+)
 from tetris.engine.sampling import check_stop, sample
 from tetris.sampling_params import SamplingParams
 from tetris.token_ids import compact_tokens
@@ -220,8 +226,10 @@ class LLMEngine:
                 raise ValueError(f"{seq.request_id}: the resumed output already ends the request "
                                  f"at its token {i + 1} of {len(generated)}")
 
-    def commit_prefilled(self, request_id: str, first_token: int) -> None:
-        """The reserved prompt's KV is complete and the prefill side sampled ``first_token``.
+    def commit_prefilled(self, request_id: str, first_token: int,
+                         logprob: TokenLogprob | None = None) -> None:
+        """The reserved prompt's KV is complete and the prefill side sampled ``first_token``
+        (and computed its ``logprob`` when the request asked for logprobs).
 
         The request joins the running batch at the next step, whose outputs begin with that
         token (so a stream looks the same as for ``add_request``).
@@ -231,6 +239,11 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r} is not reserved and awaiting its KV")
         if not 0 <= int(first_token) < self.vocab_size:
             raise ValueError(f"first token {first_token} is outside the vocabulary")
+        if seq.params.logprobs is not None:
+            if logprob is None or logprob.token_id != int(first_token):
+                raise ValueError(f"request {request_id!r} asks for logprobs: its first token "
+                                 f"{first_token} needs its own from the prefill")
+            seq.pending_logprobs.append(logprob)
         seq.num_computed = seq.num_tokens
         seq.tokens.append(int(first_token))
         decode = self.tokenizer.decode if self.tokenizer is not None else None

@@ -27,6 +27,7 @@ import torch
 from tetris.engine.batcher import BatchPlan
 from tetris.engine.cuda_graphs import DecodeGraphRunner, StaticInput, default_batch_buckets
 from tetris.engine.kv_cache import KVCache
+from tetris.engine.logprobs import record_prompt_logprobs
 from tetris.engine.request import Sequence
 from tetris.kernels import dispatch
 from tetris.kernels.paged_decode import decode_meta, paged_decode_attention_meta, write_kv
@@ -155,7 +156,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run ``plan``; return logits [N, V] of the sequences that sample, in order.
+        """Run ``plan``; return logits [N, V] of the sequences that sample, in order. Prefill
+        chunks of requests that asked for prompt logprobs record them on their sequence.
 
         The logits are float32, except when every sampling sequence is greedy: then they stay
         in the model's dtype, whose argmax is the fp32 one (a [32, 32000] bf16 -> fp32 copy
@@ -171,6 +173,10 @@ class ModelRunner:
             return self.attention(layer, q, k, v, inputs)
 
         hidden = self.model.forward(inputs.input_ids, inputs.positions, attention)
+        for sched, span in zip(plan.prefills, inputs.prefills):
+            if sched.seq.prompt_logprobs is not None:   # asked for: a projection per position
+                record_prompt_logprobs(self.model, hidden, span.row, span.start, span.n,
+                                       sched.seq)
         if not inputs.sample_seqs:
             return hidden.new_empty(0, 0, dtype=torch.float32), []
         rows = hidden.index_select(0, inputs.sample_rows)

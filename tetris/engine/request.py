@@ -31,7 +31,8 @@ from tetris.token_ids import compact_tokens
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FinishReason", "SequenceStatus", "Sequence", "RequestOutput", "Tokens"]
+__all__ = ["FinishReason", "SequenceStatus", "Sequence", "RequestOutput", "Tokens", "TokenLogprob",
+           "OutputDelta", "Transcript"]
 
 
 class Tokens:
@@ -106,6 +107,19 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """Log-probabilities at one position: of the token there, and the ``top`` most likely tokens
+    as (token id, logprob), most likely first (as many as the request asked for).
+
+    Read off the raw logits (log-softmax before penalties, temperature, top-k/p: vLLM's
+    default), so they describe the model, not the sampler (``tetris.engine.logprobs``).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class RequestOutput(msgspec.Struct, frozen=True):
     """What one step produced for one request.
 
@@ -121,6 +135,11 @@ class RequestOutput(msgspec.Struct, frozen=True):
     new_text: str
     finished: bool
     finish_reason: str | None = None
+    # one per token of ``new_token_ids`` when the request asked for logprobs, else empty
+    new_logprobs: tuple[TokenLogprob, ...] = ()
+    # with ``prompt_logprobs``: once, in the first output after the prefill; the first prompt
+    # token has none (nothing precedes it)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 class OutputDelta(msgspec.Struct, frozen=True, array_like=True):
@@ -133,7 +152,8 @@ class OutputDelta(msgspec.Struct, frozen=True, array_like=True):
     ``benchmarks/bench_stream_delta.py`` on the 2-core development machine). ``num_tokens``
     counts the output tokens so far, these included: a consumer checks with it that no delta
     was lost, and needs no list of its own to know the count. ``Transcript`` rebuilds the
-    cumulative output where one is wanted (a non-streaming response).
+    cumulative output where one is wanted (a non-streaming response). ``new_logprobs`` and
+    ``prompt_logprobs`` as in ``RequestOutput``.
     """
 
     request_id: str
@@ -142,20 +162,23 @@ class OutputDelta(msgspec.Struct, frozen=True, array_like=True):
     num_tokens: int
     finished: bool = False
     finish_reason: str | None = None
+    new_logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     @classmethod
     def of(cls, out: RequestOutput) -> OutputDelta:
         return cls(out.request_id, tuple(out.new_token_ids), out.new_text, len(out.token_ids),
-                   out.finished, out.finish_reason)
+                   out.finished, out.finish_reason, out.new_logprobs, out.prompt_logprobs)
 
     def merged(self, later: OutputDelta) -> OutputDelta:
         """This delta followed by ``later`` of the same request, as one."""
         if later.request_id != self.request_id or later.num_tokens != self.num_tokens + len(later.new_token_ids):
             raise ValueError(f"delta of {later.request_id} at {later.num_tokens} tokens does not "
                              f"follow {self.request_id} at {self.num_tokens}")
+        prompt = self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs
         return OutputDelta(self.request_id, self.new_token_ids + later.new_token_ids,
                            self.new_text + later.new_text, later.num_tokens, later.finished,
-                           later.finish_reason)
+                           later.finish_reason, self.new_logprobs + later.new_logprobs, prompt)
 
 
 class Transcript:
@@ -166,6 +189,8 @@ class Transcript:
         self._text: list[str] = []
         self.finished = False
         self.finish_reason: str | None = None
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     def add(self, delta: OutputDelta) -> None:
         """Take the next delta (its ``num_tokens`` must follow on)."""
@@ -173,6 +198,9 @@ class Transcript:
             raise ValueError(f"{delta.request_id}: a delta ending at {delta.num_tokens} tokens "
                              f"follows {len(self.token_ids)} (an output was lost)")
         self.token_ids.extend(delta.new_token_ids)
+        self.logprobs.extend(delta.new_logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.new_text:
             self._text.append(delta.new_text)
         self.finished, self.finish_reason = delta.finished, delta.finish_reason
@@ -226,6 +254,13 @@ class Sequence:
         # string (it would be trimmed later), so up to len(longest stop) - 1 chars wait.
         self.hold_back = max((len(s) for s in params.stop), default=1) - 1
         self.num_preemptions = 0
+        # Logprobs of sampled tokens not yet reported (``to_output`` hands them on), and of the
+        # prompt: position 0 has none; filled chunk by chunk as the prefill computes them.
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            None if params.prompt_logprobs is None else [None])
+        self.prompt_logprobs_sent = False
+        self.seen_prompt_ids: torch.Tensor | None = None   # engine/penalties.py, computed once
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -260,6 +295,7 @@ class Sequence:
                 ready -= 1
         new_text = self.text[self.text_sent:max(ready, self.text_sent)]
         self.text_sent = max(ready, self.text_sent)
+        new_logprobs, self.pending_logprobs = tuple(self.pending_logprobs), []
         return RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,
@@ -269,7 +305,17 @@ class Sequence:
             new_text=new_text,
             finished=self.is_finished,
             finish_reason=self.finish_reason.value if self.finish_reason else None,
+            new_logprobs=new_logprobs,
+            prompt_logprobs=self._take_prompt_logprobs(),
         )
+
+    def _take_prompt_logprobs(self) -> tuple[TokenLogprob | None, ...] | None:
+        """The prompt's logprobs once all are computed, in one output only."""
+        lp = self.prompt_logprobs
+        if lp is None or self.prompt_logprobs_sent or len(lp) < self.num_prompt_tokens:
+            return None
+        self.prompt_logprobs_sent = True
+        return tuple(lp)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "

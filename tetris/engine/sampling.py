@@ -1,9 +1,12 @@
 """Token sampling and stop conditions.
 
 Greedy rows take the argmax. Random rows apply temperature, then top-k, then top-p (nucleus:
-the smallest set of most likely tokens whose probability reaches ``top_p``), then draw. Every
-row is processed on its own, so a request's tokens for a given seed do not depend on which
-other requests share its batch.
+the smallest set of most likely tokens whose probability reaches ``top_p``), then min-p (tokens
+less likely than ``min_p`` times the most likely one are dropped), then draw. A request with
+penalties or ``min_tokens`` has its row processed first (``engine/penalties.py``), greedy or
+not. Every row is processed on its own, so a request's tokens for a given seed do not depend on
+which other requests share its batch. A request that asks for ``logprobs`` gets them from the
+raw row (``engine/logprobs.py``) in ``seq.pending_logprobs``.
 
 A seeded draw is keyed by (seed, position): the token at position ``p`` of the sequence
 (prompt and output counted together) is drawn from a generator seeded with
@@ -23,12 +26,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
+import functools
+
 import torch
 
+from tetris.engine.logprobs import token_logprob
+from tetris.engine.penalties import penalize
 from tetris.engine.request import FinishReason, Sequence
 from tetris.sampling_params import SamplingParams
 
-__all__ = ["sample", "greedy_tokens", "process_logits", "check_stop", "position_seed", "draw"]
+__all__ = ["sample", "greedy_tokens", "process_logits", "check_stop", "position_seed", "draw",
+           "text_decoder"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -57,7 +65,7 @@ def draw(probs: torch.Tensor, seed: int | None, position: int,
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities [V] float32 after temperature, top-k and top-p, for one random row.
+    """Probabilities [V] float32 after temperature, top-k, top-p and min-p, for one random row.
 
     logits: [V]. Filtered tokens get probability exactly 0.
     """
@@ -69,6 +77,10 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     probs = torch.softmax(scaled, dim=-1)
     if params.top_p < 1.0:
         probs = _top_p(probs, params.top_p, params.top_k)
+    if params.min_p > 0.0:
+        # relative to the most likely token, which top-k and top-p always keep
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+        probs = probs / probs.sum()
     return probs
 
 
@@ -124,48 +136,67 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
     if logits.shape[0] != len(seqs):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(seqs)} sequences")
     greedy: list[int] = []
-    if any(seq.params.greedy for seq in seqs):
+    if any(seq.params.greedy and not seq.params.penalized for seq in seqs):
         greedy = greedy_tokens(logits).tolist()
     tokens = []
     for row, seq in enumerate(seqs):
-        if seq.params.greedy:
-            tokens.append(greedy[row])
-            continue
-        if seq.generator is None and seq.seed is not None:
-            seq.generator = torch.Generator(device="cpu")
-        # the token drawn now takes position num_tokens
-        tokens.append(draw(process_logits(logits[row], seq.params), seq.seed, seq.num_tokens,
-                           seq.generator))
+        params = seq.params
+        processed = penalize(logits[row], seq) if params.penalized else logits[row]
+        if params.greedy:
+            token = greedy[row] if not params.penalized else int(processed.argmax())
+        else:
+            if seq.generator is None and seq.seed is not None:
+                seq.generator = torch.Generator(device="cpu")
+            # the token drawn now takes position num_tokens
+            token = draw(process_logits(processed, params), seq.seed, seq.num_tokens,
+                         seq.generator)
+        if params.logprobs is not None:
+            seq.pending_logprobs.append(token_logprob(logits[row], token, params.logprobs))
+        tokens.append(token)
     return tokens
 
 
 def check_stop(seq: Sequence, token: int, decode) -> FinishReason | None:
     """Update ``seq.text`` for the appended ``token`` and say whether ``seq`` is done.
 
-    ``decode`` maps token ids to text (``None`` when the engine has no tokenizer). A stop token
-    ends the request and stays out of the text; a stop string is cut from the text together
-    with everything after it, as OpenAI does.
+    ``decode`` maps token ids to text (``None`` when the engine has no tokenizer; it is called
+    as ``text_decoder`` adapts it to the request). A stop token ends the request and stays out
+    of the text; a stop string is cut from the text together with everything after it, as
+    OpenAI does; with ``include_stop_str_in_output`` both stay in, only what follows is cut.
+    Before ``min_tokens`` output tokens nothing but the length limit ends the request.
     """
     params = seq.params
-    hit_stop_token = token in seq.stop_token_ids
+    num_output = len(seq.tokens) - seq.num_prompt_tokens
+    checking = num_output >= params.min_tokens
+    hit_stop_token = checking and token in seq.stop_token_ids
     reason = None
     if hit_stop_token:
         reason = FinishReason.STOP
-    elif (len(seq.tokens) - seq.num_prompt_tokens >= params.max_tokens
-          or len(seq.tokens) >= seq.max_total_tokens):
+    elif num_output >= params.max_tokens or len(seq.tokens) >= seq.max_total_tokens:
         reason = FinishReason.LENGTH
     if decode is not None:
         ids = seq.output_token_ids
         prev_len = len(seq.text)
-        append_text(seq, decode, ids[:-1] if hit_stop_token else ids, final=reason is not None)
-        if params.stop and not hit_stop_token:
+        drop_token = hit_stop_token and not params.include_stop_str_in_output
+        append_text(seq, text_decoder(decode, params), ids[:-1] if drop_token else ids,
+                    final=reason is not None)
+        if params.stop and not hit_stop_token and checking:
             # Only a match that ends in the new text is new: search from where one could start.
             start = max(0, prev_len - max(len(s) for s in params.stop) + 1)
-            cut = _first_stop(seq.text, params.stop, start)
+            cut = _first_stop(seq.text, params.stop, start, params.include_stop_str_in_output)
             if cut is not None:
                 seq.text = seq.text[:cut]
                 return FinishReason.STOP
     return reason
+
+
+def text_decoder(decode, params: SamplingParams):
+    """``decode`` as the request wants its text: special tokens skipped (the tokenizers'
+    default) or kept, with or without spaces around them."""
+    if params.skip_special_tokens:
+        return decode
+    return functools.partial(decode, skip_special_tokens=False,
+                             spaces_between_special_tokens=params.spaces_between_special_tokens)
 
 
 # Tokens of left context decoded with each new token: enough for tokenizers whose output for
@@ -192,6 +223,11 @@ def append_text(seq: Sequence, decode, ids: list[int], *, final: bool) -> None:
     seq.detok_start = max(0, len(ids) - _DETOK_WINDOW)
 
 
-def _first_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
-    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(found) if found else None
+def _first_stop(text: str, stops: tuple[str, ...], start: int, keep: bool) -> int | None:
+    """Where ``text`` is cut: at the earliest stop string found from ``start`` (at its end when
+    ``keep``; of two starting there, the first listed)."""
+    found = [(i, k) for k, i in enumerate(text.find(s, start) for s in stops) if i >= 0]
+    if not found:
+        return None
+    i, k = min(found)
+    return i + len(stops[k]) if keep else i

@@ -2,6 +2,8 @@
 
 Both expose the same surface (``Tokenizer``): ``encode(text, add_bos=True)``, ``decode(ids)``,
 ``bos_token_id``, ``eos_token_ids``, ``vocab_size`` and ``apply_chat_template(messages)``.
+``decode`` skips special tokens unless asked to keep them (``skip_special_tokens=False``,
+``spaces_between_special_tokens``: vLLM's request options).
 
 Chat templates render *without* the BOS token: the caller encodes the prompt with
 ``add_bos=True``, so a request holds exactly one BOS whether it came as a chat or as text.
@@ -49,7 +51,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str: ...
 
     def apply_chat_template(self, messages: list[dict]) -> str: ...
 
@@ -110,12 +113,34 @@ class ByteTokenizer:
                 ids.extend(piece.encode("utf-8"))
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        data = bytes(i for i in ids if 0 <= i < 256)
-        return data.decode("utf-8", errors="replace")
+    def decode(self, ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        if skip_special_tokens:
+            data = bytes(i for i in ids if 0 <= i < 256)
+            return data.decode("utf-8", errors="replace")
+        names = {i: t for t, i in self.special_ids.items()}
+        return join_special(ids, names, self.decode, spaces_between_special_tokens)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         return render_default_chat(messages)
+
+
+def join_special(ids: list[int], names: dict[int, str], decode, spaces: bool) -> str:
+    """Text of ``ids`` with special tokens kept (by ``names``: id -> text): the runs of other
+    tokens decode as usual; the pieces are joined by a space when ``spaces`` (vLLM's
+    ``spaces_between_special_tokens``), else directly."""
+    pieces, run = [], []
+    for i in ids:
+        if i in names:
+            if run:
+                pieces.append(decode(run))
+                run = []
+            pieces.append(names[i])
+        else:
+            run.append(i)
+    if run:
+        pieces.append(decode(run))
+    return (" " if spaces else "").join(pieces)
 
 
 def _token_string(value) -> str | None:
@@ -176,8 +201,13 @@ class HFTokenizer:
             ids = [self.bos_token_id] + ids
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        if skip_special_tokens:
+            return self._tok.decode(list(ids), skip_special_tokens=True)
+        names = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()
+                 if t.special}
+        return join_special(ids, names, self.decode, spaces_between_special_tokens)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         if self.chat_template is None:
