@@ -218,7 +218,7 @@ def test_emulated_measurements_need_the_emulated_executor():
 
 
 def test_a_time_scaled_deployment_scales_its_measurements_alike(tmp_path):
-    from tetris.bench_fidelity import scale_deployment
+    from tetris.bench.fidelity import scale_deployment
     from tetris.scheduler.execution import execution_latency
 
     cfg = load_deployment("paper-llama3-8b-emulated.toml")

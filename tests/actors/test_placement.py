@@ -86,7 +86,7 @@ def test_actors_start_with_two_malloc_arenas(ray_session):
 
 
 _MMAP_PROBE = """
-from tetris.heap_probe import malloc_stats
+from tetris.bench.heap_probe import malloc_stats
 a = bytearray(200_000); del a          # mapped, unmapped: glibc's default raises its threshold
 b = bytearray(200_000); del b
 before = malloc_stats()["mmapped"]

@@ -1,7 +1,9 @@
 """``tetris bench``: measured benchmarks, one subcommand each.
 
-Add a benchmark with one line in ``BENCHES`` and a ``_add_<name>`` / ``_run_<name>`` pair (or a
-module of its own); every subcommand takes ``--json`` and then prints exactly one JSON object.
+The benchmarks themselves live in ``tetris.bench`` and take their values as parameters; this
+module and ``tetris/cli/bench_<name>.py`` parse the options and print. Add a benchmark with one
+line in ``BENCHES`` and a ``_add_<name>`` / ``_run_<name>`` pair (or a module of its own); every
+subcommand takes ``--json`` and then prints exactly one JSON object.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import argparse
 import json
 import sys
 
-from tetris import bench_chaos, bench_policies, bench_soak
+from tetris.cli import bench_chaos, bench_policies, bench_soak
 from tetris.cli.args import add_emulated_trace_args, positive_int, positive_list
 
 __all__ = ["register"]
@@ -25,7 +27,7 @@ def _add_transfer(p: argparse.ArgumentParser) -> None:
 def _run_transfer(args: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
-    from tetris.transfer.bench import run_transfer_bench
+    from tetris.bench.transfer import run_transfer_bench
 
     with tqdm(total=len(args.sizes) + args.requests, desc="bench transfer", disable=args.json,
               file=sys.stderr) as bar:
@@ -58,7 +60,7 @@ def _run_fidelity(args: argparse.Namespace) -> dict:
 
     from tqdm import tqdm
 
-    from tetris.bench_fidelity import run_fidelity
+    from tetris.bench.fidelity import run_fidelity
 
     if args.time_scale <= 0:
         raise SystemExit("tetris bench fidelity: --time-scale must be positive")

@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from tetris.bench_policies import add_args, compare_orders, order, policy_deployment, run, run_policies
+from tetris.bench.policies import compare_orders, order, policy_deployment, run_policies
+from tetris.cli.bench_policies import add_args, run
 from tetris.config import load_deployment
 
 NAN = float("nan")

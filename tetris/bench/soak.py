@@ -13,13 +13,13 @@ and no actor's memory grows by more than 5% after warm-up").
 3. Memory: every ``--sample-every`` s, the memory of every actor of the app (Serve replicas,
    the Serve controller and proxy, prefill workers, decode ranks), plus one sample after the
    drain: RSS, and the private (anonymous) part of it that the criterion reads; RSS also
-   counts the pages of Ray's shared object store a process has touched (bench_soak_memory).
+   counts the pages of Ray's shared object store a process has touched (``soak_memory``).
    Growth per actor = mean of its last 3 samples / its first sample at or after warm-up - 1.
 4. Verdict: ``failed == 0`` and ``max_growth <= 5%`` (an actor lost or restarted fails the
    memory criterion too); the dispatcher's held view must be empty after the drain.
 
-The actor memory probe lives in ``tetris.bench_soak_memory``; ``add_args`` / ``run`` / ``show``
-are the ``tetris bench soak`` subcommand's parts (wired in ``tetris/cli/bench.py``).
+The actor memory probe lives in ``tetris.bench.soak_memory``; the command line of ``tetris bench
+soak`` (its options, progress bar and printout) is ``tetris/cli/bench_soak.py``.
 """
 
 from __future__ import annotations
@@ -33,13 +33,12 @@ from pathlib import Path
 
 import numpy as np
 
-from tetris.bench_fidelity import EMULATION_LABEL, scale_deployment, simulate, trace_for
-from tetris.bench_soak_memory import ActorMemory, HeapProbe, plot_rss, pool_actor_handles
+from tetris.bench.fidelity import EMULATION_LABEL, scale_deployment, simulate, trace_for
+from tetris.bench.soak_memory import ActorMemory, HeapProbe, plot_rss, pool_actor_handles
 from tetris.config import DeploymentConfig, load_deployment
 
-__all__ = ["add_args", "run", "show", "run_soak", "soak_rates", "deployment_capacity",
-           "soak_arrivals", "held_is_zero", "verdict", "OpenLoopLoad", "every", "settled_held",
-           "add_load_args", "positive_float"]
+__all__ = ["run_soak", "soak_rates", "deployment_capacity", "soak_arrivals", "held_is_zero",
+           "verdict", "OpenLoopLoad", "every", "settled_held", "MAX_GROWTH"]
 
 MAX_GROWTH = 0.05
 
@@ -87,7 +86,7 @@ def _light_load(cfg: DeploymentConfig, workload: str, n: int, seed: int) -> tupl
 def deployment_capacity(cfg: DeploymentConfig, workload: str, *, requests: int = 1000,
                         seed: int = 0, tol: float = 0.05, max_output: int = 16) -> dict:
     """Bisection for the highest rate within 25x light load (``tetris.sim.experiments.capacity``'s
-    criterion), on this deployment's cluster and fixed θ through ``bench_fidelity.simulate``."""
+    criterion), on this deployment's cluster and fixed θ through ``fidelity.simulate``."""
     from tetris.sim.experiments import SLO_FACTOR
 
     l50, l99 = _light_load(cfg, workload, requests, seed)
@@ -245,7 +244,7 @@ def run_soak(config: str | Path | None, *, workload: str = "short", capacity: fl
              capacity_requests: int = 1000, plot: str | None = None, trace_heap: bool = False,
              tick: Callable[[int], None] | None = None) -> dict:
     """The whole soak (module docstring); one JSON-ready dict."""
-    from tetris.bench_fidelity_live import LiveCluster
+    from tetris.bench.fidelity_live import LiveCluster
 
     if warmup_s < 0:
         raise ValueError(f"warm-up must be >= 0 s, got {warmup_s}")
@@ -295,125 +294,3 @@ def run_soak(config: str | Path | None, *, workload: str = "short", capacity: fl
     if plot:
         out["plot"] = str(plot_rss(actors, warmup_s, plot))
     return out
-
-
-# -- CLI: ``tetris bench soak`` (wired in tetris/cli/bench.py) -----------------------------------
-def positive_float(text: str) -> float:
-    import argparse
-
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < v < math.inf:
-        raise argparse.ArgumentTypeError(f"must be positive and finite, got {text!r}")
-    return v
-
-
-def add_load_args(p, *, load: float, duration: float) -> None:
-    """The open-loop load's options, shared by ``tetris bench soak`` and ``tetris bench chaos``."""
-    from tetris.cli.args import positive_int
-
-    p.add_argument("--config", default="paper-llama3-8b-emulated.toml",
-                   help="an emulated deployment (default: the paper's 8B cluster, emulated)")
-    p.add_argument("--workload", default="short", help="short, medium or long")
-    p.add_argument("--capacity", type=positive_float, default=None,
-                   help="capacity in req/s of paper time (default: the simulator's, searched)")
-    p.add_argument("--load", type=positive_float, default=load,
-                   help=f"fraction of capacity ({load:g})")
-    p.add_argument("--duration", type=positive_float, default=duration,
-                   help="wall seconds of load")
-    p.add_argument("--time-scale", type=positive_float, default=1.0,
-                   help="slow all emulated time and arrival gaps by this factor")
-    p.add_argument("--max-output", type=positive_int, default=16, help="cap on output tokens")
-    p.add_argument("--max-inflight", type=positive_int, default=512,
-                   help="requests out at once; the sender waits beyond it")
-    p.add_argument("--drain-timeout", type=positive_float, default=120.0,
-                   help="wall seconds to wait for requests in flight when the load stops")
-    p.add_argument("--capacity-requests", type=positive_int, default=1000,
-                   help="requests per simulated probe of the capacity search")
-    p.add_argument("--seed", type=int, default=0)
-
-
-def add_args(p) -> None:
-    add_load_args(p, load=0.7, duration=600.0)
-    p.add_argument("--warmup", type=float, default=60.0, help="wall seconds before the baseline")
-    p.add_argument("--sample-every", type=positive_float, default=10.0,
-                   help="seconds between RSS samples")
-    p.add_argument("--plot", default=None, help="write a PNG of RSS over time per actor here")
-    p.add_argument("--trace-heap", action="store_true",
-                   help="also run tracemalloc in the app's processes from warm-up end (slower; "
-                        "the output then names the allocation sites that grew)")
-
-
-def run(args) -> dict:
-    import contextlib
-    import sys
-
-    from tqdm import tqdm
-
-    # Ray's driver prints raylet warnings on stdout; --json must print one object there only.
-    with contextlib.redirect_stdout(sys.stderr), tqdm(
-            total=int(args.duration), desc="bench soak (EMULATION)", unit="s",
-            disable=args.json, file=sys.stderr) as bar:
-        try:
-            return run_soak(args.config, workload=args.workload, capacity=args.capacity,
-                            load=args.load, duration_s=args.duration, warmup_s=args.warmup,
-                            sample_every_s=args.sample_every, time_scale=args.time_scale,
-                            max_output=args.max_output, max_inflight=args.max_inflight,
-                            drain_timeout_s=args.drain_timeout, seed=args.seed,
-                            capacity_requests=args.capacity_requests, plot=args.plot,
-                            trace_heap=args.trace_heap, tick=bar.update)
-        except ValueError as e:
-            raise SystemExit(f"tetris bench soak: {e}") from None
-
-
-def show(out: dict) -> None:
-    cap, req, v = out["capacity"], out["requests"], out["verdict"]
-    print(f"{out['label']}; time scale {out['time_scale']:g}, {out['workload']} workload")
-    print(f"capacity {cap['capacity_rps']:.2f} req/s ({cap['source']}), load {out['load']:g}: "
-          f"{out['rate_rps']:.2f} req/s paper, {out['wall_rate_rps']:.3f} req/s wall, "
-          f"{out['duration_s']:g} s (warm-up {out['warmup_s']:g} s)")
-    print(f"requests sent {req['sent']}, completed {req['completed']}, failed {req['failed']}"
-          + (f" ({'; '.join(req['errors'])})" if req["errors"] else ""))
-    t = out["ttft_s"]
-    print(f"TTFT P50 {t['p50']:.3f} s, P99 {t['p99']:.3f} s (paper seconds); arrival lag P99 "
-          f"{out['arrival_lag_ms_p99']:.0f} ms")
-    print(f"{'actor':24} {'pid':>8} {'private warm':>12} {'final MiB':>10} {'growth':>8} "
-          f"{'RSS growth':>10} {'shared +MiB':>11}")
-
-    def num(v, fmt: str) -> str:
-        return "-" if v is None else format(v, fmt)
-
-    for a in out["memory"]["actors"]:
-        print(f"{a['label']:24} {a['pid']:>8} {num(a['private_warm_mib'], '.1f'):>12} "
-              f"{num(a['private_final_mib'], '.1f'):>10} "
-              f"{num(a['growth'] and a['growth'] * 100, '+.2f'):>7}% "
-              f"{num(a['rss_growth'] and a['rss_growth'] * 100, '+.2f'):>9}% "
-              f"{num(a['shared_growth_mib'], '+.1f'):>11}"
-              + (" LOST" if a["lost"] else "") + (" RESTARTED" if a["restarts"] else ""))
-    _show_heap(out["memory"].get("heap", {}), {a["label"]: a["growth"] for a in out["memory"]["actors"]})
-    print(f"held after drain: {'zero' if out['held_zero'] else out['held']}")
-    print(f"zero failed: {'PASS' if v['zero_failed'] else 'FAIL'}; max growth "
-          f"{v['max_growth'] * 100:.2f}% <= {MAX_GROWTH * 100:.0f}%: "
-          f"{'PASS' if v['memory_growth_ok'] else 'FAIL'}")
-
-
-def _show_heap(heap: dict, growth: dict) -> None:
-    """What grew inside each process whose RSS grew past the criterion (``HeapProbe.diffs``)."""
-    over = [label for label, g in growth.items() if g is not None and g > MAX_GROWTH and label in heap]
-    for label in over:
-        d = heap[label]
-        if "error" in d:
-            print(f"  heap {label}: {d['error']}")
-            continue
-        types = ", ".join(f"{t.rsplit('.', 1)[-1]} +{n}" for t, n in list(d["types_grown"].items())[:4])
-        print(f"  heap {label}: RSS {d['rss_mib']:+.1f} MiB, malloc in use "
-              f"{d.get('malloc_in_use_mib', math.nan):+.1f} MiB, malloc free "
-              f"{d.get('malloc_free_mib', math.nan):+.1f} MiB, pymalloc arenas "
-              f"{d.get('pymalloc_arenas_mib', math.nan):+.1f} MiB, objects {d['objects']:+d} ({types})")
-        if "maps_mib" in d:
-            kinds = ", ".join(f"{kind} {mib:+.1f}" for kind, mib in d["maps_mib"].items())
-            print(f"    private by mapping (MiB): {kinds}; threads {d['threads']:+d}")
-        for site in d.get("top_sites", [])[:3]:
-            print(f"    {site['size_diff'] / 2 ** 20:+.2f} MiB at {site['frames'][-1]}")

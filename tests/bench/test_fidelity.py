@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tetris.bench_fidelity import simulate, trace_for
+from tetris.bench.fidelity import simulate, trace_for
 from tetris.config import load_deployment
 
 
@@ -102,7 +102,7 @@ def test_prefill_overrun_is_measured_from_the_planning_instant():
     """The plan's TTFT estimate is a duration from when it was planned; the overrun is how much
     later than that the prefill really ended (monotonic clock values are large: a mix-up of the
     two shows as hours)."""
-    from tetris.bench_fidelity_live import LiveCluster
+    from tetris.bench.fidelity_live import LiveCluster
 
     tl = lambda rid, planned, est, end: dict(request_id=rid, arrival=planned - 0.01, planned=planned,
                                              ttft_estimate=est, prefill_end=end, first_output=end + 0.02,

@@ -165,7 +165,7 @@ def pool_actor_handles(live) -> dict[str, tuple[str, object]]:
 
 
 class HeapProbe:
-    """``tetris.heap_probe`` reports of the app's Tetris processes at warm-up end and at the end.
+    """``tetris.bench.heap_probe`` reports of the app's Tetris processes at warm-up end and at the end.
 
     ``begin`` (at the warm-up's end) takes a report in every Serve replica of the app and every
     pool actor, and with ``trace`` starts tracemalloc there first; ``end`` (after the drain)
@@ -200,7 +200,7 @@ class HeapProbe:
         replica's event loop keeps answering health checks), polled until done or timeout."""
         import ray
 
-        from tetris.heap_probe import ray_call
+        from tetris.bench.heap_probe import ray_call
 
         tokens: dict[str, str] = {}
         refs = {aid: h.__ray_call__.remote(ray_call, "submit", action=action)
@@ -250,7 +250,7 @@ class HeapProbe:
             self._call_all("trace_stop", self._handles)
 
     def diffs(self) -> dict[str, dict]:
-        from tetris.heap_probe import heap_diff
+        from tetris.bench.heap_probe import heap_diff
 
         out: dict[str, dict] = {}
 

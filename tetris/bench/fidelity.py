@@ -167,7 +167,7 @@ def run_fidelity(config: str | Path | None, *, workload: str = "short", rates: l
                  requests: int = 40, seed: int = 0, time_scale: float = 1.0, max_output: int = 16,
                  tick: Callable[[int], None] | None = None) -> dict:
     """Both runs at every rate; one dict (JSON-ready) with the comparison per rate."""
-    from tetris.bench_fidelity_live import LiveCluster
+    from tetris.bench.fidelity_live import LiveCluster
 
     base = load_deployment(config or "paper-llama3-8b-emulated.toml")
     if base.prefill.executor != "emulated" or base.decode.executor != "emulated":

@@ -11,10 +11,11 @@ import os
 import numpy as np
 import pytest
 
-from tetris import heap_probe
-from tetris.bench_soak import (add_args, deployment_capacity, held_is_zero, run, run_soak,
-                               soak_arrivals, soak_rates, verdict)
-from tetris.bench_soak_memory import rss_growth
+from tetris.bench import heap_probe
+from tetris.bench.soak import (deployment_capacity, held_is_zero, run_soak, soak_arrivals,
+                               soak_rates, verdict)
+from tetris.bench.soak_memory import rss_growth
+from tetris.cli.bench_soak import add_args, run
 from tetris.config import load_deployment
 
 
@@ -172,7 +173,7 @@ def test_private_memory_leaves_out_touched_shared_pages():
     in both."""
     from multiprocessing import shared_memory
 
-    from tetris.bench_soak_memory import _proc_memory
+    from tetris.bench.soak_memory import _proc_memory
 
     mib = 2 ** 20
     rss0, private0, shared0 = _proc_memory(os.getpid())
@@ -201,7 +202,7 @@ def test_private_memory_counts_memory_faulted_in_as_huge_pages():
     """32 MiB faulted in as a few huge pages (where the kernel gives them) show in the private
     figure at once: it walks the page tables, where the cheaper counters of /proc/PID/status can
     lag by up to 64 faults per thread on older kernels."""
-    from tetris.bench_soak_memory import _proc_memory
+    from tetris.bench.soak_memory import _proc_memory
 
     mib = 2 ** 20
     _, private0, _ = _proc_memory(os.getpid())

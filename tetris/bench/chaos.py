@@ -22,7 +22,6 @@ routed to again at the end.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import tempfile
@@ -30,12 +29,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tetris.bench_fidelity import EMULATION_LABEL, scale_deployment
-from tetris.bench_soak import (OpenLoopLoad, deployment_capacity, every, held_is_zero,
+from tetris.bench.fidelity import EMULATION_LABEL, scale_deployment
+from tetris.bench.soak import (OpenLoopLoad, deployment_capacity, every, held_is_zero,
                                settled_held, soak_arrivals, soak_rates)
 from tetris.config import load_deployment
 
-__all__ = ["add_args", "run", "show", "run_chaos", "kill_schedule", "retries_by_stage", "plot_chaos"]
+__all__ = ["run_chaos", "kill_schedule", "retries_by_stage", "stages", "plot_chaos"]
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +166,7 @@ def stages(records: list[dict], timelines: list[dict], time_scale: float) -> lis
 
 
 def _one_run(base, tmp: Path, arrivals, opts: dict, schedule: list, seed: int, tick) -> dict:
-    from tetris.bench_fidelity_live import LiveCluster
+    from tetris.bench.fidelity_live import LiveCluster
 
     with LiveCluster(scale_deployment(base, opts["time_scale"], tmp)) as live:
         load, client, kills = asyncio.run(_drive(live, arrivals, opts, schedule, seed, tick))
@@ -246,49 +245,6 @@ def run_chaos(config: str | Path | None, *, workload: str = "short", capacity: f
     return out
 
 
-# -- CLI: ``tetris bench chaos`` (wired in tetris/cli/bench.py) ----------------------------------
-def add_args(p) -> None:
-    from tetris.bench_soak import add_load_args, positive_float
-
-    add_load_args(p, load=0.5, duration=180.0)
-    p.add_argument("--kill-every", type=positive_float, default=30.0,
-                   help="wall seconds between kills (30)")
-    p.add_argument("--targets", default="prefill,decode",
-                   help="what to kill, in turn: prefill, decode or both (prefill,decode)")
-    p.add_argument("--client-retries", type=int, default=10,
-                   help="times a client sends a request again after a 429 (10)")
-    p.add_argument("--baseline", action="store_true",
-                   help="first run the same arrivals without faults, for TTFT side by side")
-    p.add_argument("--plot", default=None, metavar="PNG",
-                   help="write TTFT per request over the run, kills marked, here")
-
-
-def run(args) -> dict:
-    import sys
-
-    from tqdm import tqdm
-
-    kinds = tuple(k.strip() for k in args.targets.split(",") if k.strip())
-    runs = 2 if args.baseline else 1
-    # Ray's driver prints raylet warnings on stdout; --json must print one object there only.
-    with contextlib.redirect_stdout(sys.stderr), tqdm(
-            total=int(args.duration) * runs, desc="bench chaos (EMULATION)", unit="s",
-            disable=args.json, file=sys.stderr) as bar:
-        try:
-            out = run_chaos(args.config, workload=args.workload, capacity=args.capacity,
-                            load=args.load, duration_s=args.duration, kill_every_s=args.kill_every,
-                            kinds=kinds, time_scale=args.time_scale, max_output=args.max_output,
-                            max_inflight=args.max_inflight, drain_timeout_s=args.drain_timeout,
-                            client_retries=args.client_retries, seed=args.seed,
-                            baseline=args.baseline, capacity_requests=args.capacity_requests,
-                            tick=bar.update)
-        except ValueError as e:
-            raise SystemExit(f"tetris bench chaos: {e}") from None
-    if args.plot:
-        out["plot"] = str(plot_chaos(out, args.plot))
-    return out
-
-
 def plot_chaos(out: dict, path: str | Path) -> Path:
     """TTFT of each request against when it arrived, with and without faults, kills marked;
     a request that failed is a red cross at the top. Below, when the run has them, the
@@ -337,30 +293,3 @@ def plot_chaos(out: dict, path: str | Path) -> Path:
         ax.legend(fontsize=7, loc="lower right")
     ax.set_xlabel("arrival (wall seconds after the load began)")
     return save_figure(fig, path, dpi=110)
-
-
-def show(out: dict) -> None:
-    cap, v = out["capacity"], out["verdict"]
-    print(f"{out['label']}; time scale {out['time_scale']:g}, {out['workload']} workload")
-    print(f"capacity {cap['capacity_rps']:.2f} req/s ({cap['source']}), load {out['load']:g}: "
-          f"{out['rate_rps']:.2f} req/s, {out['duration_s']:g} s, a kill every "
-          f"{out['kill_every_s']:g} s")
-    for name, r in out["runs"].items():
-        print(f"{name}: sent {r['sent']}, completed {r['completed']}, failed {r['failed']}"
-              + (f" ({'; '.join(r['errors'])})" if r["errors"] else "")
-              + f"; TTFT P50 {r['ttft_s']['p50']:.3f} s, P99 {r['ttft_s']['p99']:.3f} s")
-        if "after_load_error" in r:
-            print(f"  the app did not answer after the load: {r['after_load_error']}")
-        elif r["kills"]:
-            print("  kills: " + ", ".join(f"{k['target']} at {k['t_s']:.0f} s" for k in r["kills"]))
-            print(f"  healed: {r['prefill_replacements']} prefill workers replaced, decode "
-                  f"restarts {r['decode_restarts']}; requests run again by stage {r['retries']}; "
-                  f"429s sent again {r['refused_then_sent_again']}")
-    if "ttft_ratio_faults_over_baseline" in out:
-        t = out["ttft_ratio_faults_over_baseline"]
-        print(f"TTFT with faults / without: P50 {t['p50']:.2f}x, P99 {t['p99']:.2f}x")
-    if "plot" in out:
-        print(f"plot: {out['plot']}")
-    print(f"zero failed: {'PASS' if v['zero_failed'] else 'FAIL'}; held after drain: "
-          f"{'zero' if v['held_zero'] else 'NOT zero'}; every decode instance up: "
-          f"{'yes' if v['decode_all_up'] else 'NO'}")

@@ -1,4 +1,4 @@
-"""``tetris.heap_probe``: what a process's memory is made of, on real allocations."""
+"""``tetris.bench.heap_probe``: what a process's memory is made of, on real allocations."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 import pytest
 import ray
 
-from tetris import heap_probe
-from tetris.heap_probe import heap_diff, heap_report, malloc_stats, ray_call, trace_start, trace_stop
+from tetris.bench import heap_probe
+from tetris.bench.heap_probe import heap_diff, heap_report, malloc_stats, ray_call, trace_start, trace_stop
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -49,7 +49,7 @@ def test_diff_names_the_kept_type_and_the_malloc_growth():
 
 _SMALL_OBJECTS = """
 import json
-from tetris.heap_probe import heap_diff, heap_report
+from tetris.bench.heap_probe import heap_diff, heap_report
 before = heap_report()
 kept = [(i, i + 1) for i in range(300_000)]   # a 56 B tuple and two 32 B ints: ~34 MiB of blocks
 during = heap_report()
@@ -80,7 +80,7 @@ def test_pymalloc_arenas_and_the_memory_map_follow_small_objects():
 
 _THREADS = """
 import json, threading, time
-from tetris.heap_probe import memory_map
+from tetris.bench.heap_probe import memory_map
 before = memory_map()
 release = threading.Event()
 held = []

@@ -8,9 +8,10 @@ import json
 
 import pytest
 
-from tetris.bench_chaos import add_args, kill_schedule, plot_chaos, retries_by_stage, run, stages
+from tetris.bench.chaos import kill_schedule, plot_chaos, retries_by_stage, stages
+from tetris.cli.bench_chaos import add_args, run
 
-from test_bench_soak import _reduced as reduced_config   # the emulated 8B cluster, cut down
+from test_soak import _reduced as reduced_config   # the emulated 8B cluster, cut down
 
 
 def test_kills_come_every_period_in_turn_and_stop_with_the_load():
