@@ -78,7 +78,9 @@ def test_streaming_concatenates_to_the_unary_text_and_ends_with_done(app):
         async with _client(app) as c:
             async with c.stream("POST", "/v1/completions", json=req) as r:
                 lines = [line async for line in r.aiter_lines() if line]
-            unary = await c.post("/v1/completions", json=req | {"stream": False})
+            # stream_options goes with stream: true only (a 400 otherwise, as in vLLM)
+            unary = await c.post("/v1/completions",
+                                 json=req | {"stream": False, "stream_options": None})
             return lines, unary.json()
 
     lines, unary = _run(go())

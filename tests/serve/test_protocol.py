@@ -38,7 +38,9 @@ def test_defaults_and_chat_max_completion_tokens():
 @pytest.mark.parametrize(
     "fields, param",
     [({"max_tokens": 0}, "max_tokens"), ({"temperature": -0.5}, "temperature"),
-     ({"top_p": 0.0}, "top_p"), ({"top_k": -1}, "top_k"), ({"n": 2}, "n")],
+     ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k"), ({"n": 0}, "n"),
+     ({"min_tokens": 99, "max_tokens": 5}, "min_tokens"), ({"min_p": 1.5}, "min_p"),
+     ({"logprobs": 21}, "logprobs"), ({"best_of": 3}, "best_of")],
 )
 def test_invalid_sampling_values_become_400_naming_the_field(fields, param):
     req = CompletionRequest(model="m", prompt="x", **fields)

@@ -1,18 +1,22 @@
 """The OpenAI-compatible HTTP API over any ``GenerationBackend``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with SSE streaming,
-``stream_options.include_usage`` and usage counts), ``GET /v1/models``, ``GET /health``,
-``GET /metrics``. Every refusal is an OpenAI error body with a 4xx status (429/503 with
-``Retry-After`` under overload), and a client that goes away mid-stream aborts its request.
+``stream_options`` and usage counts), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+A request is one or more choices (``n``, a list of prompts), each its own generation on the
+backend, run concurrently (``tetris.serve.fanout``) and rendered by ``tetris.serve.responses``.
+Every refusal is an OpenAI error body with a 4xx status (429/503 with ``Retry-After`` under
+overload), an unknown or unsupported field included (``tetris.serve.fields``), and a client
+that goes away mid-stream aborts its request's generations.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 import uuid
-from collections.abc import AsyncIterator
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -20,6 +24,9 @@ from pydantic import BaseModel, ValidationError
 
 from tetris.engine.request import OutputDelta, Transcript
 from tetris.serve.backend import GenerationBackend, Overloaded
+from tetris.serve.fanout import merged, start_all
+from tetris.serve.fields import check_backend, prompt_only, refusal_for_extra, sampling_params
+from tetris.serve.logprobs_format import TokenText
 from tetris.serve.metrics import CONTENT_TYPE, ServingMetrics
 from tetris.serve.protocol import (
     SSE_DONE,
@@ -29,8 +36,8 @@ from tetris.serve.protocol import (
     ProtocolError,
     error_body,
     sse,
-    to_sampling_params,
 )
+from tetris.serve.responses import Choice, ChoiceView, Prepared, usage
 
 __all__ = ["create_api", "validate_generation"]
 
@@ -40,19 +47,21 @@ def _error_response(err: ProtocolError) -> JSONResponse:
 
 
 def _validation_error(exc: RequestValidationError) -> ProtocolError:
-    first = exc.errors()[0] if exc.errors() else {}
+    errors = exc.errors()
+    first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         return ProtocolError(f"malformed JSON body: {first.get('msg', '')}".rstrip(": "))
+    # A field the models do not take is the most useful thing to name.
+    extra = next((e for e in errors if e.get("type") == "extra_forbidden"), None)
+    if extra is not None:
+        loc = [str(x) for x in extra.get("loc", ()) if x != "body"]
+        err = refusal_for_extra(loc[-1] if loc else "body")
+        if len(loc) > 1:   # inside a message or stream_options: name the path
+            err.param = ".".join(loc)
+        return err
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     return ProtocolError(f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}",
                          param=".".join(loc) or None)
-
-
-class _Prepared:
-    """A validated request, ready for the backend."""
-
-    def __init__(self, gen: GenerateRequest, created: int, kind: str):
-        self.gen, self.created, self.kind = gen, created, kind
 
 
 def create_api(backend: GenerationBackend, *, metrics: ServingMetrics | None = None,
@@ -64,6 +73,7 @@ def create_api(backend: GenerationBackend, *, metrics: ServingMetrics | None = N
     """
     app = FastAPI(title="Tetris", version="0.1.0")
     metrics = metrics or ServingMetrics(backend.model_name)
+    text_of = TokenText(backend.tokenizer)
 
     @app.exception_handler(RequestValidationError)
     async def _on_invalid(_: Request, exc: RequestValidationError):
@@ -89,8 +99,8 @@ def create_api(backend: GenerationBackend, *, metrics: ServingMetrics | None = N
         if inspect.isawaitable(stats):
             stats = await stats
         metrics.set_load(running=stats.get("running", 0), waiting=stats.get("waiting", 0))
-        for instance, usage in stats.get("kv_usage", {}).items():  # single-process backends
-            metrics.set_kv_usage(instance, usage)
+        for instance, kv in stats.get("kv_usage", {}).items():  # single-process backends
+            metrics.set_kv_usage(instance, kv)
         if "improvement_rate" in stats:
             metrics.set_improvement_rate(stats["improvement_rate"])
         body = metrics.render()
@@ -105,10 +115,10 @@ def create_api(backend: GenerationBackend, *, metrics: ServingMetrics | None = N
     @app.post("/v1/completions", openapi_extra=_body_ref(CompletionRequest))
     async def completions(request: Request):
         req = _parse(CompletionRequest, await request.body())
-        prepared = _prepare(backend, req, _completion_prompt(backend, req), "text_completion",
+        prepared = _prepare(backend, req, _completion_prompts(backend, req), "text_completion",
                             default_max_tokens)
         del req
-        return await _respond(backend, metrics, prepared)
+        return await _respond(backend, metrics, prepared, text_of)
 
     @app.post("/v1/chat/completions", openapi_extra=_body_ref(ChatCompletionRequest))
     async def chat(request: Request):
@@ -119,9 +129,10 @@ def create_api(backend: GenerationBackend, *, metrics: ServingMetrics | None = N
         except ValueError as e:
             raise ProtocolError(str(e), param="messages") from None
         prompt = backend.tokenizer.encode(text, add_bos=True)
-        prepared = _prepare(backend, req, prompt, "chat.completion", default_max_tokens)
+        prepared = _prepare(backend, req, [(prompt, None)], "chat.completion",
+                            default_max_tokens)
         del req, messages, text, prompt
-        return await _respond(backend, metrics, prepared)
+        return await _respond(backend, metrics, prepared, text_of)
 
     _document_bodies(app, (CompletionRequest, ChatCompletionRequest))
     return app
@@ -159,42 +170,75 @@ def _document_bodies(app: FastAPI, models: tuple[type[BaseModel], ...]) -> None:
     app.openapi = openapi
 
 
-def _completion_prompt(backend: GenerationBackend, req: CompletionRequest) -> list[int]:
+def _completion_prompts(backend: GenerationBackend,
+                        req: CompletionRequest) -> list[tuple[list[int], str | None]]:
+    """(token ids, text to echo) of each prompt: a string, token ids, or a list of either.
+    The text is kept only for an echo (a string prompt echoes as sent, ids as decoded)."""
     p = req.prompt
-    if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-        if len(p) != 1:
-            raise ProtocolError("batched prompts are not supported; send one prompt per request",
-                                param="prompt")
-        p = p[0]
-    if isinstance(p, str):
-        return backend.tokenizer.encode(p, add_bos=True) if p else []
-    return list(p)
+    if isinstance(p, str) or (p and isinstance(p[0], int)):
+        p = [p]
+    if not p:
+        raise ProtocolError("prompt is empty: at least one token is needed", param="prompt")
+    out = []
+    for one in p:
+        if isinstance(one, str):
+            ids = backend.tokenizer.encode(one, add_bos=True) if one else []
+            out.append((ids, one if req.echo else None))
+        else:
+            out.append((one, backend.tokenizer.decode(list(one)) if req.echo else None))
+    return out
 
 
-def _prepare(backend: GenerationBackend, req, prompt: list[int], kind: str,
-             default_max_tokens: int) -> _Prepared:
+def _prepare(backend: GenerationBackend, req, prompts: list[tuple[list[int], str | None]],
+             kind: str, default_max_tokens: int) -> Prepared:
     if req.model != backend.model_name:
         raise ProtocolError(f"model {req.model!r} does not exist; this server serves "
                             f"{backend.model_name!r}", status=404, param="model",
                             code="model_not_found")
-    default = min(default_max_tokens, max(1, backend.max_model_len - len(prompt)))
-    sampling = to_sampling_params(req, default_max_tokens=default)
-    validate_generation(backend, prompt, sampling)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    n = req.n or 1
     prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
-    try:
-        gen = GenerateRequest(request_id=f"{prefix}-{uuid.uuid4().hex}",
-                              prompt_token_ids=prompt, sampling=sampling, stream=req.stream,
-                              include_usage=include_usage, arrival_time=time.monotonic())
-    except ValueError as e:   # an id past int32 cannot even travel (tetris/token_ids.py)
-        raise ProtocolError(f"prompt: {e}", param="prompt") from None
-    return _Prepared(gen, int(time.time()), kind)
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    opts = req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    choices, sampling = [], None
+    for p, (ids, prompt_text) in enumerate(prompts):
+        default = min(default_max_tokens, max(1, backend.max_model_len - len(ids)))
+        sampling = sampling_params(req, default_max_tokens=default)
+        validate_generation(backend, ids, sampling)
+        for j in range(n):
+            # seed + j per choice, as vLLM does: n samples, not n copies of one
+            s = sampling if sampling.seed is None or j == 0 else msgspec.structs.replace(
+                sampling, seed=sampling.seed + j)
+            index = p * n + j
+            rid = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
+            try:
+                gen = GenerateRequest(request_id=rid, prompt_token_ids=ids, sampling=s,
+                                      stream=bool(req.stream), include_usage=include_usage,
+                                      arrival_time=time.monotonic())
+            except ValueError as e:   # an id past int32 cannot even travel (tetris/token_ids.py)
+                raise ProtocolError(f"prompt: {e}", param="prompt") from None
+            choices.append(Choice(index, p, gen, prompt_text))
+    _check_fanout(len(choices))
+    return Prepared(request_id=request_id, kind=kind, created=int(time.time()), choices=choices,
+                    prompt_tokens=[len(ids) for ids, _ in prompts], stream=bool(req.stream),
+                    include_usage=include_usage,
+                    continuous_usage=bool(opts and opts.continuous_usage_stats),
+                    logprobs=sampling.logprobs, echo=bool(getattr(req, "echo", False)),
+                    prompt_only=prompt_only(req))
 
 
-def validate_generation(backend: GenerationBackend, prompt: list[int], sampling) -> None:
-    """Refuse a prompt or ``max_tokens`` the model can never serve (``ProtocolError``, a 400;
-    the handle API re-raises it as ``ValueError``)."""
-    if not prompt:
+def _check_fanout(choices: int) -> None:
+    from tetris.serve.fields import MAX_N
+
+    if choices > MAX_N:
+        raise ProtocolError(f"{choices} choices (prompts x n) in one request; at most {MAX_N}",
+                            param="n")
+
+
+def validate_generation(backend: GenerationBackend, prompt, sampling) -> None:
+    """Refuse a prompt or ``max_tokens`` the model can never serve, or what this backend does
+    not (``ProtocolError``, a 400; the handle API re-raises it as ``ValueError``)."""
+    if not len(prompt):
         raise ProtocolError("prompt is empty: at least one token is needed", param="prompt")
     limit = backend.max_model_len
     if len(prompt) >= limit:
@@ -205,11 +249,12 @@ def validate_generation(backend: GenerationBackend, prompt: list[int], sampling)
         raise ProtocolError(f"max_tokens is too large: this model's maximum context length is "
                             f"{limit} tokens and the prompt has {len(prompt)}, so at most "
                             f"{limit - len(prompt)} tokens can be generated", param="max_tokens")
+    check_backend(sampling, getattr(backend, "unsupported", {}))
 
 
-async def _start(backend: GenerationBackend, prepared: _Prepared):
+async def _start(backend: GenerationBackend, gen: GenerateRequest):
     """Start generation and wait for the first output, so refusals still get a 4xx status."""
-    stream = backend.generate(prepared.gen)
+    stream = backend.generate(gen)
     try:
         first = await anext(stream)
     except Overloaded as e:
@@ -222,27 +267,44 @@ async def _start(backend: GenerationBackend, prepared: _Prepared):
     return stream, first
 
 
-async def _respond(backend, metrics: ServingMetrics, prepared: _Prepared):
-    stream, first = await _start(backend, prepared)
-    tracker = _Tracker(metrics, prepared.gen)
-    tracker.on_output(first)
-    if prepared.gen.stream:
-        return StreamingResponse(_sse_events(stream, first, prepared, backend, tracker),
-                                 media_type="text/event-stream")
-    whole = Transcript()
-    whole.add(first)
+async def _respond(backend, metrics: ServingMetrics, prepared: Prepared, text_of: TokenText):
+    started = await start_all([lambda c=c: _start(backend, c.gen) for c in prepared.choices])
+    trackers = [_Tracker(metrics, c.gen) for c in prepared.choices]
+    for tracker, (_, first) in zip(trackers, started):
+        tracker.on_output(first)
+    views = [ChoiceView(prepared, c, text_of) for c in prepared.choices]
+    if prepared.stream:
+        return StreamingResponse(_sse_events(started, prepared, backend.model_name, views,
+                                             trackers), media_type="text/event-stream")
+    wholes = [Transcript() for _ in prepared.choices]
     try:
-        if not first.finished:
-            async for out in stream:
-                tracker.on_output(out)
-                whole.add(out)
+        async with contextlib.aclosing(merged(started)) as outputs:
+            async for k, (i, out) in enumerate_async(outputs):
+                if k >= len(started):   # the first outputs were tracked at the start
+                    trackers[i].on_output(out)
+                wholes[i].add(out)
     finally:
-        await stream.aclose()
-    return _full_body(prepared, backend.model_name, whole)
+        for stream, _ in started:
+            await stream.aclose()
+    choices = [view.full(whole) for view, whole in zip(views, wholes)]
+    return {"id": prepared.request_id, "object": prepared.kind, "created": prepared.created,
+            "model": backend.model_name, "choices": choices,
+            "usage": _total_usage(prepared, views)}
+
+
+def _total_usage(prepared: Prepared, views: list[ChoiceView]) -> dict:
+    return usage(sum(prepared.prompt_tokens), sum(v.completion_tokens for v in views))
+
+
+async def enumerate_async(items):
+    k = 0
+    async for item in items:
+        yield k, item
+        k += 1
 
 
 class _Tracker:
-    """Records TTFT, inter-token gaps and end-to-end latency of one request."""
+    """Records TTFT, inter-token gaps and end-to-end latency of one generation."""
 
     def __init__(self, metrics: ServingMetrics, gen: GenerateRequest):
         self.metrics, self.gen = metrics, gen
@@ -262,54 +324,26 @@ class _Tracker:
                                         out.finish_reason or "stop")
 
 
-def _usage(prepared: _Prepared, completion_tokens: int) -> dict:
-    p = len(prepared.gen.prompt_token_ids)
-    return {"prompt_tokens": p, "completion_tokens": completion_tokens,
-            "total_tokens": p + completion_tokens}
-
-
-def _full_body(prepared: _Prepared, model: str, out: Transcript) -> dict:
-    if prepared.kind == "chat.completion":
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                  "logprobs": None, "finish_reason": out.finish_reason}
-    else:
-        choice = {"index": 0, "text": out.text, "logprobs": None,
-                  "finish_reason": out.finish_reason}
-    return {"id": prepared.gen.request_id, "object": prepared.kind, "created": prepared.created,
-            "model": model, "choices": [choice], "usage": _usage(prepared, len(out.token_ids))}
-
-
-def _chunk(prepared: _Prepared, model: str, out: OutputDelta | None, *, first: bool) -> dict:
-    finish = out.finish_reason if out is not None and out.finished else None
-    text = out.new_text if out is not None else ""
-    if prepared.kind == "chat.completion":
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        kind = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        kind = "text_completion"
-    return {"id": prepared.gen.request_id, "object": kind, "created": prepared.created,
-            "model": model, "choices": [choice]}
-
-
-async def _sse_events(stream: AsyncIterator[OutputDelta], first: OutputDelta,
-                      prepared: _Prepared, backend, tracker: _Tracker):
-    """SSE frames; leaving early (client gone) closes ``stream``, which aborts the request."""
-    model = backend.model_name
-    last = first
+async def _sse_events(started, prepared: Prepared, model: str, views: list[ChoiceView],
+                      trackers: list[_Tracker]):
+    """SSE frames; leaving early (client gone) closes every stream, which aborts the request."""
+    head = {"id": prepared.request_id, "object": prepared.chunk_object,
+            "created": prepared.created, "model": model}
     try:
-        yield sse(_chunk(prepared, model, first, first=True))
-        if not first.finished:
-            async for out in stream:
-                tracker.on_output(out)
-                last = out
-                if out.new_text or out.finished:
-                    yield sse(_chunk(prepared, model, out, first=False))
-        if prepared.gen.include_usage:
-            yield sse({"id": prepared.gen.request_id, "object": _chunk(prepared, model, None,
-                       first=False)["object"], "created": prepared.created, "model": model,
-                       "choices": [], "usage": _usage(prepared, last.num_tokens)})
+        async with contextlib.aclosing(merged(started)) as outputs:
+            async for k, (i, out) in enumerate_async(outputs):
+                if k >= len(started):
+                    trackers[i].on_output(out)
+                choice = views[i].chunk(out)
+                if choice is None:
+                    continue
+                chunk = head | {"choices": [choice]}
+                if prepared.continuous_usage:
+                    chunk["usage"] = views[i].usage
+                yield sse(chunk)
+        if prepared.include_usage:
+            yield sse(head | {"choices": [], "usage": _total_usage(prepared, views)})
         yield SSE_DONE
     finally:
-        await stream.aclose()
+        for stream, _ in started:
+            await stream.aclose()

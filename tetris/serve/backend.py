@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from types import MappingProxyType
 from typing import Protocol
 
 from tetris.engine.request import OutputDelta
@@ -32,6 +33,10 @@ class Overloaded(Exception):
 
 
 class GenerationBackend(Protocol):
+    """``unsupported`` (optional, default empty): ``SamplingParams`` fields this backend cannot
+    serve -> (the request field to name, why); a request that sets one gets a 400
+    (``tetris.serve.fields.check_backend``). Outputs carry logprobs as ``OutputDelta`` does."""
+
     model_name: str
     max_model_len: int
 
@@ -50,7 +55,10 @@ class GenerationBackend(Protocol):
 
 
 class LocalEngineBackend:
-    """Serve with one in-process ``LLMEngine`` (no Ray): the reference and the smallest setup."""
+    """Serve with one in-process ``LLMEngine`` (no Ray): the reference and the smallest setup.
+    It serves every sampling field, prompt logprobs included."""
+
+    unsupported: Mapping[str, tuple[str, str]] = MappingProxyType({})
 
     def __init__(self, engine, model_name: str, *, max_pending: int = 256):
         self.engine = engine

@@ -1,8 +1,10 @@
 """The OpenAI-compatible wire format at the HTTP boundary.
 
-Pydantic models live here and only here (the rest of Tetris speaks msgspec). This module turns an
-OpenAI request into a validated ``GenerateRequest`` and turns results into OpenAI response bodies,
-streaming chunks and error bodies. It knows no Ray and no model: the ingress calls it.
+Pydantic models live here and only here (the rest of Tetris speaks msgspec). The request models
+list every field the server takes, OpenAI's and vLLM's extras alike, and nothing else: an
+unknown field is a 400 naming it (``extra="forbid"``; ``tetris.serve.fields`` says why for the
+known ones it refuses), never silently dropped. ``tetris.serve.fields`` turns a request into
+``SamplingParams``; this module knows no Ray and no model: the ingress calls it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from tetris.token_ids import TokenIds, compact_tokens
 
 __all__ = [
     "ProtocolError",
+    "StreamOptions",
     "CompletionRequest",
     "ChatCompletionRequest",
     "ChatMessage",
@@ -46,42 +49,63 @@ class ProtocolError(Exception):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM: usage in every chunk
 
 
 class _SamplingFields(BaseModel):
-    """Fields common to completions and chat completions (OpenAI names and defaults)."""
+    """Fields common to completions and chat completions (OpenAI names and defaults; the
+    vLLM extensions as vLLM names them). ``None`` is the default wherever a client may send
+    ``null``."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # extension (vLLM-compatible); 0 disables
+    temperature: float | None = None   # 1.0
+    top_p: float | None = None         # 1.0
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension
-    ignore_eos: bool = False  # extension
-    n: int = 1
-    stream: bool = False
+    n: int | None = None               # 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None            # accepted, no effect on generation
+    # vLLM's extra sampling parameters
+    top_k: int | None = None           # 0 or -1: off
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = False
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str]
-    echo: bool = False
+    # one prompt (text or token ids) or a batch (texts or token-id lists): a choice per prompt
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool | None = False
+    logprobs: int | None = None        # top-N per token; 0: the token's own only
+    best_of: int | None = None         # only == n: no server-side ranking
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None            # handed to the chat template
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None   # {"type": "text"} only
+    store: bool | None = False         # true is refused: nothing is stored
+    metadata: dict[str, str] | None = None   # tags of stored completions: no-op
 
 
 class GenerateRequest(msgspec.Struct, frozen=True):
@@ -106,27 +130,10 @@ class GenerateRequest(msgspec.Struct, frozen=True):
 
 
 def to_sampling_params(req: _SamplingFields, *, default_max_tokens: int) -> SamplingParams:
-    """Map OpenAI fields onto ``SamplingParams``; invalid values become a 400 naming the field."""
-    if req.n != 1:
-        raise ProtocolError("only n=1 is supported", param="n")
-    max_tokens = req.max_tokens
-    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
-        max_tokens = req.max_completion_tokens
-    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    try:
-        return SamplingParams(
-            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-            temperature=req.temperature,
-            top_k=req.top_k,
-            top_p=req.top_p,
-            seed=req.seed,
-            stop=stop,
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos,
-        )
-    except ValueError as e:
-        # SamplingParams messages start with the field name ("top_p must be ...").
-        raise ProtocolError(str(e), param=str(e).split(" ", 1)[0]) from None
+    """Map a request's fields onto ``SamplingParams`` (``tetris.serve.fields``)."""
+    from tetris.serve.fields import sampling_params
+
+    return sampling_params(req, default_max_tokens=default_max_tokens)
 
 
 def error_body(err: ProtocolError) -> dict[str, Any]:
