@@ -14,7 +14,7 @@ from tetris.plan import Chunk, PrefillPlan
 from tetris.sampling_params import SamplingParams
 from tetris.scheduler.rate import RateTableError
 from tetris.serve.backend import Overloaded
-from tetris.serve.dispatcher import Dispatcher, LiveQueue
+from tetris.serve.dispatcher import Dispatcher
 from tetris.serve.metrics import ServingMetrics
 from tetris.serve.protocol import GenerateRequest
 
@@ -233,35 +233,6 @@ def test_concurrent_requests_commit_in_planning_order_and_spread_over_the_pool()
     assert d.held()["queue_bookings"] == 0
 
 
-def test_live_queue_books_expected_ends_and_forgets_finished_requests():
-    q = LiveQueue([0, 0, 1, 1])
-    plan = PrefillPlan("x", 100, (Chunk(0, 50, (1,), 0.0, 2.0), Chunk(50, 100, (1, 2), 2.0, 3.0)))
-    q.commit(plan)
-    assert q.queue_times(1.0) == [1.0, 3.0, 3.0, 1.0]
-    assert q.queue_times(5.0) == [5.0, 5.0, 5.0, 5.0]   # running late: busy now, not earlier
-    q.finish("x")
-    assert q.bookings() == 0 and q.queue_times(1.0) == [1.0] * 4
-    q.hold([3], until=4.0)            # drained: busy for planning, not a request's booking
-    assert q.queue_times(1.0) == [1.0, 1.0, 1.0, 4.0] and q.bookings() == 0
-    with pytest.raises(ValueError, match="no prefill instance 7"):
-        q.hold([7], until=2.0)
-
-
-def test_live_queue_takes_the_pools_report_as_a_floor():
-    q = LiveQueue([0, 0, 1, 1])
-    q.commit(PrefillPlan("x", 100, (Chunk(0, 100, (1,), 0.0, 2.0),)))
-    # the pool runs late: at t = 5 instance 1 still has 3 s of x's work, instance 0 has 1 s
-    q.observe([1.0, 3.0, 0.0, float("inf")], now=5.0)
-    assert q.queue_times(5.0) == [6.0, 8.0, 5.0, 5.0 + LiveQueue.REPLACING_S]
-    assert q.queue_times(7.0) == [7.0, 8.0, 7.0, 5.0 + LiveQueue.REPLACING_S]
-    q.observe([0.0, 0.5, 0.0, 0.0], now=7.0)          # the next report replaces it
-    assert q.queue_times(7.0) == [7.0, 7.5, 7.0, 7.0]
-    q.finish("x")
-    assert q.queue_times(7.0) == [7.0, 7.5, 7.0, 7.0]  # the report stands until the next one
-    with pytest.raises(ValueError, match="reported 3 instances"):
-        q.observe([0.0] * 3, now=8.0)
-
-
 def test_a_late_pool_keeps_plans_off_its_busy_instances():
     """The pool's report (not the bookings, which say free) steers the next plan."""
 
@@ -274,14 +245,14 @@ def test_a_late_pool_keeps_plans_off_its_busy_instances():
     asyncio.run(_collect(d, _req("a", 600)))
     asyncio.run(_collect(d, _req("b", 600)))
     assert [tuple(c["instances"]) for c in d.plans[1]["chunks"]] == [(3,)]
-    late = d.queue.queue_times(d.clock())
+    late = d.control.queue.queue_times(d.clock())
     assert min(late[:3]) > d.clock() + 20 and late[3] <= d.clock() + 1
 
 
 def test_drained_instances_make_cdsp_grow_onto_them_later():
     d = _dispatcher()
     d.drain([0, 1], 0.2)
-    plan = d.policy.plan("y", 32_000, d.clock(), d.queue.pool_state(d.clock()),
+    plan = d.control.policy.plan("y", 32_000, d.clock(), d.control.queue.pool_state(d.clock()),
                          improvement_rate=0.0)
     assert set(plan.chunks[0].instances) == {2, 3}
     assert len(plan.chunks) >= 2 and set(plan.chunks[-1].instances) == {0, 1, 2, 3}
@@ -294,7 +265,7 @@ def test_admin_rate_table_and_profile_round_trip():
     out = d.set_rate_table([0.5, 2.0], [0.1, 0.4], "test")
     assert out["rates"] == [0.5, 2.0] and out["improvement_rates"] == [0.1, 0.4]
     # the live monitor stretches a sparse window as the simulator's does
-    assert d.monitor.min_arrivals == d.deployment.scheduler.rate_min_arrivals == 100
+    assert d.control.monitor.min_arrivals == d.deployment.scheduler.rate_min_arrivals == 100
     with pytest.raises(RateTableError):
         d.set_rate_table([1.0], [1.5])
     assert d.rate_table()["rates"] == [0.5, 2.0]          # a bad table changed nothing

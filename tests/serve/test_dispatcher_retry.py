@@ -294,8 +294,10 @@ def test_a_plan_refused_for_an_instance_being_replaced_is_made_again_around_it()
     prefill, decode = ToyPrefill(), ToyDecode()
     d = _dispatcher(prefill, decode)
     asyncio.run(_collect(d, "warm", PROMPT, 2))       # bookings and reports: all idle
-    first = {i for c in prefill.plans[0].chunks for i in c.instances}
-    prefill.lost = set(first)                         # found dead since the last report
+    # the instances the next plan would take are found dead since the last report
+    probe = d.control.plan("probe", len(PROMPT), d.clock(), arrival=False)
+    first = {i for c in probe.chunks for i in c.instances}
+    prefill.lost = set(first)
     outs = asyncio.run(_collect(d, "r", PROMPT, 4))
     assert _client_view(outs) == (_reference(PROMPT, 4), _text(_reference(PROMPT, 4)))
     assert [p.request_id for p in prefill.refused] == ["r"] and prefill.reports == 1

@@ -1,24 +1,20 @@
 """The dispatcher: plans each request's prefill, routes its decode and drives both to the end.
 
-It holds the control state of the cluster and nothing heavy:
-
-- ``LiveQueue``: per prefill instance, until when it is busy. A committed plan books its chunks'
-  expected ends; a finished prefill removes its bookings, so an instance that finished early
-  is free at once and one that runs late stays busy until it reports (queue times "corrected
-  by actual chunk completion times"). The policy plans against ``LiveQueue.pool_state(now)``.
-- the active ``Policy`` (Tetris CDSP by default) with θ from the ``RateMonitor``;
-- the ``DecodeRouter`` (Llumnix virtual usage): a request's KV tokens count against its
-  decode instance from routing until its KV has arrived;
-- a bounded admission count: beyond ``max_pending`` requests in flight, ``Overloaded``.
+It is the async driver of the control plane (``tetris.control.ControlPlane``: the policy,
+θ, the prefill queue and the decode router, every decision about a request), which the
+simulator drives with the same calls in the same order. Around it the dispatcher does what
+takes time: the hops to the two pools, retries and the output stream. Beyond ``max_pending``
+requests in flight it refuses with ``Overloaded``.
 
 Lifecycle of one request (``generate``), on the dispatcher's monotonic clock:
 
-1. route: choose a decode instance, book the request's KV tokens there (virtual usage), and
-   reserve its KV blocks on the instance (``decode.reserve``); no room -> ``Overloaded``;
-2. plan under the planning lock (so plans commit in the order they were made), book the
-   chunks in the live queue and register them with the pool (``prefill.commit``). A plan the
-   pool refuses (``InstanceReplacing``: a worker found dead since its last report) is made
-   again around the instance on a fresh report, before anything ran;
+1. route (control plane): choose a decode instance and book the request's KV tokens there
+   (virtual usage); reserving its KV blocks on the instance (``decode.reserve``) runs while
+   the plan is made; no room -> ``Overloaded``;
+2. plan under the planning lock (so plans commit in the order they were made), register the
+   plan with the pool (``prefill.commit``) and book it in the control plane's queue. A plan
+   the pool refuses (``InstanceReplacing``: a worker found dead since its last report) is
+   made again around the instance on a fresh report, before anything ran;
 3. run the plan (``prefill.run``): chunks stream their KV layer by layer to the decode
    instance's TP ranks; the result carries the first token, which this generator yields at
    once (``first_token``: TTFT ends with the prefill, the KV hand-off is not in it);
@@ -36,8 +32,8 @@ Lifecycle of one request (``generate``), on the dispatcher's monotonic clock:
    run lost to an outdated plan (``PlanOutdated``: committed before a member's worker was
    found dead, not yet started there) runs again without being charged against ``retries``.
 
-The two sides are reached through ``PrefillClient`` and ``DecodeClient``: Serve deployment
-handles in the app (``tetris.serve.app``), plain objects in tests.
+The two sides are reached through ``PrefillClient`` and ``DecodeClient``
+(``tetris.serve.clients``).
 """
 
 from __future__ import annotations
@@ -49,33 +45,33 @@ import contextvars
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 
 from tetris.config import DeploymentConfig
+from tetris.control import ControlPlane, PrefillQueue
 from tetris.engine.request import OutputDelta
 from tetris.errors import InstanceLost, InstanceReplacing, PlanOutdated
 from tetris.plan import PrefillPlan
 from tetris.scheduler.latency import PrefillLatencyModel, PrefillProfile, load_profile
 from tetris.scheduler.policies import policy_from_config
-from tetris.scheduler.pool import PoolState
 from tetris.scheduler.rate import ImprovementRateTable, RateMonitor
 from tetris.scheduler.router import DecodeRouter, NoInstanceUp
 from tetris.serve.backend import Overloaded
+from tetris.serve.clients import DecodeClient, PrefillClient
 from tetris.serve.first_token import EarlyFirstToken, StreamCursor
 from tetris.serve.metrics import ServingMetrics
 from tetris.serve.protocol import GenerateRequest
+from tetris.serve.timeline import RequestTimeline
 from tetris.token_ids import TokenIds, compact_tokens
 
-__all__ = ["Dispatcher", "LiveQueue", "PrefillClient", "DecodeClient", "RequestTimeline",
-           "DEFAULT_PROFILE"]
+__all__ = ["Dispatcher", "PrefillClient", "DecodeClient", "RequestTimeline", "DEFAULT_PROFILE"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PROFILE = "a100-llama3-8b-tp1"
 _COMPLETED = ("stop", "length")   # finish reasons after which nothing is left to abort
-_HOLD = "\x00hold"                # the booking key of a drain hold (no request id has it)
 _RETRY = "#retry"                 # a run of a request after a lost instance: "<id>#retry<n>"
 _PLAN_TRIES = 3                   # plans per run refused for instances being replaced, at most
 _OUTDATED_RUNS = 4                # runs again for outdated plans, beyond ``retries``
@@ -98,117 +94,6 @@ class _Sent:
         self.stage = "routing"
         self.lost_decode: int | None = None    # the decode instance the last run lost
         self.outdated = 0                      # runs again for outdated plans (not charged)
-
-
-class PrefillClient(Protocol):
-    # PrefillPool.commit: returns its busy_for; raises InstanceReplacing
-    async def commit(self, plan: PrefillPlan,
-                     wait_replacing: bool = False) -> Sequence[float] | None: ...
-    async def busy_for(self) -> Sequence[float] | None: ...
-    async def run(self, plan: PrefillPlan, token_ids: TokenIds, sampling, kv_receivers) -> Any: ...
-    async def release(self, request_id: str) -> None: ...
-    async def abort(self, request_id: str) -> None: ...
-
-
-class DecodeClient(Protocol):
-    def receiver_ids(self, instance: int) -> tuple[int, ...]: ...
-    async def reserve(self, instance: int, request_id: str, prompt: TokenIds, sampling,
-                      generated: tuple[int, ...] = ()) -> None: ...
-    async def commit(self, instance: int, request_id: str, first_token: int) -> None: ...
-    def stream(self, instance: int, request_id: str) -> AsyncIterator[OutputDelta]: ...
-    async def abort(self, instance: int, request_id: str) -> None: ...
-    async def stats(self) -> list[Any]: ...
-
-
-class LiveQueue:
-    """Per-instance busy-until times from committed plans, corrected by completions and by
-    what the pool reports.
-
-    Bookings say when each chunk was *planned* to end. When the pool runs late (a worker died
-    and its replacement started, a chunk ran long), bookings past their end say "free now" while
-    the pool still has that work queued, and the policy would plan onto an idle pool that is not
-    idle. The pool answers each commit with how long each instance is still busy by its tickets
-    (``PrefillPool.busy_for``); ``observe`` keeps that as a floor. An instance whose worker is
-    being replaced (reported infinite) counts as busy ``REPLACING_S`` more, then is reported
-    again with the next commit.
-    """
-
-    REPLACING_S = 60.0
-
-    def __init__(self, node_of: Sequence[int]) -> None:
-        self.node_of = tuple(node_of)
-        self._booked: list[dict[str, float]] = [{} for _ in self.node_of]
-        self._reported = [0.0] * len(self.node_of)   # busy-until by the pool's last report
-
-    def commit(self, plan: PrefillPlan) -> None:
-        for chunk in plan.chunks:
-            for i in chunk.instances:
-                prev = self._booked[i].get(plan.request_id, 0.0)
-                self._booked[i][plan.request_id] = max(prev, chunk.expected_end)
-
-    def finish(self, request_id: str) -> None:
-        for booked in self._booked:
-            booked.pop(request_id, None)
-
-    def hold(self, instances: Sequence[int], until: float) -> None:
-        """Drain: plan no work on ``instances`` before ``until`` (maintenance, warm-up)."""
-        for i in instances:
-            if not 0 <= i < len(self._booked):
-                raise ValueError(f"no prefill instance {i} (pool of {len(self._booked)})")
-        for i in instances:
-            self._booked[i][_HOLD] = until
-
-    def observe(self, busy_for: Sequence[float], now: float) -> None:
-        """The pool's report at ``now``: per instance, seconds of committed work left."""
-        if len(busy_for) != len(self._reported):
-            raise ValueError(f"the pool reported {len(busy_for)} instances, the queue has "
-                             f"{len(self._reported)}")
-        self._reported = [now + min(float(b), self.REPLACING_S) for b in busy_for]
-
-    def queue_times(self, now: float) -> list[float]:
-        # A booking past its expected end is a chunk running late: busy now, end unknown,
-        # unless the pool's report knows better.
-        return [max([now, r, *b.values()]) for b, r in zip(self._booked, self._reported)]
-
-    def pool_state(self, now: float) -> PoolState:
-        return PoolState(self.queue_times(now), self.node_of)
-
-    def bookings(self) -> int:
-        """Requests' bookings (drain holds are not requests)."""
-        return sum(len(b) - (_HOLD in b) for b in self._booked)
-
-
-class RequestTimeline(msgspec.Struct):
-    """Where one request's time went (dispatcher clock, seconds); the TTFT breakdown."""
-
-    request_id: str
-    prompt_tokens: int
-    arrival: float
-    decode_instance: int = -1
-    planned: float = 0.0          # plan committed
-    prefill_start: float = 0.0    # first chunk started (prefill end minus its elapsed time)
-    prefill_end: float = 0.0      # first token known
-    turn_wait_s: float = 0.0      # of the prefill, waiting for later chunks' turns on their members
-    first_token: float = 0.0      # the first token was yielded (0: not early, see first_token.py)
-    first_output: float = 0.0     # the decode instance streamed its first output
-    finished: float = 0.0
-    chunks: int = 0
-    sp_sizes: tuple[int, ...] = ()
-    ttft_estimate: float = 0.0
-    tokens: int = 0
-    outcome: str = ""
-    retries: int = 0              # runs again after a lost prefill worker or decode instance
-
-    def breakdown(self) -> dict[str, float]:
-        """queue (planning, and the first chunk's wait for its turn on its members), prefill
-        (from the first chunk's start; ``turn_wait_s`` of it waiting for later chunks' turns),
-        and hand-off (KV transfer tail + admission + first decode round); TTFT ends with the
-        first token's yield, or with the first decode output."""
-        return {"queue_s": self.prefill_start - self.arrival,
-                "prefill_s": self.prefill_end - self.prefill_start,
-                "turn_wait_s": self.turn_wait_s,
-                "handoff_s": self.first_output - self.prefill_end,
-                "ttft_s": (self.first_token or self.first_output) - self.arrival}
 
 
 class Dispatcher:
@@ -234,21 +119,23 @@ class Dispatcher:
         self.clock = clock
         sc = deployment.scheduler
         self.profile = load_profile(sc.profile or DEFAULT_PROFILE)
-        self.policy = self._make_policy(self.profile)
-        self.queue = LiveQueue(node_of)
-        self.router = DecodeRouter(decode_capacities)
+        self.control = ControlPlane(self._make_policy(self.profile), PrefillQueue(node_of),
+                                    DecodeRouter(decode_capacities),
+                                    improvement_rate=sc.improvement_rate,
+                                    monitor=self._make_monitor(rate_table))
+        self.router = self.control.router
         if metrics is not None:
             for i in range(self.router.num_instances):
                 metrics.set_decode_up(i, True)
-        self.monitor = self._make_monitor(rate_table)
-        self.improvement_rate = (self.monitor.improvement_rate if self.monitor is not None
-                                 else sc.improvement_rate)
         self._plan_lock = asyncio.Lock()
         self._inflight: dict[str, RequestTimeline] = {}
-        self._virtual: dict[str, tuple[int, int]] = {}   # request -> (decode instance, kv tokens)
         self._cleanups: set[asyncio.Task] = set()
         self.timelines: collections.deque[RequestTimeline] = collections.deque(maxlen=keep_timelines)
         self.plans: collections.deque[dict] = collections.deque(maxlen=64)
+
+    @property
+    def improvement_rate(self) -> float | None:
+        return self.control.improvement_rate
 
     # -- configuration ----------------------------------------------------------------------
     def _make_policy(self, profile: PrefillLatencyModel):
@@ -264,10 +151,11 @@ class Dispatcher:
                            min_arrivals=sc.rate_min_arrivals)
 
     def rate_table(self) -> dict:
-        if self.monitor is None:
+        monitor = self.control.monitor
+        if monitor is None:
             return {"rates": [], "improvement_rates": [], "description": "no table: fixed θ",
                     "improvement_rate": self.improvement_rate}
-        t = self.monitor.table
+        t = monitor.table
         return {"rates": list(t.rates), "improvement_rates": list(t.improvement_rates),
                 "description": t.description, "improvement_rate": self.improvement_rate}
 
@@ -275,10 +163,10 @@ class Dispatcher:
                        description: str = "") -> dict:
         """Replace the θ table (admin route); raises ``RateTableError`` for a bad table."""
         table = ImprovementRateTable(rates, improvement_rates, description=description)
-        if self.monitor is None:
-            self.monitor = self._make_monitor(table)
+        if self.control.monitor is None:
+            self.control.monitor = self._make_monitor(table)
         else:
-            self.monitor.replace_table(table)
+            self.control.monitor.replace_table(table)
         return self.rate_table()
 
     def latency_profile(self) -> dict:
@@ -287,7 +175,7 @@ class Dispatcher:
     def set_latency_profile(self, body: dict) -> dict:
         """Replace the prefill latency profile (admin route); the policy is rebuilt on it."""
         model = PrefillLatencyModel.from_profile(msgspec.convert(body, PrefillProfile))
-        self.policy = self._make_policy(model)
+        self.control.policy = self._make_policy(model)
         self.profile = model
         return self.latency_profile()
 
@@ -295,13 +183,13 @@ class Dispatcher:
         """Keep new plans off ``instances`` for ``seconds`` (admin route); running work goes on."""
         if not 0 < seconds <= 3600:
             raise ValueError(f"seconds must be in (0, 3600], got {seconds}")
-        self.queue.hold([int(i) for i in instances], self.clock() + seconds)
+        self.control.queue.hold([int(i) for i in instances], self.clock() + seconds)
         return self.stats()
 
     def set_decode_up(self, instance: int, up: bool) -> None:
         """Route new requests to decode ``instance`` again, or stop (it broke and is being
         restarted); requests already there end as the instance lets them."""
-        self.router.set_up(int(instance), bool(up))
+        self.control.set_decode_up(int(instance), bool(up))
         if self.metrics is not None:
             self.metrics.set_decode_up(int(instance), bool(up))
 
@@ -385,10 +273,25 @@ class Dispatcher:
         if resumed:
             prompt = compact_tokens(prompt) + TokenIds("i", resumed)
         sent.stage = "routing"
-        instance = await (self._route(req, aid, tl) if not tl.retries
-                          else self._reroute(req, aid, tl, sent))
-        sent.stage = "planning"
-        plan = await self._plan(aid, len(prompt), tl)
+        if tl.retries:
+            instance = await self._reroute(req, aid, tl, sent)
+            sent.stage = "planning"
+            plan = await self._plan(aid, len(prompt), tl)
+        else:
+            # The decode instance reserves the request's blocks while the plan is made.
+            instance = self._route(req, aid, tl)
+            reserving = asyncio.ensure_future(
+                self.decode.reserve(instance, aid, req.prompt_token_ids, req.sampling))
+            sent.stage = "planning"
+            try:
+                plan = await self._plan(aid, len(prompt), tl)
+            except BaseException:
+                reserving.cancel()   # what it reserved is aborted with the run
+                with contextlib.suppress(BaseException):
+                    await reserving
+                raise
+            # Refused here (no KV room), the committed plan is aborted with the run.
+            await reserving
         sent.stage = "prefill"
         result = await self.prefill.run(plan, prompt, req.sampling,
                                         self.decode.receiver_ids(instance))
@@ -398,7 +301,7 @@ class Dispatcher:
             tl.turn_wait_s = float(result.turn_wait_s)
             if self.metrics is not None:
                 self.metrics.observe_queue(max(0.0, tl.prefill_start - tl.arrival))
-        self.queue.finish(aid)
+        self.control.prefill_done(aid, self.clock())
         sent.stage = "decode"
         cursor: StreamCursor | None = None
         if resumed:
@@ -425,17 +328,15 @@ class Dispatcher:
                 if out.finished:
                     return
 
-    async def _route(self, req: GenerateRequest, aid: str, tl: RequestTimeline,
-                     avoid: frozenset[int] = frozenset(), generated: tuple[int, ...] = ()) -> int:
+    def _route(self, req: GenerateRequest, aid: str, tl: RequestTimeline,
+               avoid: frozenset[int] = frozenset()) -> int:
+        """The run's decode instance (control plane); its blocks are reserved by the caller."""
         kv_tokens = len(req.prompt_token_ids) + req.sampling.max_tokens
         try:
-            instance = self.router.choose(kv_tokens, avoid)
+            instance = self.control.route(aid, kv_tokens, avoid)
         except NoInstanceUp as e:
             raise Overloaded(f"{e}: restarting, retry shortly", retry_after_s=2.0) from None
-        self.router.reserve(instance, kv_tokens)
-        self._virtual[aid] = (instance, kv_tokens)
         tl.decode_instance = instance
-        await self.decode.reserve(instance, aid, req.prompt_token_ids, req.sampling, generated)
         return instance
 
     async def _reroute(self, req: GenerateRequest, aid: str, tl: RequestTimeline,
@@ -446,28 +347,30 @@ class Dispatcher:
         deadline = self.clock() + self.retry_wait_s
         while True:
             try:
-                return await self._route(req, aid, tl, avoid, tuple(sent.token_ids))
+                instance = self._route(req, aid, tl, avoid)
+                await self.decode.reserve(instance, aid, req.prompt_token_ids, req.sampling,
+                                          tuple(sent.token_ids))
+                return instance
             except Overloaded as e:
-                self._release_virtual(aid)
+                self.control.kv_arrived(aid)   # give the virtual usage back before trying again
                 if self.clock() >= deadline:
                     raise RuntimeError(f"request {req.request_id}: no decode instance took it back "
                                        f"within {self.retry_wait_s:g} s of losing its own: {e}") from None
                 await asyncio.sleep(self.retry_poll_s)
 
     async def _plan(self, aid: str, prompt_tokens: int, tl: RequestTimeline) -> PrefillPlan:
+        control = self.control
         async with self._plan_lock:
             if tl.retries:
                 # A run again after a lost worker: the last report predates the loss, and the
                 # instance being replaced is to be planned around, so ask the pool now.
-                busy = await self.prefill.busy_for()
-                if busy is not None:
-                    self.queue.observe(busy, self.clock())
+                await self._pool_report()
             now = self.clock()
-            if not tl.retries:   # a run again is not an arrival
-                self._update_theta(now)
+            arrival = not tl.retries   # a run again is not an arrival: θ does not move
+            theta = control.improvement_rate
             for tries in range(1, _PLAN_TRIES + 1):
-                plan = self.policy.plan(aid, prompt_tokens, now, self.queue.pool_state(now),
-                                        improvement_rate=self.improvement_rate)
+                plan = control.plan(aid, prompt_tokens, now, arrival=arrival)
+                arrival = False
                 try:
                     # The last try is let wait for a replacement: the policy chose the
                     # instance knowing (every other one is busier still).
@@ -476,13 +379,13 @@ class Dispatcher:
                 except InstanceReplacing as e:
                     # A worker was found dead since the last report: plan around it.
                     log.info("plan of %s refused (%s); planning it again", aid, e)
-                    busy = await self.prefill.busy_for()
-                    if busy is not None:
-                        self.queue.observe(busy, self.clock())
+                    await self._pool_report()
                     now = self.clock()
-            self.queue.commit(plan)
+            control.commit(plan)
             if busy is not None:
-                self.queue.observe(busy, self.clock())
+                control.pool_report(busy, self.clock())
+        if self.metrics is not None and control.improvement_rate != theta:
+            self.metrics.set_improvement_rate(control.improvement_rate)
         tl.planned = self.clock()
         tl.chunks = len(plan.chunks)
         tl.sp_sizes = tuple(c.sp_size for c in plan.chunks)
@@ -492,25 +395,14 @@ class Dispatcher:
             self.metrics.observe_plan(list(tl.sp_sizes))
         return plan
 
-    def _update_theta(self, now: float) -> None:
-        if self.monitor is None:
-            return
-        self.monitor.observe_arrival(now)
-        theta = self.monitor.maybe_update(now)
-        if theta is not None:
-            self.improvement_rate = theta
-            if self.metrics is not None:
-                self.metrics.set_improvement_rate(theta)
-
-    def _release_virtual(self, aid: str) -> None:
-        """Drop a run's virtual usage on its decode instance, if it still has any."""
-        entry = self._virtual.pop(aid, None)
-        if entry is not None:
-            self.router.release(*entry)
+    async def _pool_report(self) -> None:
+        busy = await self.prefill.busy_for()
+        if busy is not None:
+            self.control.pool_report(busy, self.clock())
 
     async def _kv_arrived(self, aid: str) -> None:
         """The decode instance has all the KV: drop the prefill copy and the virtual usage."""
-        self._release_virtual(aid)
+        self.control.kv_arrived(aid)
         await self.prefill.release(aid)
 
     async def _cleanup(self, rid: str, tl: RequestTimeline) -> None:
@@ -524,8 +416,7 @@ class Dispatcher:
     async def _free(self, aid: str, decode_instance: int, *, completed: bool) -> None:
         """Free what one run of a request holds: bookings, virtual usage and, unless it
         completed, its state on both pools (a lost instance's answers are logged, not raised)."""
-        self.queue.finish(aid)
-        self._release_virtual(aid)
+        self.control.finished(aid, self.clock())
         if completed:
             return
         try:
@@ -544,7 +435,7 @@ class Dispatcher:
         stats = await self.decode.stats()
         for i, s in enumerate(stats):
             if s is not None:
-                self.router.update(i, s.free_blocks * s.block_size, s.running)
+                self.control.decode_report(i, s.free_blocks * s.block_size, s.running)
         return stats
 
     def stats(self) -> dict:
@@ -552,12 +443,11 @@ class Dispatcher:
         return {"running": len(self._inflight), "waiting": 0,
                 "improvement_rate": self.improvement_rate,
                 "decode_down": sorted(self.router.down),
-                "queue_times": [t - now for t in self.queue.queue_times(now)]}
+                "queue_times": [max(0.0, t - now) for t in self.control.queue.queue_times(now)]}
 
     def held(self) -> dict:
         """What is still reserved on the control side (zero everywhere when idle)."""
-        return {"inflight": len(self._inflight), "queue_bookings": self.queue.bookings(),
-                "virtual_usage": sum(self.router.virtual), "virtual_requests": len(self._virtual),
+        return {"inflight": len(self._inflight), **self.control.held(),
                 "cleanups": len(self._cleanups)}
 
 
