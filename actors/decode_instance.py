@@ -42,7 +42,7 @@ from tetris.actors.decode_rank import DecodeRankActor
 from tetris.actors.placement import PLACEMENT_TIMEOUT_S, Placement, place_decode
 from tetris.config import DeploymentConfig, TransferConfig
 from tetris.engine.engine import EngineStats
-from tetris.engine.request import OutputDelta
+from tetris.engine.request import OutputDelta, TokenLogprob
 from tetris.sampling_params import SamplingParams
 from tetris.token_ids import compact_tokens
 from tetris.transfer.messages import AgentInfo
@@ -66,6 +66,7 @@ class _Request:
         self.receiving = receiving          # reserved, not yet committed
         self.ready_ranks: set[int] = set()
         self.first_token: int | None = None
+        self.first_logprob: TokenLogprob | None = None
         self.aborting = False
         self.admitted: asyncio.Future = asyncio.get_running_loop().create_future()
 
@@ -223,14 +224,17 @@ class DecodeInstance:
         req = self._requests.get(request_id)
         return req is not None and len(req.ready_ranks) == self.tp_size
 
-    def commit(self, request_id: str, first_token: int) -> None:
-        """The prefill's first token; decoding starts once every rank also has the KV."""
+    def commit(self, request_id: str, first_token: int,
+               logprob: TokenLogprob | None = None) -> None:
+        """The prefill's first token (and its logprobs, when the request asked for them);
+        decoding starts once every rank also has the KV."""
         req = self._requests.get(request_id)
         if req is None or req.aborting:
             return   # aborted or failed meanwhile: its stream already says so
         if not req.receiving or req.first_token is not None:
             raise ValueError(f"request {request_id!r} is not reserved or was already committed")
         req.first_token = int(first_token)
+        req.first_logprob = logprob
         self._maybe_commit(request_id, req)
 
     async def stream(self, request_id: str) -> AsyncIterator[OutputDelta]:
@@ -324,7 +328,7 @@ class DecodeInstance:
     def _maybe_commit(self, request_id: str, req: _Request) -> None:
         if req.receiving and req.first_token is not None and len(req.ready_ranks) == self.tp_size:
             req.receiving = False
-            self._submit(Commit(request_id, req.first_token))
+            self._submit(Commit(request_id, req.first_token, req.first_logprob))
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         """Deliver ``error`` to the request's stream and abort it on every rank."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from tetris.engine.engine import EngineStats
-from tetris.engine.request import OutputDelta
+from tetris.engine.request import OutputDelta, TokenLogprob
 from tetris.errors import InstanceLost
 from tetris.sampling_params import SamplingParams
 from tetris.token_ids import TokenIds
@@ -32,10 +32,12 @@ class Reserve(msgspec.Struct, frozen=True, tag="reserve"):
 
 
 class Commit(msgspec.Struct, frozen=True, tag="commit"):
-    """Every rank has the prompt's KV and the prefill sampled ``first_token``: start decoding."""
+    """Every rank has the prompt's KV and the prefill sampled ``first_token``: start decoding.
+    ``first_logprob``: its logprobs, when the request asked for them."""
 
     request_id: str
     first_token: int
+    first_logprob: TokenLogprob | None = None
 
 
 class Add(msgspec.Struct, frozen=True, tag="add"):

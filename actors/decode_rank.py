@@ -211,7 +211,7 @@ class DecodeRank:
             if isinstance(cmd, Reserve):
                 return self._reserve(cmd)
             if isinstance(cmd, Commit):
-                engine.commit_prefilled(rid, cmd.first_token)
+                engine.commit_prefilled(rid, cmd.first_token, cmd.first_logprob)
             elif isinstance(cmd, Add):
                 engine.add_request(rid, cmd.prompt_token_ids, cmd.sampling)
             elif isinstance(cmd, Abort):

@@ -591,6 +591,7 @@ class PrefillPool:
             request_id=plan.request_id,
             first_token=first.first_token if first else None,
             logits=first.logits if first else None,
+            first_logprob=first.first_logprob if first else None,
             elapsed_s=elapsed,
             chunk_elapsed_s=tuple(max(r.elapsed_s for r in rs) for rs in results),
             balance_wait_s=sum(max(r.balance_wait_s for r in rs) for rs in results),

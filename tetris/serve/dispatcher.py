@@ -303,15 +303,18 @@ class Dispatcher:
                 self.metrics.observe_queue(max(0.0, tl.prefill_start - tl.arrival))
         self.control.prefill_done(aid, self.clock())
         sent.stage = "decode"
+        first_logprob = getattr(result, "first_logprob", None)   # when logprobs were asked for
         cursor: StreamCursor | None = None
         if resumed:
             cursor = StreamCursor(len(resumed), sent.chars)
         elif self.first_token is not None:
-            cursor = self.first_token.open(req, int(result.first_token))
+            cursor = self.first_token.open(req, int(result.first_token), first_logprob)
             if cursor is not None:
                 tl.first_token = self.clock()
                 yield cursor.first
-        await self.decode.commit(instance, aid, int(result.first_token))
+        # the logprob goes along only when asked for (clients without logprobs need not take it)
+        extra = () if first_logprob is None else (first_logprob,)
+        await self.decode.commit(instance, aid, int(result.first_token), *extra)
         kv_arrived = False
         async with contextlib.aclosing(self.decode.stream(instance, aid)) as stream:
             async for out in stream:

@@ -21,7 +21,7 @@ from tetris.sampling_params import SamplingParams
 from tetris.serve.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
 
 __all__ = ["sampling_params", "UNSUPPORTED", "refusal_for_extra", "check_backend",
-           "CLUSTER_UNSUPPORTED", "MAX_N", "prompt_only"]
+           "CLUSTER_UNSUPPORTED", "cluster_unsupported", "MAX_N", "prompt_only"]
 
 MAX_N = 64   # choices per request (n times prompts), as one request fans out to that many
 
@@ -168,6 +168,16 @@ def check_backend(sampling: SamplingParams, unsupported: Mapping[str, tuple[str,
         if getattr(sampling, field) != default:
             param, reason = unsupported[field]
             raise ProtocolError(reason, param=param, code="unsupported_on_this_server")
+
+
+def cluster_unsupported(deployment) -> dict[str, tuple[str, str]]:
+    """What the Ray cluster of ``deployment`` cannot serve: ``CLUSTER_UNSUPPORTED``, and
+    logprobs too when either side is emulated (it computes no logits)."""
+    out = dict(CLUSTER_UNSUPPORTED)
+    if "emulated" in (deployment.prefill.executor, deployment.decode.executor):
+        out["logprobs"] = ("logprobs", "logprobs need a model: this deployment's prefill or "
+                                       "decode side is emulated")
+    return out
 
 
 _DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(SamplingParams)}

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 
-from tetris.engine.request import OutputDelta, Sequence
+from tetris.engine.request import OutputDelta, Sequence, TokenLogprob
 from tetris.engine.sampling import check_stop
 from tetris.serve.protocol import GenerateRequest
 
@@ -45,11 +45,14 @@ class StreamCursor:
         self._engine_chars += len(out.new_text)
         new_text = out.new_text[max(0, self._chars_sent - chars_before):]
         self._chars_sent = max(self._chars_sent, self._engine_chars)
-        new_ids = out.new_token_ids[max(0, self._ids_sent - ids_before):]
+        cut = max(0, self._ids_sent - ids_before)
+        new_ids = out.new_token_ids[cut:]
         self._ids_sent = max(self._ids_sent, out.num_tokens)
         if not new_ids and not new_text and not out.finished:
             return None
-        return msgspec.structs.replace(out, new_token_ids=tuple(new_ids), new_text=new_text)
+        # logprobs go with their tokens (one each, when the request asked for them)
+        return msgspec.structs.replace(out, new_token_ids=tuple(new_ids), new_text=new_text,
+                                       new_logprobs=out.new_logprobs[cut:])
 
 
 class FirstTokenStream(StreamCursor):
@@ -74,7 +77,10 @@ class EarlyFirstToken:
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.max_model_len = max_model_len
 
-    def open(self, req: GenerateRequest, first_token: int) -> FirstTokenStream | None:
+    def open(self, req: GenerateRequest, first_token: int,
+             logprob: TokenLogprob | None = None) -> FirstTokenStream | None:
+        """The first token's output (with ``logprob`` when the request asked for logprobs);
+        None when it is not to be sent early."""
         params = req.sampling
         if params.stop and self.decode is None:
             return None
@@ -84,6 +90,8 @@ class EarlyFirstToken:
         seq = Sequence(req.request_id, [], params, seed=None, stop_token_ids=stop_ids,
                        max_total_tokens=self.max_model_len - len(req.prompt_token_ids))
         seq.tokens.append(int(first_token))
+        if logprob is not None:
+            seq.pending_logprobs.append(logprob)
         if check_stop(seq, int(first_token), self.decode) is not None:
             return None
         return FirstTokenStream(OutputDelta.of(seq.to_output((int(first_token),))))

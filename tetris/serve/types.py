@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from tetris.engine.request import TokenLogprob
 from tetris.sampling_params import SamplingParams
 from tetris.token_ids import compact_tokens
 
@@ -64,6 +65,7 @@ class Generation(msgspec.Struct, frozen=True):
     token_ids: tuple[int, ...]
     prompt_tokens: int
     finish_reason: str | None
+    logprobs: tuple[TokenLogprob, ...] = ()   # one per token with ``sampling.logprobs``
 
 
 class GenerationDelta(msgspec.Struct, frozen=True):
@@ -74,3 +76,4 @@ class GenerationDelta(msgspec.Struct, frozen=True):
     new_token_ids: tuple[int, ...]
     finished: bool
     finish_reason: str | None = None
+    new_logprobs: tuple[TokenLogprob, ...] = ()   # one per new token with ``sampling.logprobs``
