@@ -13,7 +13,8 @@ Two vocabularies are found in Llama GGUF files (``tokenizer.ggml.model``):
 
 ``token_type`` marks control tokens (3: split out of text whole, skipped when decoding) and
 user-defined ones (4: split out whole, kept when decoding). BOS is added only where the file
-asks for it (``tokenizer.ggml.add_bos_token``, true when absent, as in llama.cpp), so
+asks for it (``tokenizer.ggml.add_bos_token``; when absent, llama.cpp's defaults: yes for
+SentencePiece and the Llama-3 split, no for other byte-level BPE), so
 ``encode(text, add_bos=True)`` matches what the model was trained on. The chat template is
 ``tokenizer.chat_template``; decoding and chat rendering are HFTokenizer's.
 """
@@ -60,25 +61,29 @@ def _llama3_split():
 
 
 # tokenizer.ggml.pre -> (pre-tokenizer factory, whether a word found whole in the vocabulary
-# skips the merges, as llama.cpp does for the Llama-3 vocabulary).
+# skips the merges, whether BOS is added when the file does not say), as llama.cpp has them.
 PRE_TOKENIZERS = {
-    "default": (_gpt2_split, False),
-    "gpt2": (_gpt2_split, False),
-    "smollm": (_smollm_split, False),
-    "llama-bpe": (_llama3_split, True),
-    "llama3": (_llama3_split, True),
-    "smaug-bpe": (_llama3_split, False),
+    "default": (_gpt2_split, False, False),
+    "gpt2": (_gpt2_split, False, False),
+    "smollm": (_smollm_split, False, False),
+    "llama-bpe": (_llama3_split, True, True),
+    "llama3": (_llama3_split, True, True),
+    "smaug-bpe": (_llama3_split, False, False),
 }
+
+
+def _pre_type(gf: GGUFFile) -> tuple:
+    pre = gf.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise TokenizerError(f"{gf.path}: tokenizer.ggml.pre {pre!r} is not supported "
+                             f"(supported: {', '.join(PRE_TOKENIZERS)})")
+    return PRE_TOKENIZERS[pre]
 
 
 def _byte_level_bpe(gf: GGUFFile, tokens: list[str]):
     from tokenizers import Tokenizer, decoders, models
 
-    pre = gf.get("tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
-        raise TokenizerError(f"{gf.path}: tokenizer.ggml.pre {pre!r} is not supported "
-                             f"(supported: {', '.join(PRE_TOKENIZERS)})")
-    make_split, ignore_merges = PRE_TOKENIZERS[pre]
+    make_split, ignore_merges, _ = _pre_type(gf)
     merges = [tuple(m.split(" ", 1)) for m in gf.array("tokenizer.ggml.merges")]
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
@@ -143,8 +148,10 @@ class GGUFTokenizer(HFTokenizer):
         types = np.asarray(gf.array("tokenizer.ggml.token_type", np.ones(len(tokens))))
         if kind == "gpt2":
             self._tok = _byte_level_bpe(gf, tokens)
+            bos_by_default = _pre_type(gf)[2]
         elif kind == "llama":
             self._tok = _sentencepiece_bpe(gf, tokens, types)
+            bos_by_default = True
         else:
             raise TokenizerError(f"{gf.path}: tokenizer.ggml.model {kind!r} is not supported "
                                  "(supported: gpt2, llama)")
@@ -153,7 +160,7 @@ class GGUFTokenizer(HFTokenizer):
         file_bos = gf.get("tokenizer.ggml.bos_token_id", None)
         self.bos_token_id = bos_token_id if bos_token_id is not None else (
             None if file_bos is None else int(file_bos))
-        self.add_bos = bool(gf.get("tokenizer.ggml.add_bos_token", True))
+        self.add_bos = bool(gf.get("tokenizer.ggml.add_bos_token", bos_by_default))
         eos = list(eos_token_ids)
         file_eos = gf.get("tokenizer.ggml.eos_token_id", None)
         if file_eos is not None and int(file_eos) not in eos:
