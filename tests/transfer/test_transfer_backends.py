@@ -94,3 +94,63 @@ def test_a_replaced_nixl_peer_is_reached_at_its_new_address():
             new.close()
     finally:
         a.close()
+
+
+def test_an_idle_nixl_agent_sleeps_and_still_wakes_at_once(monkeypatch):
+    """nixl's Python wrapper gives every agent's UCX progress thread a poll() timeout of 0: the
+    thread spun, a quarter of a core per agent (80% of it system time) in every prefill worker
+    and decode rank of an idle server. ``new_nixl_agent`` gives it a real timeout; traffic
+    still wakes it through the UCX event fds, not the timeout: with a 2 s timeout a write's
+    notice after an idle spell still lands within milliseconds."""
+    import time
+
+    import psutil
+
+    reason = nixl_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    monkeypatch.setenv("TETRIS_NIXL_PROGRESS_DELAY_MS", "2000")
+    a, b = make_agent("nixl-idle-a", backend="nixl"), make_agent("nixl-idle-b", backend="nixl")
+    try:
+        _write_and_notify(a, b)                 # connected: both progress threads run
+        proc = psutil.Process()
+        c0, t0 = sum(proc.cpu_times()[:2]), time.monotonic()
+        time.sleep(1.5)
+        used = (sum(proc.cpu_times()[:2]) - c0) / (time.monotonic() - t0)
+        assert used < 0.05, f"two idle agents used {used:.0%} of a core"
+        src, dst = torch.arange(16, dtype=torch.float32), torch.zeros(16, dtype=torch.float32)
+        a.register(src)
+        region = b.register(dst)
+        a.add_peer(b.info())                    # b's metadata now names the new region
+        for i in range(3):
+            time.sleep(0.3)                     # both threads back asleep in poll()
+            start = time.monotonic()
+            handle = a.write(src, region, 0, b"after-idle-%d" % i)
+            while (status := a.status(handle)) == "proc":
+                assert time.monotonic() - start < 1.0, "the write did not complete"
+                time.sleep(0.0002)
+            assert status == "done"
+            a.release(handle)
+            notes = []
+            while not notes:
+                notes = b.notifications()
+                assert time.monotonic() - start < 1.0, "no notice within 1 s"
+                time.sleep(0.0002)
+            assert notes == [(a.name, b"after-idle-%d" % i)]
+            assert time.monotonic() - start < 0.2   # woken by the traffic, not the 2 s timeout
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_progress_delay_setting_is_checked(monkeypatch):
+    from tetris.transfer.backends.nixl_ucx import PROGRESS_DELAY_MS, progress_delay_ms
+
+    monkeypatch.delenv("TETRIS_NIXL_PROGRESS_DELAY_MS", raising=False)
+    assert progress_delay_ms() == PROGRESS_DELAY_MS > 0
+    monkeypatch.setenv("TETRIS_NIXL_PROGRESS_DELAY_MS", "25")
+    assert progress_delay_ms() == 25.0
+    for bad in ("-1", "soon", "nan"):
+        monkeypatch.setenv("TETRIS_NIXL_PROGRESS_DELAY_MS", bad)
+        with pytest.raises(ValueError, match="TETRIS_NIXL_PROGRESS_DELAY_MS"):
+            progress_delay_ms()

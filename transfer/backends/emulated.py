@@ -163,10 +163,10 @@ def _nixl_agent(name: str):
 
     if nixl_unavailable_reason() is not None:
         return None
-    from nixl._api import nixl_agent, nixl_agent_config
+    from tetris.transfer.backends.nixl_ucx import new_nixl_agent
 
     try:
-        agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        agent = new_nixl_agent(name)   # a progress thread that sleeps while idle
     except Exception:  # noqa: BLE001 - fall back to the in-process transport
         return None
     return agent if "UCX" in agent.backends else None

@@ -3,20 +3,104 @@
 CPU tensors register as DRAM, CUDA tensors as VRAM (GPUDirect where UCX supports it). Agent
 metadata (``get_agent_metadata``) travels through Ray as ``AgentInfo.metadata``; the receiver
 never needs the sender's metadata because the sender initiates every write.
+
+Each agent's UCX backend runs a progress thread that sleeps in ``poll()`` on the UCX workers'
+event fds and wakes as soon as traffic arrives (or a stop is asked). Its timeout is the agent
+config's ``pthrDelay``: NIXL keeps a periodic wake-up as a backstop for a fd that misses its
+wake-up. nixl's Python ``nixl_agent`` hard-codes ``pthrDelay = 0``, which makes that ``poll()``
+return at once, forever: the thread busy-polls (poll, epoll_wait, two reads per round, ~4000
+rounds/s), a quarter of a core per agent and 80% of it system time, idle or not; every prefill
+worker and decode rank has one. ``new_nixl_agent`` builds agents with a real timeout
+(``PROGRESS_DELAY_MS``; ``TETRIS_NIXL_PROGRESS_DELAY_MS`` overrides it): traffic still wakes the
+thread at once, an idle one wakes ``1000 / PROGRESS_DELAY_MS`` times a second.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import threading
 
 import torch
 
 from tetris.transfer.backends.base import BackendCapabilities, TransferAgent, WriteStatus
 from tetris.transfer.messages import AgentInfo, RegionDesc
 
-__all__ = ["NixlAgent"]
+__all__ = ["NixlAgent", "new_nixl_agent", "PROGRESS_DELAY_MS"]
 
 log = logging.getLogger(__name__)
+
+# The progress thread's poll() timeout. Only a lost fd wake-up waits this long; an idle thread
+# costs ~1000 / PROGRESS_DELAY_MS wake-ups a second (each a few tens of microseconds).
+PROGRESS_DELAY_MS = 100.0
+
+_BUILD_LOCK = threading.Lock()
+_warned = False
+
+
+def progress_delay_ms() -> float:
+    raw = os.environ.get("TETRIS_NIXL_PROGRESS_DELAY_MS")
+    if raw is None:
+        return PROGRESS_DELAY_MS
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"TETRIS_NIXL_PROGRESS_DELAY_MS={raw!r} is not a number") from None
+    if not value >= 0:
+        raise ValueError(f"TETRIS_NIXL_PROGRESS_DELAY_MS={raw!r} must be >= 0")
+    return value
+
+
+def new_nixl_agent(name: str, delay_ms: float | None = None):
+    """A ``nixl_agent`` with the UCX backend whose progress thread blocks in ``poll()`` for up
+    to ``delay_ms`` (default ``progress_delay_ms()``) instead of spinning.
+
+    nixl's Python wrapper offers no knob for it: it builds the binding's ``nixlAgentConfig``
+    itself and sets ``pthrDelay = 0``. While this agent is built the wrapper's module sees a
+    binding whose config class keeps our delay whatever it is set to (everything else is the
+    real binding; other agents' calls meanwhile go through to it unchanged). Should a nixl
+    release change that wrapper so that this fails, the agent is built as nixl builds it, with
+    a WARNING (its progress thread busy-polls)."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    delay_us = round(1000.0 * (progress_delay_ms() if delay_ms is None else delay_ms))
+    config = nixl_agent_config(backends=["UCX"])
+    api = sys.modules.get(nixl_agent.__module__)
+    bind = getattr(api, "nixlBind", None)
+    base = getattr(bind, "nixlAgentConfig", None)
+    prop = getattr(base, "pthrDelay", None) if base is not None else None
+    if delay_us <= 0 or not isinstance(prop, property):
+        if delay_us > 0:
+            _warn_once("nixl's agent config has no pthrDelay property to set")
+        return nixl_agent(name, config)
+
+    class _Config(base):  # type: ignore[misc, valid-type]
+        pthrDelay = property(prop.fget, lambda self, _value: prop.fset(self, delay_us))
+
+    class _Binding:
+        nixlAgentConfig = _Config
+
+        def __getattr__(self, key: str):
+            return getattr(bind, key)
+
+    with _BUILD_LOCK:
+        api.nixlBind = _Binding()
+        try:
+            return nixl_agent(name, config)
+        except TypeError as exc:   # the binding refused the subclass: build it nixl's way
+            _warn_once(f"{type(exc).__name__}: {exc}")
+        finally:
+            api.nixlBind = bind
+    return nixl_agent(name, config)
+
+
+def _warn_once(why: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        log.warning("NIXL agents keep nixl's progress-thread delay of 0 (a busy-polling thread "
+                    "per agent): %s", why)
 
 _STATUS: dict[str, WriteStatus] = {"PROC": "proc", "DONE": "done", "ERR": "err"}
 
@@ -26,11 +110,9 @@ class NixlAgent(TransferAgent):
     capabilities = BackendCapabilities(cross_process=True, device_memory=True)
 
     def __init__(self, name: str) -> None:
-        # Imported here so that a missing nixl install is caught by the backend selection.
-        from nixl._api import nixl_agent, nixl_agent_config
-
+        # (new_nixl_agent imports nixl: a missing install is caught by the backend selection)
         self.name = name
-        self._agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        self._agent = new_nixl_agent(name)
         if "UCX" not in self._agent.backends:
             raise RuntimeError(f"NIXL agent {name!r} has no UCX backend (plugins: {self._agent.plugin_list})")
         self._registered: dict[int, object] = {}   # data_ptr -> nixlRegDList
