@@ -2,8 +2,10 @@
 
 The managers (``tetris.transfer``) are poll-driven and never block; something has to deliver
 their control messages, poll them and carry their outboxes to the peers. In an actor that
-something is a ``TransferPump``: a daemon thread that, every ``interval_s`` while transfers are
-under way (every ``idle_interval_s`` otherwise) or as soon as a message arrives,
+something is a ``TransferPump``: a daemon thread that, every ``interval_s`` while a write or a
+piece is on the wire, every ``idle_interval_s`` while transfers wait on their peers (for the
+timeouts), and otherwise only when woken, runs a round as soon as a message or an owner call
+arrives:
 
 1. delivers the messages that peers sent (``deliver``, called from a Ray method of the
    actor's ``"transfer"`` concurrency group, so it runs while a chunk or a decode step
@@ -12,6 +14,11 @@ under way (every ``idle_interval_s`` otherwise) or as soon as a message arrives,
 3. sends each outbox envelope to its peer actor: ``peer.deliver_transfer.remote([msgs])``,
    one Ray call per peer and round, never waited on,
 4. hands the round's events to ``on_events``.
+
+An idle pump (the manager holds nothing: ``idle()``) blocks on its wake-up event with no
+timeout, so an idle actor's pump costs nothing; whatever gives the manager work (``deliver``,
+``locked``, ``connect`` when it gives up a replaced peer's work) sets that event, and the round
+runs at once (``stop`` sets it too).
 
 The owner reaches the manager only under the pump's lock (``with pump.locked() as mgr``), so
 the compute thread (``add_shard``, ``layer_ready``, ``reserve``) and the pump never interleave
@@ -150,17 +157,35 @@ class TransferPump:
             return any(not s.state.finished for s in shards.values())
         return bool(getattr(m, "requests", None))
 
+    def _idle(self) -> bool:
+        """Whether the manager holds nothing that time alone can move (no write on the wire, no
+        transfer whose timeout runs): then the pump sleeps until woken. Only managers that say
+        so (``idle()``) are trusted with that; any other keeps the ``idle_interval_s`` nap.
+
+        The nap used to run regardless: 20 rounds a second in every prefill worker and decode
+        rank of an idle server."""
+        idle = getattr(self.manager, "idle", None)
+        return bool(idle()) if idle is not None else False
+
+    def _nap(self) -> float | None:
+        """How long the thread may sleep before the next round (None: until woken)."""
+        # Under the lock: the owner's threads add and drop shards meanwhile (reading the
+        # manager unlocked once raised "dictionary changed size during iteration" here, outside
+        # any handler, and the thread died: that sender's KV stalled).
+        with self._lock:
+            if self._busy():
+                return self.interval_s
+            return None if self._idle() else self.idle_interval_s
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            busy = True
+            nap: float | None = self.interval_s
             try:
                 self.pump_once()
-                # Under the lock: the owner's threads add and drop shards meanwhile (reading
-                # the manager unlocked once raised "dictionary changed size during iteration"
-                # here, outside any handler, and the thread died: that sender's KV stalled).
-                with self._lock:
-                    busy = self._busy()
+                nap = self._nap()
             except Exception:  # noqa: BLE001 - a bad round must not kill the transfer thread
                 log.exception("%s: transfer round failed", self.name)
-            self._wake.wait(self.interval_s if busy else self.idle_interval_s)
+            # Cleared before the next round reads the inbox and the manager, so a wake-up set
+            # during that round is never lost (wait returns at once).
+            self._wake.wait(nap)
             self._wake.clear()

@@ -165,6 +165,11 @@ class ReceiveManager:
         polling. Handshakes, computed layers and aborts arrive through ``deliver``."""
         return any(b.credits for b in self.backends)
 
+    def idle(self) -> bool:
+        """No request is held, so no timeout runs and no piece can land for one: the owner's
+        pump sleeps until a message or an owner call (``reserve``) wakes it."""
+        return not self.requests and not any(b.credits for b in self.backends)
+
     def state(self, request_id: str) -> TransferState | None:
         req = self.requests.get(request_id)
         if req is not None:

@@ -185,6 +185,13 @@ class SendManager:
         call, after which the owner polls anyway."""
         return self._in_flight is not None
 
+    def idle(self) -> bool:
+        """Nothing here can move with time alone: no write on the wire, nothing queued on the
+        link, every shard finished (only a transferring shard has a timeout). Its owner's pump
+        then sleeps until a message or an owner call wakes it."""
+        return (self._in_flight is None and self.link.in_flight is None and not self.link.pending()
+                and all(s.state.finished for s in self.shards.values()))
+
     def state(self, request_id: str, chunk_index: int, receiver_id: int | None = None) -> TransferState | None:
         """The shard's state (None: unknown); ``receiver_id`` None means the chunk's only one."""
         shards = self._matching(request_id, chunk_index, receiver_id)

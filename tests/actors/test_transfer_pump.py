@@ -112,6 +112,74 @@ def test_thread_runs_rounds_and_wakes_on_delivery():
     assert not pump._thread.is_alive()
 
 
+class _IdleManager(_Manager):
+    """Holds nothing (``idle``) and counts its rounds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.polls = 0
+
+    def poll(self, now):
+        self.polls += 1
+        return super().poll(now)
+
+    def idle(self) -> bool:
+        return not self.delivered
+
+
+def _thread_cpu_s(thread) -> float:
+    import psutil
+
+    for t in psutil.Process().threads():
+        if t.id == thread.native_id:
+            return t.user_time + t.system_time
+    raise AssertionError("the pump thread is gone")
+
+
+def test_an_idle_pump_sleeps_until_woken_and_wakes_at_once():
+    # An idle server: every prefill worker's and decode rank's pump used to run a round every
+    # idle_interval_s (50 ms) with nothing to do. Now a pump whose manager holds nothing blocks
+    # until a message or an owner call wakes it, and then runs the round at once.
+    mgr = _IdleManager()
+    pump = TransferPump(mgr, name="t", interval_s=0.001, idle_interval_s=0.001).start()
+    try:
+        time.sleep(0.1)
+        polls, cpu0, t0 = mgr.polls, _thread_cpu_s(pump._thread), time.monotonic()
+        time.sleep(1.5)
+        cpu = (_thread_cpu_s(pump._thread) - cpu0) / (time.monotonic() - t0)
+        assert mgr.polls == polls <= 1            # not a single round while idle
+        assert cpu < 0.01, f"an idle pump used {cpu:.1%} of a core"
+        waits = []
+        for i in range(5):
+            t0 = time.monotonic()
+            pump.deliver([_abort(f"r{i}")])
+            while len(mgr.delivered) <= i:
+                assert time.monotonic() - t0 < 1.0, "the pump did not wake"
+                time.sleep(0.0002)
+            waits.append(time.monotonic() - t0)
+            with pump.locked() as m:
+                m.delivered = m.delivered[:i + 1]
+        assert sorted(waits)[2] < 0.02, waits     # woken at once (median; no nap to wait out)
+        # an owner call wakes it too: a manager with work polls every interval_s again
+        before = mgr.polls
+        with pump.locked() as m:
+            m.delivered.append(_abort("held"))
+        time.sleep(0.2)
+        assert mgr.polls - before >= 10
+    finally:
+        pump.stop()
+    assert not pump._thread.is_alive()
+
+
+def test_a_manager_without_idle_keeps_the_nap():
+    # Only a manager that says it is idle is trusted to be woken for all its work.
+    mgr = _Manager()
+    pump = TransferPump(mgr, name="t")
+    assert not pump._busy() and not pump._idle() and pump._nap() == pump.idle_interval_s
+    mgr2 = _IdleManager()
+    assert TransferPump(mgr2, name="t2")._nap() is None
+
+
 def test_real_managers_ask_for_polling_only_while_a_piece_can_land():
     import sys
 
@@ -126,6 +194,8 @@ def test_real_managers_ask_for_polling_only_while_a_piece_can_land():
                          send_buffer_bytes=1024, bulk_chunk_bytes=1024)
     c = Cluster(1, cfg)
     sender, receiver = c.senders[0], c.receiver
+    assert sender.idle() and receiver.idle()       # nothing held: the pumps sleep until woken
+    assert TransferPump(sender, name="s")._nap() is None
     sender.add_shard(request_id="r", chunk_index=0, receiver_id=0, prompt_tokens=8, chunk=(0, 8),
                      ranges=[(0, 8)], num_layers=LAYERS, kv_heads=HKV, head_dim=D,
                      dtype=torch.float32, now=c.now)
@@ -146,6 +216,16 @@ def test_real_managers_ask_for_polling_only_while_a_piece_can_land():
         c.step()
     assert not receiver.requests["r"].coverage[1].any()   # layer 1 is not computed yet
     assert not sender.needs_polling() and not receiver.needs_polling()
+    # waiting on compute: not idle (the timeouts run), so the pumps keep their nap
+    assert not sender.idle() and not receiver.idle()
+    assert TransferPump(receiver, name="r")._nap() == TransferPump(receiver, name="r").idle_interval_s
+    for layer in range(1, LAYERS):
+        sender.layer_ready("r", 0, layer, kv[layer])
+    for _ in range(200):
+        c.step()
+        if sender.idle() and receiver.idle():
+            break
+    assert sender.idle() and "r" not in receiver.requests   # all of it landed: idle again
 
 
 def test_the_thread_survives_a_failing_busy_check():
