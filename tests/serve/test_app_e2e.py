@@ -148,6 +148,54 @@ def test_a_seeded_sampled_request_is_the_same_served_as_on_one_engine(app, engin
     assert r.json()["choices"][0]["text"] == want.text
 
 
+def _engine_logprobs(engine, prompt, params) -> tuple[list[int], list]:
+    """Tokens and their TokenLogprobs from the single engine (its own step loop)."""
+    rid = f"logprobs-{params.seed}-{params.temperature}"
+    engine.add_request(rid, prompt, params)
+    tokens, entries = [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid:
+                tokens += out.new_token_ids
+                entries += out.new_logprobs
+    return tokens, entries
+
+
+def test_completion_top5_logprobs_served_equal_the_single_engines(app, engine):
+    """The first token's logprobs come from the prefill pool, the rest from the decode ranks;
+    echo with logprobs (prompt logprobs) is refused by name, not dropped."""
+    from tetris.serve.logprobs_format import TokenText
+
+    _, base = app
+    prompt = _prompt(600, 7)
+    cases = [{"temperature": 0}, {"temperature": 1.3, "seed": 5}]
+
+    async def go():
+        async with httpx.AsyncClient(timeout=300) as c:
+            served = await asyncio.gather(*[_complete(c, base, prompt, 6, logprobs=5, **case)
+                                            for case in cases])
+            refused = await _complete(c, base, prompt, 0, logprobs=1, echo=True)
+            return served, refused
+
+    served, refused = asyncio.run(go())
+    text_of = TokenText(engine.tokenizer)
+    for case, r in zip(cases, served):
+        assert r.status_code == 200, r.text
+        got = r.json()["choices"][0]["logprobs"]
+        tokens, entries = _engine_logprobs(engine, prompt, SamplingParams(
+            max_tokens=6, ignore_eos=True, logprobs=5, **case))
+        assert got["tokens"] == [text_of(t) for t in tokens]
+        for lp, top, e in zip(got["token_logprobs"], got["top_logprobs"], entries, strict=True):
+            assert abs(lp - e.logprob) < 1e-4
+            want = {}
+            for t, v in e.top:
+                want.setdefault(text_of(t), v)
+            want.setdefault(text_of(e.token_id), e.logprob)
+            assert top.keys() == want.keys() and all(abs(top[k] - want[k]) < 1e-4 for k in top)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
+    assert "single-engine server only" in refused.json()["error"]["message"]
+
+
 def test_handle_api_from_a_second_app_gives_the_engines_tokens(app, engine):
     from ray import cloudpickle, serve
 
