@@ -76,7 +76,7 @@ def test_held_is_zero_only_when_nothing_is_left_anywhere():
                 "free_blocks": free, "total_blocks": 64}
         rank["empty"] = not receiving and free == 64
         return {"dispatcher": {"inflight": inflight, "queue_bookings": 0, "virtual_usage": 0,
-                               "virtual_requests": 0, "cleanups": 0},
+                               "virtual_requests": 0, "cleanups": 0, "relayed": 0},
                 "prefill": {0: [], 1: list(prefill)}, "decode": [{"ranks": [rank]}]}
 
     assert held_is_zero(held())

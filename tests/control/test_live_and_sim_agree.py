@@ -210,7 +210,7 @@ async def _replay(dep, reqs, log, cap) -> Recording:
         await _settle()
     await asyncio.gather(*tasks)
     assert d.held() == {"inflight": 0, "queue_bookings": 0, "virtual_usage": 0,
-                        "virtual_requests": 0, "cleanups": 0}
+                        "virtual_requests": 0, "cleanups": 0, "relayed": 0}
     return d.control
 
 

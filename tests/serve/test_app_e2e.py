@@ -307,7 +307,7 @@ def _held(base) -> dict:
 
 def _idle(held: dict) -> bool:
     d = held["dispatcher"]
-    return (d == {"inflight": 0, "queue_bookings": 0, "virtual_usage": 0, "virtual_requests": 0, "cleanups": 0}
+    return (d == {"inflight": 0, "queue_bookings": 0, "virtual_usage": 0, "virtual_requests": 0, "cleanups": 0, "relayed": 0}
             and not any(held["prefill"].values())
             and all(rank["empty"] for inst in held["decode"] for rank in inst["ranks"]))
 

@@ -118,7 +118,7 @@ def test_request_runs_to_the_end_and_frees_everything():
     assert prefill.committed == prefill.ran == prefill.released == ["a"]
     assert prefill.aborted == [] and decode.aborted == []
     assert d.held() == {"inflight": 0, "queue_bookings": 0, "virtual_usage": 0,
-                        "virtual_requests": 0, "cleanups": 0}
+                        "virtual_requests": 0, "cleanups": 0, "relayed": 0}
     (tl,) = d.timelines
     b = tl.breakdown()
     assert tl.outcome == "length" and tl.chunks >= 1 and tl.tokens == 4
@@ -160,7 +160,7 @@ def test_overload_is_refused_without_holding_anything():
     with pytest.raises(Overloaded):
         asyncio.run(_collect(d, _req("d")))
     assert d.held() == {"inflight": 0, "queue_bookings": 0, "virtual_usage": 0,
-                        "virtual_requests": 0, "cleanups": 0}
+                        "virtual_requests": 0, "cleanups": 0, "relayed": 0}
 
     bounded = _dispatcher(prefill=FakePrefill(delay=0.2), max_pending=1)
 
@@ -211,7 +211,7 @@ def test_a_decode_instance_marked_down_gets_no_requests_until_it_is_up():
         asyncio.run(_collect(d, _req("none")))
     assert e.value.retry_after_s > 0 and "none" not in decode.instance_of
     assert d.held() == {"inflight": 0, "queue_bookings": 0, "virtual_usage": 0,
-                        "virtual_requests": 0, "cleanups": 0}
+                        "virtual_requests": 0, "cleanups": 0, "relayed": 0}
     d.set_decode_up(0, True)
     assert asyncio.run(_collect(d, _req("back")))[-1].finished
     assert decode.instance_of["back"] == 0 and d.stats()["decode_down"] == [1]

@@ -21,9 +21,10 @@ from tetris.serve.dispatcher import Dispatcher
 from tetris.serve.first_token import EarlyFirstToken
 from tetris.serve.metrics import ServingMetrics
 from tetris.serve.protocol import GenerateRequest
+from tetris.serve.relay import follow
 
 _IDLE = {"inflight": 0, "queue_bookings": 0, "virtual_usage": 0, "virtual_requests": 0,
-         "cleanups": 0}
+         "cleanups": 0, "relayed": 0}
 
 
 def _next(tokens) -> int:
@@ -155,8 +156,16 @@ def _reference(prompt: list[int], n: int) -> list[int]:
 
 
 async def _collect(d: Dispatcher, rid: str, prompt: list[int], n: int) -> list[OutputDelta]:
+    """The client's stream; a relaying dispatcher's decode outputs are streamed from the decode
+    pool by the caller, as the ingress does (``tetris.serve.relay.follow``)."""
     req = GenerateRequest(rid, tuple(prompt), SamplingParams(max_tokens=n))
-    return [o async for o in d.generate(req)]
+    if not d.relay:
+        return [o async for o in d.generate(req)]
+
+    async def report(request_id, run_id, rep):
+        d.relay_report(run_id, rep)
+
+    return [o async for o in follow(d.generate(req), d.decode.stream, report)]
 
 
 def _client_view(outs: list[OutputDelta]) -> tuple[list[int], str]:
@@ -176,11 +185,12 @@ def _retries(d: Dispatcher) -> dict[str, float]:
 PROMPT = list(range(3, 40))
 
 
+@pytest.mark.parametrize("relay", [False, True], ids=["dispatcher-streams", "relayed"])
 @pytest.mark.parametrize("early", [False, True])
-def test_a_decode_instance_lost_mid_stream_resumes_on_another_with_each_token_once(early):
+def test_a_decode_instance_lost_mid_stream_resumes_on_another_with_each_token_once(early, relay):
     prefill, decode = ToyPrefill(), ToyDecode(instances=2, lose_after={0: 4})
     first = EarlyFirstToken(_text, (), 1 << 20) if early else None
-    d = _dispatcher(prefill, decode, instances=2, first_token=first)
+    d = _dispatcher(prefill, decode, instances=2, first_token=first, relay=relay)
     outs = asyncio.run(_collect(d, "a", PROMPT, 12))
     ref = _reference(PROMPT, 12)
     assert _client_view(outs) == (ref, _text(ref))
@@ -270,12 +280,18 @@ def test_retries_are_bounded_and_the_last_loss_reaches_the_caller():
         _dispatcher(ToyPrefill(), ToyDecode(), retries=-1)
 
 
-def test_a_client_that_leaves_during_the_run_again_frees_both_runs():
+@pytest.mark.parametrize("relay", [False, True], ids=["dispatcher-streams", "relayed"])
+def test_a_client_that_leaves_during_the_run_again_frees_both_runs(relay):
     prefill, decode = ToyPrefill(), ToyDecode(instances=2, lose_after={0: 3})
-    d = _dispatcher(prefill, decode, instances=2)
+    d = _dispatcher(prefill, decode, instances=2, relay=relay)
+
+    async def report(request_id, run_id, rep):
+        d.relay_report(run_id, rep)
 
     async def main():
         gen = d.generate(GenerateRequest("z", tuple(PROMPT), SamplingParams(max_tokens=50)))
+        if relay:
+            gen = follow(gen, decode.stream, report)
         outs = [await anext(gen) for _ in range(5)]   # 3 from the first run, 2 from the second
         await gen.aclose()
         return outs
@@ -335,3 +351,73 @@ def test_runs_lost_to_outdated_plans_are_not_charged_against_the_retries():
     with pytest.raises(PlanOutdated):
         asyncio.run(_collect(e, "e", PROMPT, 3))
     assert len(endless.ran) == 1 + 4 + 1 and e.held() == _IDLE
+
+
+def test_relayed_the_dispatcher_sees_two_events_per_run_not_each_token():
+    """The ingress streams the decode outputs; the dispatcher yields the early first token
+    and one hand-off per run, and hears of the KV's arrival and of the stream's end."""
+    prefill, decode = ToyPrefill(), ToyDecode(instances=2, lose_after={0: 4})
+    d = _dispatcher(prefill, decode, instances=2, relay=True,
+                    first_token=EarlyFirstToken(_text, (), 1 << 20))
+    from_dispatcher, reports = [], []
+
+    async def report(request_id, run_id, rep):
+        reports.append((run_id, rep.kind, len(rep.token_ids)))
+        d.relay_report(run_id, rep)
+
+    async def dispatched(req):
+        async for item in d.generate(req):
+            from_dispatcher.append(type(item).__name__)
+            yield item
+
+    async def main():
+        req = GenerateRequest("r", tuple(PROMPT), SamplingParams(max_tokens=12))
+        return [o async for o in follow(dispatched(req), decode.stream, report)]
+
+    outs = asyncio.run(main())
+    ref = _reference(PROMPT, 12)
+    assert _client_view(outs) == (ref, _text(ref))
+    assert from_dispatcher == ["OutputDelta", "DecodeHandoff", "DecodeHandoff"]
+    # run 1 gave the client tokens 2-4 (the first came early) before its instance was lost
+    assert reports == [("r", "kv_arrived", 0), ("r", "lost", 3),
+                       ("r#retry1", "kv_arrived", 0), ("r#retry1", "finished", 8)]
+    assert prefill.released == ["r", "r#retry1"] and d.held() == _IDLE
+
+
+def test_relayed_a_decode_stream_that_fails_otherwise_fails_the_request_and_frees_it():
+    class Broken(ToyDecode):
+        async def stream(self, instance, request_id):
+            yield OutputDelta(request_id, (1,), "b", 1, False, None)
+            raise KeyError("rank state")
+
+    prefill, decode = ToyPrefill(), Broken()
+    d = _dispatcher(prefill, decode, relay=True)
+    with pytest.raises(RuntimeError, match="KeyError"):
+        asyncio.run(_collect(d, "f", PROMPT, 5))
+    assert d.timelines[-1].outcome == "error" and d.held() == _IDLE
+    assert "f" in decode.aborted and "f" in prefill.aborted
+
+
+def test_relayed_an_end_report_that_overtakes_the_arrival_report_still_frees_the_prefill_kv():
+    """The ingress sends the arrival report without waiting for it; the end report may reach
+    the dispatcher first. The prefill side must still free its copy of the KV."""
+    prefill, decode = ToyPrefill(), ToyDecode()
+    d = _dispatcher(prefill, decode, relay=True)
+    held_back = []
+
+    async def report(request_id, run_id, rep):
+        if rep.kind == "kv_arrived":
+            held_back.append((run_id, rep))   # delivered after the end, or never
+            return
+        d.relay_report(run_id, rep)
+
+    async def main():
+        req = GenerateRequest("o", tuple(PROMPT), SamplingParams(max_tokens=3))
+        outs = [o async for o in follow(d.generate(req), decode.stream, report)]
+        for run_id, rep in held_back:
+            assert not d.relay_report(run_id, rep)   # the run is over: dropped
+        return outs
+
+    outs = asyncio.run(main())
+    assert _client_view(outs)[0] == _reference(PROMPT, 3)
+    assert prefill.released == ["o"] and prefill.aborted == [] and d.held() == _IDLE

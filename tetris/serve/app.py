@@ -46,7 +46,7 @@ def build_app(config: DeploymentConfig | str | Path | None = None, *, max_pendin
     decode = DecodePoolServer.bind(deployment)
     dispatcher = DispatcherServer.bind(deployment, prefill, decode, max_pending,
                                        check_period(prefill_check_s))
-    return Ingress.bind(deployment, dispatcher)
+    return Ingress.bind(deployment, dispatcher, decode)
 
 
 def app_builder(args: dict):

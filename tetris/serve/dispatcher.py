@@ -63,6 +63,7 @@ from tetris.serve.clients import DecodeClient, PrefillClient
 from tetris.serve.first_token import EarlyFirstToken, StreamCursor
 from tetris.serve.metrics import ServingMetrics
 from tetris.serve.protocol import GenerateRequest
+from tetris.serve.relay import DecodeHandoff, RelayBoxes, RelayReport
 from tetris.serve.timeline import RequestTimeline
 from tetris.token_ids import TokenIds, compact_tokens
 
@@ -103,7 +104,8 @@ class Dispatcher:
                  rate_table: ImprovementRateTable | None = None,
                  clock: Callable[[], float] = time.monotonic, keep_timelines: int = 1024,
                  first_token: EarlyFirstToken | None = None, retries: int = 2,
-                 retry_wait_s: float = 60.0, retry_poll_s: float = 0.5) -> None:
+                 retry_wait_s: float = 60.0, retry_poll_s: float = 0.5,
+                 relay: bool = False) -> None:
         if retries < 0 or retry_wait_s < 0 or retry_poll_s <= 0:
             raise ValueError(f"retries and retry_wait_s must be >= 0 and retry_poll_s > 0, got "
                              f"{retries}, {retry_wait_s}, {retry_poll_s}")
@@ -112,6 +114,9 @@ class Dispatcher:
         self.retry_poll_s = retry_poll_s
         self.deployment = deployment
         self.first_token = first_token   # None: the first token comes with the decode stream
+        # True: the caller streams the decode outputs itself (``tetris.serve.relay``)
+        self.relay = relay
+        self._relay = RelayBoxes()
         self.prefill = prefill
         self.decode = decode
         self.metrics = metrics
@@ -217,6 +222,12 @@ class Dispatcher:
                 try:
                     async with contextlib.aclosing(self._attempt(req, tl, sent)) as attempt:
                         async for out in attempt:
+                            if isinstance(out, DecodeHandoff):
+                                yield out
+                                continue
+                            if isinstance(out, RelayReport):   # the relayed stream ended
+                                tl.outcome = out.finish_reason or "stop"
+                                return
                             sent.token_ids.extend(out.new_token_ids)
                             sent.chars += len(out.new_text)
                             yield out
@@ -315,6 +326,11 @@ class Dispatcher:
         # the logprob goes along only when asked for (clients without logprobs need not take it)
         extra = () if first_logprob is None else (first_logprob,)
         await self.decode.commit(instance, aid, int(result.first_token), *extra)
+        if self.relay:   # the ingress streams the decode outputs itself (tetris.serve.relay)
+            self._relay.open(aid)
+            yield DecodeHandoff(rid, aid, instance, *(cursor.sent if cursor else (0, 0)))
+            yield await self._relay_end(aid, tl, sent)
+            return
         kv_arrived = False
         async with contextlib.aclosing(self.decode.stream(instance, aid)) as stream:
             async for out in stream:
@@ -330,6 +346,32 @@ class Dispatcher:
                 yield out
                 if out.finished:
                     return
+
+    async def _relay_end(self, aid: str, tl: RequestTimeline, sent: "_Sent") -> RelayReport:
+        """Wait for a relayed run's reports: the KV's arrival, then how its stream ended."""
+        box, kv_arrived = self._relay.open(aid), False
+        while True:
+            report = await box.get()
+            # Two calls from the ingress may arrive in either order: a stream's end that
+            # overtook its arrival report says as much, the KV arrived (it made outputs).
+            if not kv_arrived and (report.kind == "kv_arrived" or report.num_tokens):
+                kv_arrived = True
+                tl.first_output = tl.first_output or self.clock()
+                await self._kv_arrived(aid)
+            if report.kind == "kv_arrived":
+                continue
+            sent.token_ids.extend(report.token_ids)
+            sent.chars += report.chars
+            tl.tokens = max(tl.tokens, report.num_tokens)
+            if report.kind == "finished":
+                return report
+            if report.kind == "lost":
+                raise InstanceLost(report.error)
+            raise RuntimeError(f"decode stream of {aid}: {report.error}")
+
+    def relay_report(self, run_id: str, report: RelayReport) -> bool:
+        """A report from the ingress on a relayed run (False: the run is gone)."""
+        return self._relay.deliver(run_id, report)
 
     def _route(self, req: GenerateRequest, aid: str, tl: RequestTimeline,
                avoid: frozenset[int] = frozenset()) -> int:
@@ -420,6 +462,7 @@ class Dispatcher:
         """Free what one run of a request holds: bookings, virtual usage and, unless it
         completed, its state on both pools (a lost instance's answers are logged, not raised)."""
         self.control.finished(aid, self.clock())
+        self._relay.close(aid)
         if completed:
             return
         try:
@@ -451,7 +494,7 @@ class Dispatcher:
     def held(self) -> dict:
         """What is still reserved on the control side (zero everywhere when idle)."""
         return {"inflight": len(self._inflight), **self.control.held(),
-                "cleanups": len(self._cleanups)}
+                "cleanups": len(self._cleanups), "relayed": len(self._relay)}
 
 
 def _rate_table_path(name: str) -> str:

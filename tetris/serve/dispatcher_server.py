@@ -62,7 +62,7 @@ class DispatcherServer:
                 DecodeHandleClient(self._decode_h, await self._decode_h.receiver_ids.remote()),
                 node_of=node_of, decode_capacities=[dc.kv_blocks * dc.block_size] * dc.num_instances,
                 metrics=self.metrics, max_pending=self.max_pending,
-                first_token=early_first_token(self.deployment))
+                first_token=early_first_token(self.deployment), relay=True)
             self.supervisor = Supervisor(self.dispatcher, self.metrics, self._prefill_h,
                                          self._decode_h, self.prefill_check_s)
             self.supervisor.start()
@@ -85,6 +85,10 @@ class DispatcherServer:
         d = await self.ready()
         async for out in d.generate(req):
             yield out
+
+    async def relay_report(self, run_id: str, report) -> bool:
+        """The ingress's report on a run whose decode outputs it streams itself."""
+        return (await self.ready()).relay_report(run_id, report)
 
     async def stats(self) -> dict:
         return (await self.ready()).stats() | {"decode_restarts": dict(self.supervisor.restarts)}
@@ -124,7 +128,7 @@ def early_first_token(deployment: DeploymentConfig):
     """What the dispatcher needs to stream the first token as the decode engines would."""
     resolved = resolve_model_config(deployment.model)
     if deployment.decode.executor == "emulated":
-        # emulated engines have no tokenizer and no EOS (actors/emulated_decode.py)
+        # emulated engines have no tokenizer and no EOS (actors/decode/emulated.py)
         return EarlyFirstToken(None, (), resolved.max_position_embeddings)
     tokenizer = load_tokenizer_for(resolved)
     return EarlyFirstToken(tokenizer.decode, tokenizer.eos_token_ids, resolved.max_position_embeddings)

@@ -39,6 +39,11 @@ class StreamCursor:
         self._chars_sent = chars_sent
         self._engine_chars = 0   # characters the decode engine has released so far
 
+    @property
+    def sent(self) -> tuple[int, int]:
+        """(output tokens, characters) the client has so far."""
+        return self._ids_sent, self._chars_sent
+
     def follow(self, out: OutputDelta) -> OutputDelta | None:
         """``out`` less what was already sent; None when nothing is left to say."""
         chars_before, ids_before = self._engine_chars, out.num_tokens - len(out.new_token_ids)

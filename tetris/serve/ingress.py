@@ -7,6 +7,7 @@ comes back as the same ``Overloaded`` or ``ValueError`` (``remote_errors.as_clie
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 
@@ -16,8 +17,10 @@ from tetris.config import DeploymentConfig
 from tetris.engine.request import Transcript
 from tetris.model.loader import load_tokenizer_for, resolve_model_config
 from tetris.serve.fields import cluster_unsupported
+from tetris.serve.handles import DecodeHandleClient
 from tetris.serve.pools import NO_CPU
 from tetris.serve.protocol import GenerateRequest
+from tetris.serve.relay import RelayReport, follow
 from tetris.serve.remote_errors import as_client_error
 from tetris.serve.types import Generation, GenerationDelta, GenerationRequest
 from tetris.token_ids import compact_tokens
@@ -28,8 +31,10 @@ __all__ = ["Ingress", "DispatcherBackend"]
 class DispatcherBackend:
     """``GenerationBackend`` over the dispatcher's handle (what the OpenAI API calls)."""
 
-    def __init__(self, deployment: DeploymentConfig, handle) -> None:
+    def __init__(self, deployment: DeploymentConfig, handle, decode=None) -> None:
         self.handle = handle
+        # the decode pool's handle: its outputs stream from there to here in one hop
+        self.decode = None if decode is None else DecodeHandleClient(decode, [])
         self.model_name = deployment.model.name
         resolved = resolve_model_config(deployment.model)
         self.max_model_len = resolved.max_position_embeddings
@@ -45,12 +50,20 @@ class DispatcherBackend:
     async def generate(self, req: GenerateRequest) -> AsyncIterator:
         gen = self.handle.options(stream=True).generate.remote(req)
         try:
-            async for out in gen:
-                yield out
+            if self.decode is None:
+                async for out in gen:
+                    yield out
+            else:
+                async with contextlib.aclosing(follow(gen, self.decode.stream, self._report)) as outs:
+                    async for out in outs:
+                        yield out
         except Exception as e:
             raise as_client_error(e) from None
         finally:
             gen.cancel()
+
+    async def _report(self, request_id: str, run_id: str, report: RelayReport) -> None:
+        await self.handle.relay_report.remote(run_id, report)
 
     async def stats(self) -> dict:
         return await self.handle.stats.remote()
@@ -61,12 +74,12 @@ class DispatcherBackend:
 class Ingress:
     """HTTP (OpenAI API + admin routes) and the Python handle API."""
 
-    def __init__(self, deployment: DeploymentConfig, dispatcher) -> None:
+    def __init__(self, deployment: DeploymentConfig, dispatcher, decode=None) -> None:
         from tetris.serve.metrics import ServingMetrics
 
         self.deployment = deployment
         self.dispatcher = dispatcher
-        self.backend = DispatcherBackend(deployment, dispatcher)
+        self.backend = DispatcherBackend(deployment, dispatcher, decode)
         self.metrics = ServingMetrics(deployment.model.name, scheduler=False)
 
     def __serve_build_asgi_app__(self):
