@@ -45,7 +45,6 @@ import contextvars
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
 
 import msgspec
 
@@ -54,17 +53,18 @@ from tetris.control import ControlPlane, PrefillQueue
 from tetris.engine.request import OutputDelta
 from tetris.errors import InstanceLost, InstanceReplacing, PlanOutdated
 from tetris.plan import PrefillPlan
-from tetris.scheduler.latency import PrefillLatencyModel, PrefillProfile, load_profile
+from tetris.scheduler.latency import PrefillLatencyModel, load_profile
 from tetris.scheduler.policies import policy_from_config
 from tetris.scheduler.rate import ImprovementRateTable, RateMonitor
 from tetris.scheduler.router import DecodeRouter, NoInstanceUp
 from tetris.serve.backend import Overloaded
 from tetris.serve.clients import DecodeClient, PrefillClient
+from tetris.serve.dispatcher_admin import DispatcherAdmin, rate_table_path
 from tetris.serve.first_token import EarlyFirstToken, StreamCursor
 from tetris.serve.metrics import ServingMetrics
 from tetris.serve.protocol import GenerateRequest
 from tetris.serve.relay import DecodeHandoff, RelayBoxes, RelayReport
-from tetris.serve.timeline import RequestTimeline
+from tetris.serve.timeline import ClientProgress, RequestTimeline, attempt_id
 from tetris.token_ids import TokenIds, compact_tokens
 
 __all__ = ["Dispatcher", "PrefillClient", "DecodeClient", "RequestTimeline", "DEFAULT_PROFILE"]
@@ -73,31 +73,11 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PROFILE = "a100-llama3-8b-tp1"
 _COMPLETED = ("stop", "length")   # finish reasons after which nothing is left to abort
-_RETRY = "#retry"                 # a run of a request after a lost instance: "<id>#retry<n>"
 _PLAN_TRIES = 3                   # plans per run refused for instances being replaced, at most
 _OUTDATED_RUNS = 4                # runs again for outdated plans, beyond ``retries``
 
 
-def _attempt_id(request_id: str, retries: int) -> str:
-    """The id the pools know run ``retries`` of a request by: the request's own id for the first
-    run, a fresh one for each run again (a lost instance may still hold the earlier run)."""
-    return request_id if not retries else f"{request_id}{_RETRY}{retries}"
-
-
-class _Sent:
-    """What the client of one request already has, and where its current run is."""
-
-    __slots__ = ("token_ids", "chars", "stage", "lost_decode", "outdated")
-
-    def __init__(self) -> None:
-        self.token_ids: list[int] = []         # output tokens yielded so far
-        self.chars = 0                         # characters of text yielded so far
-        self.stage = "routing"
-        self.lost_decode: int | None = None    # the decode instance the last run lost
-        self.outdated = 0                      # runs again for outdated plans (not charged)
-
-
-class Dispatcher:
+class Dispatcher(DispatcherAdmin):
     def __init__(self, deployment: DeploymentConfig, prefill: PrefillClient, decode: DecodeClient,
                  *, node_of: Sequence[int], decode_capacities: Sequence[int],
                  metrics: ServingMetrics | None = None, max_pending: int = 256,
@@ -149,54 +129,11 @@ class Dispatcher:
     def _make_monitor(self, table: ImprovementRateTable | None) -> RateMonitor | None:
         sc = self.deployment.scheduler
         if table is None and sc.rate_table:
-            table = ImprovementRateTable.load(_rate_table_path(sc.rate_table))
+            table = ImprovementRateTable.load(rate_table_path(sc.rate_table))
         if table is None:
             return None   # θ stays at scheduler.improvement_rate
         return RateMonitor(sc.rate_window_s, sc.rate_update_interval_s, table,
                            min_arrivals=sc.rate_min_arrivals)
-
-    def rate_table(self) -> dict:
-        monitor = self.control.monitor
-        if monitor is None:
-            return {"rates": [], "improvement_rates": [], "description": "no table: fixed θ",
-                    "improvement_rate": self.improvement_rate}
-        t = monitor.table
-        return {"rates": list(t.rates), "improvement_rates": list(t.improvement_rates),
-                "description": t.description, "improvement_rate": self.improvement_rate}
-
-    def set_rate_table(self, rates: list[float], improvement_rates: list[float],
-                       description: str = "") -> dict:
-        """Replace the θ table (admin route); raises ``RateTableError`` for a bad table."""
-        table = ImprovementRateTable(rates, improvement_rates, description=description)
-        if self.control.monitor is None:
-            self.control.monitor = self._make_monitor(table)
-        else:
-            self.control.monitor.replace_table(table)
-        return self.rate_table()
-
-    def latency_profile(self) -> dict:
-        return msgspec.to_builtins(self.profile.to_profile())
-
-    def set_latency_profile(self, body: dict) -> dict:
-        """Replace the prefill latency profile (admin route); the policy is rebuilt on it."""
-        model = PrefillLatencyModel.from_profile(msgspec.convert(body, PrefillProfile))
-        self.control.policy = self._make_policy(model)
-        self.profile = model
-        return self.latency_profile()
-
-    def drain(self, instances: Sequence[int], seconds: float) -> dict:
-        """Keep new plans off ``instances`` for ``seconds`` (admin route); running work goes on."""
-        if not 0 < seconds <= 3600:
-            raise ValueError(f"seconds must be in (0, 3600], got {seconds}")
-        self.control.queue.hold([int(i) for i in instances], self.clock() + seconds)
-        return self.stats()
-
-    def set_decode_up(self, instance: int, up: bool) -> None:
-        """Route new requests to decode ``instance`` again, or stop (it broke and is being
-        restarted); requests already there end as the instance lets them."""
-        self.control.set_decode_up(int(instance), bool(up))
-        if self.metrics is not None:
-            self.metrics.set_decode_up(int(instance), bool(up))
 
     # -- requests ---------------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[OutputDelta]:
@@ -216,7 +153,7 @@ class Dispatcher:
         # The ingress's arrival stamp is another process's clock: time from here on.
         tl = RequestTimeline(rid, len(prompt), arrival=self.clock())
         self._inflight[rid] = tl
-        sent = _Sent()
+        sent = ClientProgress()
         try:
             while True:
                 try:
@@ -244,7 +181,7 @@ class Dispatcher:
                     sent.outdated += outdated
                     log.warning("request %s lost its instance during %s (%s); running it again "
                                 "from its %d output tokens", rid, sent.stage, e, len(sent.token_ids))
-                    await self._free(_attempt_id(rid, tl.retries), tl.decode_instance, completed=False)
+                    await self._free(attempt_id(rid, tl.retries), tl.decode_instance, completed=False)
                     sent.lost_decode = tl.decode_instance if sent.stage == "decode" else None
                     tl.retries += 1
                     if self.metrics is not None:
@@ -274,11 +211,11 @@ class Dispatcher:
             await asyncio.shield(task)
 
     async def _attempt(self, req: GenerateRequest, tl: RequestTimeline,
-                       sent: "_Sent") -> AsyncIterator[OutputDelta]:
+                       sent: ClientProgress) -> AsyncIterator[OutputDelta]:
         """One run of the request: route, plan, prefill, decode. A run after a lost instance
         prefills the prompt plus the output tokens the client has and decodes on from them;
         its outputs are trimmed to what the client does not have yet."""
-        rid, aid = req.request_id, _attempt_id(req.request_id, tl.retries)
+        rid, aid = req.request_id, attempt_id(req.request_id, tl.retries)
         resumed = tuple(sent.token_ids)
         prompt = req.prompt_token_ids
         if resumed:
@@ -347,7 +284,7 @@ class Dispatcher:
                 if out.finished:
                     return
 
-    async def _relay_end(self, aid: str, tl: RequestTimeline, sent: "_Sent") -> RelayReport:
+    async def _relay_end(self, aid: str, tl: RequestTimeline, sent: ClientProgress) -> RelayReport:
         """Wait for a relayed run's reports: the KV's arrival, then how its stream ended."""
         box, kv_arrived = self._relay.open(aid), False
         while True:
@@ -385,7 +322,7 @@ class Dispatcher:
         return instance
 
     async def _reroute(self, req: GenerateRequest, aid: str, tl: RequestTimeline,
-                       sent: "_Sent") -> int:
+                       sent: ClientProgress) -> int:
         """Route a run after a lost instance: another decode instance if one is up, else the
         lost one once it is back (restarted by its healer); ``retry_wait_s`` at most."""
         avoid = frozenset() if sent.lost_decode is None else frozenset({sent.lost_decode})
@@ -454,7 +391,7 @@ class Dispatcher:
         """Free everything the request still holds; every step is idempotent."""
         tl.finished = self.clock()
         self._inflight.pop(rid, None)
-        await self._free(_attempt_id(rid, tl.retries), tl.decode_instance,
+        await self._free(attempt_id(rid, tl.retries), tl.decode_instance,
                          completed=tl.outcome in _COMPLETED)
         self.timelines.append(tl)
 
@@ -474,35 +411,3 @@ class Dispatcher:
                 await self.decode.abort(decode_instance, aid)
             except Exception as e:  # noqa: BLE001
                 log.warning("cleanup of %s on decode instance %d: %s", aid, decode_instance, e)
-
-    # -- load -------------------------------------------------------------------------------
-    async def refresh_decode_load(self) -> list[Any]:
-        """Pull the decode instances' load into the router (free slots, batch size)."""
-        stats = await self.decode.stats()
-        for i, s in enumerate(stats):
-            if s is not None:
-                self.control.decode_report(i, s.free_blocks * s.block_size, s.running)
-        return stats
-
-    def stats(self) -> dict:
-        now = self.clock()
-        return {"running": len(self._inflight), "waiting": 0,
-                "improvement_rate": self.improvement_rate,
-                "decode_down": sorted(self.router.down),
-                "queue_times": [max(0.0, t - now) for t in self.control.queue.queue_times(now)]}
-
-    def held(self) -> dict:
-        """What is still reserved on the control side (zero everywhere when idle)."""
-        return {"inflight": len(self._inflight), **self.control.held(),
-                "cleanups": len(self._cleanups), "relayed": len(self._relay)}
-
-
-def _rate_table_path(name: str) -> str:
-    from pathlib import Path
-    from importlib import resources
-
-    p = Path(name)
-    if p.exists():
-        return str(p)
-    embedded = Path(str(resources.files("tetris.configs").joinpath("rates", name)))
-    return str(embedded if embedded.exists() else p)

@@ -1,10 +1,13 @@
-"""Where one request's time went, on the dispatcher's clock: the TTFT breakdown."""
+"""One request as the dispatcher follows it: where its time went (the TTFT breakdown), what
+its client already has, and the ids of its runs."""
 
 from __future__ import annotations
 
 import msgspec
 
-__all__ = ["RequestTimeline"]
+__all__ = ["RequestTimeline", "ClientProgress", "attempt_id"]
+
+_RETRY = "#retry"   # a run of a request after a lost instance: "<id>#retry<n>"
 
 
 class RequestTimeline(msgspec.Struct):
@@ -38,3 +41,22 @@ class RequestTimeline(msgspec.Struct):
                 "turn_wait_s": self.turn_wait_s,
                 "handoff_s": self.first_output - self.prefill_end,
                 "ttft_s": (self.first_token or self.first_output) - self.arrival}
+
+
+def attempt_id(request_id: str, retries: int) -> str:
+    """The id the pools know run ``retries`` of a request by: the request's own id for the first
+    run, a fresh one for each run again (a lost instance may still hold the earlier run)."""
+    return request_id if not retries else f"{request_id}{_RETRY}{retries}"
+
+
+class ClientProgress:
+    """What the client of one request already has, and where its current run is."""
+
+    __slots__ = ("token_ids", "chars", "stage", "lost_decode", "outdated")
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []         # output tokens yielded so far
+        self.chars = 0                         # characters of text yielded so far
+        self.stage = "routing"
+        self.lost_decode: int | None = None    # the decode instance the last run lost
+        self.outdated = 0                      # runs again for outdated plans (not charged)
