@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     import torch
     from tqdm import tqdm
 
-    from tetris.actors.prefill_pool import PrefillPool
+    from tetris.actors.prefill.pool import PrefillPool
     from tetris.config import load_deployment
     from tetris.plan import Chunk, PrefillPlan
 

@@ -1,6 +1,6 @@
 """How soon TTFT recovers after the prefill pool stalls, by what the policy plans on (SIMULATION).
 
-A prefill worker that dies is replaced while the pool goes on (actors/prefill_pool.py
+A prefill worker that dies is replaced while the pool goes on (actors/prefill/pool.py
 ``_reform``); the requests whose tickets wait behind it hold up the instances they were planned
 on. The dispatcher then plans on one of two views of the pool (``Simulation(pool_view=...)``):
 

@@ -80,7 +80,7 @@ def scatter_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
     if packed.dtype != k_cache.dtype:
         raise ValueError(f"packed KV dtype {packed.dtype} differs from the cache dtype {k_cache.dtype}")
     if k_cache.is_meta and v_cache.is_meta:
-        # An emulated cache (actors/emulated_decode.py) holds no memory: nothing to write, and
+        # An emulated cache (actors/decode/emulated.py) holds no memory: nothing to write, and
         # index_copy_ on meta tensors runs a Python decomposition (~50 us a piece, per rank).
         return
     slots = slots.to(device=k_cache.device, dtype=torch.int64)

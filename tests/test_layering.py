@@ -121,7 +121,7 @@ def violations(files: dict[str, Path] | None = None) -> list[str]:
 
 def test_the_rules_read_every_package():
     files = package_files()
-    for module in ("tetris.config", "tetris.engine.engine", "tetris.actors.prefill_worker",
+    for module in ("tetris.config", "tetris.engine.engine", "tetris.actors.prefill.worker",
                    "tetris.transfer.send_manager", "tetris.transfer.backends.base",
                    "tetris.kernels.dispatch", "tetris.bench.soak", "tetris.cli.main"):
         assert module in files, module

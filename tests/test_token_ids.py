@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tetris.token_ids import compact_tokens, token_slices
-from tetris.actors.zigzag import ranges_to_list, zigzag_layout
+from tetris.actors.prefill.zigzag import ranges_to_list, zigzag_layout
 
 
 def test_sequences_become_int32_arrays_and_an_int32_array_is_kept_as_is():

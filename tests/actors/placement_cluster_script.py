@@ -20,10 +20,10 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 
-from tetris.actors.decode_instance import DecodeInstance
-from tetris.actors.layout import forced_plan
+from tetris.actors.decode.instance import DecodeInstance
 from tetris.actors.placement import PlacementError, place_decode
-from tetris.actors.prefill_pool import PrefillPool
+from tetris.actors.prefill.layout import forced_plan
+from tetris.actors.prefill.pool import PrefillPool
 from tetris.config import DecodeConfig, DeploymentConfig, ModelConfig, PrefillConfig
 from tetris.kernels.dispatch import attention_with_lse
 from tetris.model.loader import load_model

@@ -7,7 +7,7 @@ import msgspec
 import pytest
 import torch
 
-from tetris.actors.emulated_decode import (PLACEHOLDER_TOKEN, WIRE_HEAD_DIM, EmulatedDecodeEngine,
+from tetris.actors.decode.emulated import (PLACEHOLDER_TOKEN, WIRE_HEAD_DIM, EmulatedDecodeEngine,
                                            decode_model_spec)
 from tetris.config import TransferConfig, load_deployment
 from tetris.sampling_params import SamplingParams

@@ -225,7 +225,7 @@ def test_prefilled_request_joins_and_continues_like_a_local_one(tiny_model, refe
 def _resume(engine, model, rid, prompt, params, generated):
     """Reserve ``prompt`` with ``generated`` already out, write their KV, commit the next token;
     the outputs until finished."""
-    from tetris.actors.executor import sample_first_token
+    from tetris.actors.prefill.executor import sample_first_token
 
     slots = engine.reserve(rid, prompt, params, generated)
     assert len(slots) == len(prompt) + len(generated)

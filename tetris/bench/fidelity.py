@@ -92,7 +92,7 @@ def trace_for(workload: str, rate: float, n: int, seed: int, max_output: int):
 
 
 def _cluster(cfg: DeploymentConfig):
-    from tetris.actors.emulated_decode import decode_model_spec
+    from tetris.actors.decode.emulated import decode_model_spec
     from tetris.sim.cluster import ClusterSpec
 
     m, pc, dc = cfg.model, cfg.prefill, cfg.decode

@@ -57,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
         prompt = tokenizer.encode(text, add_bos=True)
         if len(prompt) > 1 and prompt[0] == prompt[1] == tokenizer.bos_token_id:
             prompt = prompt[1:]  # the chat template wrote its own BOS
-        if args.plan:  # CDSP prefill on the pool (tetris.actors.forced_run), engine decode
-            from tetris.actors.forced_run import generate_with_plan
+        if args.plan:  # CDSP prefill on the pool (tetris.actors.prefill.forced_run), engine decode
+            from tetris.actors.prefill.forced_run import generate_with_plan
 
             out = generate_with_plan(args, prompt, params, tokenizer,
                                      lambda n: _engine(model, tokenizer, block_size, n))

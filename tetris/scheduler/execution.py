@@ -1,7 +1,7 @@
 """What the hardware takes to run a chunk, as distinct from what the scheduler believes.
 
 Shared by the simulator (``tetris.sim``) and the emulated prefill workers
-(``actors/prefill_worker.py``), so neither imports the other; no torch, no Ray.
+(``actors/prefill/worker.py``), so neither imports the other; no torch, no Ray.
 
 The scheduler plans with its fitted latency model (Eq. 1, ``PrefillLatencyModel``); a real
 cluster then runs each chunk in whatever time the GPUs take. The simulator can execute either:
@@ -82,7 +82,7 @@ class MeasuredLatency:
         fit = self.model.predict(sp, history_tokens, chunk_tokens)
         return fit * self.ratio(sp, history_tokens + chunk_tokens)
 
-    # The emulated prefill executor (actors/executor.py) asks a profile for ``predict``.
+    # The emulated prefill executor (actors/prefill/executor.py) asks a profile for ``predict``.
     predict = __call__
 
 

@@ -57,7 +57,7 @@ class DecodeHandleClient:
         try:
             await self.h.reserve.remote(instance, request_id, prompt, sampling, generated)
         except Exception as e:
-            from tetris.actors.decode_instance import DecodeError, DecodeFull
+            from tetris.actors.decode.instance import DecodeError, DecodeFull
 
             if (full := carried(e, DecodeFull)) is not None:
                 raise Overloaded(f"decode instance {instance} has no KV room: {full}",

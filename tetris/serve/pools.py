@@ -1,6 +1,6 @@
 """The two pool deployments: each hosts its actors and answers the dispatcher's calls.
 
-``PrefillPoolServer`` owns the SP pool's worker actors (``tetris.actors.prefill_pool``) and
+``PrefillPoolServer`` owns the SP pool's worker actors (``tetris.actors.prefill.pool``) and
 runs plans in commit order; ``DecodePoolServer`` owns the decode instances, each a TP group
 of rank actors with continuous batching. Neither decides anything: the dispatcher does.
 """
@@ -29,7 +29,7 @@ class PrefillPoolServer:
     """Hosts the SP pool's worker actors; runs plans in the order they were committed."""
 
     def __init__(self, deployment: DeploymentConfig, max_concurrent_runs: int = 256) -> None:
-        from tetris.actors.prefill_pool import PrefillPool
+        from tetris.actors.prefill.pool import PrefillPool
 
         self.pool = PrefillPool(deployment)
         self.infos = self.pool.enable_transfer(deployment.transfer)
@@ -86,7 +86,7 @@ class DecodePoolServer:
     """Hosts the decode instances (TP groups of actors with continuous batching)."""
 
     def __init__(self, deployment: DeploymentConfig) -> None:
-        from tetris.actors.decode_instance import DecodeInstance
+        from tetris.actors.decode.instance import DecodeInstance
 
         self.instances = [DecodeInstance(deployment, d, transfer=deployment.transfer)
                           for d in range(deployment.decode.num_instances)]

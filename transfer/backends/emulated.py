@@ -1,7 +1,7 @@
 """EMULATION backend: KV writes take the paper's time and move no payload.
 
 An emulated prefill worker streams KV of a tiny wire geometry (``head_dim`` 1, see
-``actors/emulated_decode.py``) so that handshakes, grants, piece notices and the receive
+``actors/decode/emulated.py``) so that handshakes, grants, piece notices and the receive
 manager's bookkeeping stay real while the bytes stay small. This agent times each write as the
 paper's bytes on the paper's link::
 

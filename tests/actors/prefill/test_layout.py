@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tetris.actors.balance import even_targets, plan_balance, take_tail
-from tetris.actors.zigzag import (
+from tetris.actors.prefill.balance import even_targets, plan_balance, take_tail
+from tetris.actors.prefill.zigzag import (
     normalize_ranges,
     ranges_len,
     ranges_to_list,

@@ -12,8 +12,8 @@ import pytest
 import ray
 import torch
 
-from tetris.actors.decode_instance import DecodeError, DecodeFull, DecodeInstance, DecodeInstanceLost
-from tetris.actors.decode_messages import KVTransferFailed
+from tetris.actors.decode.instance import DecodeError, DecodeFull, DecodeInstance, DecodeInstanceLost
+from tetris.actors.decode.messages import KVTransferFailed
 from tetris.errors import InstanceLost
 from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
 from tetris.config import DecodeConfig, DeploymentConfig, ModelConfig, TransferConfig
@@ -392,8 +392,8 @@ def test_full_instance_raises_decode_full_and_idles_without_rounds(cluster, loop
 
 def test_rank_in_process_tp1_commands_and_rejections(reference):
     """A TP-1 rank without Ray: the command semantics the driver relies on."""
-    from tetris.actors.decode_messages import Abort, Add, Commit, Reserve
-    from tetris.actors.decode_rank import DecodeRank
+    from tetris.actors.decode.messages import Abort, Add, Commit, Reserve
+    from tetris.actors.decode.rank import DecodeRank
 
     deployment = DeploymentConfig(model=MODEL, decode=DecodeConfig(
         tp_size=1, max_batch_size=2, block_size=4, kv_blocks=16))

@@ -1,4 +1,4 @@
-"""Generations of the pool's world (actors/world.py), in one process: ranks are threads."""
+"""Generations of the pool's world (actors/prefill/world.py), in one process: ranks are threads."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from tetris.actors.prefill_pool import free_port
-from tetris.actors.world import World
+from tetris.actors.prefill.pool import free_port
+from tetris.actors.prefill.world import World
 
 
 def _form(generation: int, size: int, port: int) -> list[World]:

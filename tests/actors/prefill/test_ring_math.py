@@ -6,10 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tetris.actors.balance import plan_balance
-from tetris.actors.kv_store import ranges_tensor
-from tetris.actors.ring import simulate_ring
-from tetris.actors.zigzag import zigzag_layout
+from tetris.actors.prefill.balance import plan_balance
+from tetris.actors.prefill.kv_store import ranges_tensor
+from tetris.actors.prefill.ring import simulate_ring
+from tetris.actors.prefill.zigzag import zigzag_layout
 from tetris.kernels.attention import attention_with_lse_ref
 
 

@@ -13,7 +13,7 @@ Lifecycle of one request (``run``):
    that died raises ``PrefillWorkerLost`` at once (nothing was wrong with the request, and a
    new plan for it can run at once, around the instance) while its replacement starts in the
    background; once it is in, every worker joins a new generation of the world beside the
-   chunks it runs (``actors/world.py``), so the pool never stops. Meanwhile ``commit``
+   chunks it runs (``actors/prefill/world.py``), so the pool never stops. Meanwhile ``commit``
    refuses a new plan on the instance (``InstanceReplacing``: the planner plans again around
    it), and a chunk there whose plan was committed before the worker was found dead is lost
    at once (``PrefillPlanOutdated``); only a plan its planner insisted on
@@ -40,10 +40,10 @@ from typing import NamedTuple
 
 import ray
 
-from tetris.actors.chunk_order import ChunkTickets
-from tetris.actors.layout import plan_layout
 from tetris.actors.placement import PLACEMENT_TIMEOUT_S, Placement, node_map, place_prefill
-from tetris.actors.prefill_messages import (
+from tetris.actors.prefill.chunk_order import ChunkTickets
+from tetris.actors.prefill.layout import plan_layout
+from tetris.actors.prefill.messages import (
     BalanceMode,
     ChunkResult,
     ChunkTask,
@@ -52,7 +52,7 @@ from tetris.actors.prefill_messages import (
     PrefillResult,
     PrefillWorkerLost,
 )
-from tetris.actors.prefill_worker import PrefillWorkerActor
+from tetris.actors.prefill.worker import PrefillWorkerActor
 from tetris.config import DeploymentConfig, TransferConfig
 from tetris.errors import InstanceReplacing
 from tetris.plan import PlanError, PrefillPlan
@@ -111,7 +111,7 @@ class PrefillPool:
         self._seq = itertools.count()
         self._lock = threading.Lock()
         self._tickets = ChunkTickets(n)
-        # The world in generations (actors/world.py): chunks start on ``_world`` with the
+        # The world in generations (actors/prefill/world.py): chunks start on ``_world`` with the
         # workers of ``self.workers`` as read together under ``_world_lock``; ``_running`` counts
         # the chunks on each generation, and every worker has left those below ``_dropped``.
         self._world = 0

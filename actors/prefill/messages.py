@@ -22,7 +22,7 @@ from typing import Literal
 
 import msgspec
 
-from tetris.actors.zigzag import Ranges
+from tetris.actors.prefill.zigzag import Ranges
 from tetris.engine.request import TokenLogprob
 from tetris.errors import InstanceLost, PlanOutdated
 from tetris.sampling_params import SamplingParams

@@ -33,7 +33,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from tetris.actors.decode_messages import (Abort, Add, Command, Commit, Failed, RankHeld, Rejected,
+from tetris.actors.decode.messages import (Abort, Add, Command, Commit, Failed, RankHeld, Rejected,
                                            Reserve, StepReply)
 from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
 from tetris.config import DeploymentConfig, TransferConfig
@@ -130,7 +130,7 @@ class DecodeRank:
     def _init_emulated(self) -> int:
         """EMULATION: no model, no group. The engine's latency is the deployment's TP size
         even when one rank actor stands for the whole instance (``tp_size`` 1 here)."""
-        from tetris.actors.emulated_decode import EmulatedDecodeEngine
+        from tetris.actors.decode.emulated import EmulatedDecodeEngine
 
         mc = self.deployment.model
         if mc.num_kv_heads % self.tp_size:

@@ -9,7 +9,7 @@ by log-sum-exp. Visibility is by absolute position (key ``j`` visible to query `
 
 Block sizes differ by member and are known to every member from the plan, so receivers size
 their buffers without a handshake, and empty blocks are simply not sent. The rings use P2P
-operations on the pool's world (``actors/world.py``: the generation the chunk names): no group
+operations on the pool's world (``actors/prefill/world.py``: the generation the chunk names): no group
 is created per chunk, and ranks outside the ring take no part.
 
 ``simulate_ring`` runs the same steps in one process (no communication): the reference the
@@ -27,7 +27,7 @@ __all__ = ["partial_attention", "ring_source", "simulate_ring", "RingAttention",
 
 RING_TAG_KIND = 0
 
-from tetris.actors.world import DefaultWorld, PeerLink
+from tetris.actors.prefill.world import DefaultWorld, PeerLink
 from tetris.kernels.dispatch import attention_with_lse, merge_attention
 
 

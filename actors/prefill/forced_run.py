@@ -35,8 +35,8 @@ def prefill_with_plan(deployment, prompt: list[int], spec: str, params: Sampling
     """Run the forced plan on a fresh local pool; returns the ``PrefillResult``."""
     import ray
 
-    from tetris.actors.layout import forced_plan
-    from tetris.actors.prefill_pool import PrefillPool
+    from tetris.actors.prefill.layout import forced_plan
+    from tetris.actors.prefill.pool import PrefillPool
 
     pc = deployment.prefill
     # Build (and check) the plan before any actor starts: a bad spec fails fast.
@@ -64,7 +64,7 @@ def generate_with_plan(args, prompt: list[int], params: SamplingParams, tokenize
     """Prefill on the pool, continue on the engine; returns an engine ``RequestOutput``."""
     from tetris.engine.request import RequestOutput
 
-    from tetris.actors.prefill_messages import PrefillError
+    from tetris.actors.prefill.messages import PrefillError
 
     try:
         plan, res = prefill_with_plan(_deployment(args), prompt, args.plan, params)

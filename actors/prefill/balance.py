@@ -20,9 +20,9 @@ from datetime import timedelta
 
 import torch
 
-from tetris.actors.prefill_messages import Move
-from tetris.actors.world import DefaultWorld, PeerLink
-from tetris.actors.zigzag import Ranges, normalize_ranges, ranges_len
+from tetris.actors.prefill.messages import Move
+from tetris.actors.prefill.world import DefaultWorld, PeerLink
+from tetris.actors.prefill.zigzag import Ranges, normalize_ranges, ranges_len
 
 __all__ = ["plan_balance", "take_tail", "LayerBalancer", "BALANCE_TAG_KIND"]
 
@@ -121,7 +121,7 @@ class LayerBalancer:
 
     def __init__(self, store, request_id: str, instance: int, moves: tuple[Move, ...],
                  tag: int, timeout_s: float, link: PeerLink | None = None) -> None:
-        self.link = link or DefaultWorld()   # the chunk's world (actors/world.py)
+        self.link = link or DefaultWorld()   # the chunk's world (actors/prefill/world.py)
         self.store = store
         self.request_id = request_id
         self.sends = [m for m in moves if m.src == instance]

@@ -7,9 +7,9 @@ import time
 import msgspec
 import pytest
 
-from tetris.actors.executor import EmulatedExecutor
-from tetris.actors.layout import forced_plan, plan_layout
-from tetris.actors.prefill_messages import ChunkTask
+from tetris.actors.prefill.executor import EmulatedExecutor
+from tetris.actors.prefill.layout import forced_plan, plan_layout
+from tetris.actors.prefill.messages import ChunkTask
 from tetris.config import load_deployment
 from tetris.scheduler.latency import load_profile
 
@@ -36,7 +36,7 @@ def test_emulated_chunk_waits_the_predicted_time():
 
 @pytest.mark.ray
 def test_emulated_pool_runs_plans_through_the_same_actors(ray_session):
-    from tetris.actors.prefill_pool import PrefillPool
+    from tetris.actors.prefill.pool import PrefillPool
 
     cfg = load_deployment("tiny-cpu.toml")
     cfg = msgspec.structs.replace(
@@ -48,14 +48,14 @@ def test_emulated_pool_runs_plans_through_the_same_actors(ray_session):
         profile = load_profile(PROFILE)
         expect = [profile.predict(1, 0, 1000), profile.predict(2, 1000, 2000)]
         # The member holding the last prompt token answers with the placeholder token.
-        from tetris.actors.emulated_decode import PLACEHOLDER_TOKEN
+        from tetris.actors.decode.emulated import PLACEHOLDER_TOKEN
 
         assert res.emulated and res.first_token == PLACEHOLDER_TOKEN
         for got, want in zip(res.chunk_elapsed_s, expect):
             assert want <= got < want + 0.25
         _turn_waits_are_timed(pool, profile)
         pool.workers[1].set_fault.remote("bad", 0, 0)
-        from tetris.actors.prefill_messages import PrefillError
+        from tetris.actors.prefill.messages import PrefillError
 
         with pytest.raises(PrefillError, match="prefill instance 1"):
             pool.run(forced_plan("bad", 100, "100x2", pool.node_of), [1] * 100)
@@ -104,8 +104,8 @@ def test_a_replacement_joins_a_new_world_while_a_long_chunk_runs_on_the_old(ray_
 
     import ray
 
-    from tetris.actors.prefill_messages import PrefillWorkerLost
-    from tetris.actors.prefill_pool import PrefillPool
+    from tetris.actors.prefill.messages import PrefillWorkerLost
+    from tetris.actors.prefill.pool import PrefillPool
     from tetris.plan import Chunk, PrefillPlan
 
     cfg = load_deployment("tiny-cpu.toml")
@@ -155,8 +155,8 @@ def test_a_worker_found_dead_while_the_world_forms_is_replaced_too(ray_session):
     every instance serves again. No replacement is lost on the way."""
     import ray
 
-    from tetris.actors.prefill_messages import PrefillWorkerLost
-    from tetris.actors.prefill_pool import PrefillPool
+    from tetris.actors.prefill.messages import PrefillWorkerLost
+    from tetris.actors.prefill.pool import PrefillPool
     from tetris.plan import Chunk, PrefillPlan
 
     cfg = load_deployment("tiny-cpu.toml")
@@ -237,7 +237,7 @@ def test_a_time_scaled_deployment_scales_its_measurements_alike(tmp_path):
 
 @pytest.mark.ray
 def test_emulated_pool_waits_the_measurements_while_plans_use_the_profile(ray_session, tmp_path):
-    from tetris.actors.prefill_pool import PrefillPool
+    from tetris.actors.prefill.pool import PrefillPool
 
     profile = load_profile(PROFILE)
     cfg = load_deployment("tiny-cpu.toml")

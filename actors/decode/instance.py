@@ -35,10 +35,10 @@ from collections.abc import AsyncIterator
 
 import ray
 
-from tetris.actors.decode_messages import (Abort, Add, Command, Commit, DecodeError, DecodeFull,
+from tetris.actors.decode.messages import (Abort, Add, Command, Commit, DecodeError, DecodeFull,
                                            DecodeInstanceLost, KVTransferFailed, Reserve,
                                            StepReply)
-from tetris.actors.decode_rank import DecodeRankActor
+from tetris.actors.decode.rank import DecodeRankActor
 from tetris.actors.placement import PLACEMENT_TIMEOUT_S, Placement, place_decode
 from tetris.config import DeploymentConfig, TransferConfig
 from tetris.engine.engine import EngineStats

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tetris.actors.kv_store import KVCapacityError, PagedKVStore
+from tetris.actors.prefill.kv_store import KVCapacityError, PagedKVStore
 
 
 def _store(blocks=8):

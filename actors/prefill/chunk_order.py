@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 import time
 
-from tetris.actors.prefill_messages import PrefillError
+from tetris.actors.prefill.messages import PrefillError
 from tetris.plan import PlanError, PrefillPlan
 
 __all__ = ["ChunkTickets"]

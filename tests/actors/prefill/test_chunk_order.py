@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tetris.actors.chunk_order import ChunkTickets
-from tetris.actors.prefill_messages import PrefillError
+from tetris.actors.prefill.chunk_order import ChunkTickets
+from tetris.actors.prefill.messages import PrefillError
 from tetris.plan import Chunk, PlanError, PrefillPlan
 
 POOL = 5

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from tetris.actors.zigzag import Ranges
+from tetris.actors.prefill.zigzag import Ranges
 
 __all__ = ["KVCapacityError", "PagedKVStore", "ranges_tensor"]
 

@@ -15,13 +15,13 @@ from typing import Protocol
 
 import torch
 
-from tetris.actors.balance import BALANCE_TAG_KIND, LayerBalancer
-from tetris.actors.emulated_decode import PLACEHOLDER_TOKEN, WIRE_HEAD_DIM, torch_dtype
-from tetris.actors.kv_store import PagedKVStore, ranges_tensor
-from tetris.actors.prefill_messages import ChunkResult, ChunkTask
-from tetris.actors.ring import RING_TAG_KIND, RingAttention
-from tetris.actors.world import PeerLink
-from tetris.actors.zigzag import normalize_ranges, ranges_len
+from tetris.actors.decode.emulated import PLACEHOLDER_TOKEN, WIRE_HEAD_DIM, torch_dtype
+from tetris.actors.prefill.balance import BALANCE_TAG_KIND, LayerBalancer
+from tetris.actors.prefill.kv_store import PagedKVStore, ranges_tensor
+from tetris.actors.prefill.messages import ChunkResult, ChunkTask
+from tetris.actors.prefill.ring import RING_TAG_KIND, RingAttention
+from tetris.actors.prefill.world import PeerLink
+from tetris.actors.prefill.zigzag import normalize_ranges, ranges_len
 from tetris.engine.logprobs import token_logprob
 from tetris.sampling_params import SamplingParams
 

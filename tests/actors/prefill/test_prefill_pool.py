@@ -14,10 +14,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tetris.actors.layout import forced_plan
-from tetris.actors.prefill_messages import PrefillError, PrefillPlanOutdated, PrefillWorkerLost
+from tetris.actors.prefill.layout import forced_plan
+from tetris.actors.prefill.messages import PrefillError, PrefillPlanOutdated, PrefillWorkerLost
 from tetris.errors import InstanceLost, InstanceReplacing
-from tetris.actors.zigzag import ranges_to_list
+from tetris.actors.prefill.zigzag import ranges_to_list
 from tetris.config import load_deployment
 from tetris.kernels.dispatch import attention_with_lse
 from tetris.plan import Chunk, PlanError, PrefillPlan
@@ -39,7 +39,7 @@ def deployment():
 
 @pytest.fixture(scope="module")
 def pool(ray_session, deployment):
-    from tetris.actors.prefill_pool import PrefillPool
+    from tetris.actors.prefill.pool import PrefillPool
 
     p = PrefillPool(deployment, num_instances=POOL_SIZE, node_size=NODE_SIZE, timeout_s=8.0)
     yield p

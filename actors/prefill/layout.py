@@ -15,9 +15,9 @@ import re
 
 import msgspec
 
-from tetris.actors.balance import plan_balance
-from tetris.actors.prefill_messages import BalanceMode, Move
-from tetris.actors.zigzag import Ranges, normalize_ranges, zigzag_layout
+from tetris.actors.prefill.balance import plan_balance
+from tetris.actors.prefill.messages import BalanceMode, Move
+from tetris.actors.prefill.zigzag import Ranges, normalize_ranges, zigzag_layout
 from tetris.plan import Chunk, PlanError, PrefillPlan
 
 __all__ = ["ChunkLayout", "plan_layout", "parse_plan_spec", "forced_plan"]

@@ -12,7 +12,7 @@ import pytest
 import ray
 import torch
 
-from tetris.actors.prefill_messages import ChunkTask, PrefillError
+from tetris.actors.prefill.messages import ChunkTask, PrefillError
 from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
 from tetris.config import ModelConfig, TransferConfig, load_deployment
 from tetris.kernels.kv_pack import pack_kv
@@ -116,7 +116,7 @@ def setup(ray_session):
     reason = nixl_unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
-    from tetris.actors.prefill_pool import PrefillPool
+    from tetris.actors.prefill.pool import PrefillPool
 
     cfg = load_deployment("tiny-cpu.toml")
     dep = msgspec.structs.replace(cfg, model=MODEL, prefill=msgspec.structs.replace(
@@ -328,7 +328,7 @@ def test_default_group_runs_one_chunk_at_a_time_while_transfer_calls_answer(setu
 
 
 def test_emulated_worker_streams_wire_geometry_shards_and_aborts_them():
-    from tetris.actors.prefill_worker import PrefillWorker
+    from tetris.actors.prefill.worker import PrefillWorker
 
     cfg = load_deployment("tiny-cpu.toml")
     # instance 9: its in-process agent name cannot clash with another test's in this process

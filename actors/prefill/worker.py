@@ -1,6 +1,6 @@
 """The prefill worker: one Ray actor per prefill instance of the SP pool.
 
-The pool's workers form a gloo world (``join_world``, in generations: ``actors/world.py``); a
+The pool's workers form a gloo world (``join_world``, in generations: ``actors/prefill/world.py``); a
 chunk's ring and its cache balancing use point-to-point operations on the generation the chunk
 names, between the chunk's members only. A new generation is joined on a thread of its own
 (the ``"world"`` concurrency group) while a chunk runs on an older one. A worker runs one chunk
@@ -25,11 +25,11 @@ import threading
 import ray
 import torch
 
-from tetris.actors.executor import EmulatedExecutor, ModelExecutor
-from tetris.actors.kv_store import PagedKVStore
-from tetris.actors.prefill_messages import ChunkResult, ChunkTask
+from tetris.actors.prefill.executor import EmulatedExecutor, ModelExecutor
+from tetris.actors.prefill.kv_store import PagedKVStore
+from tetris.actors.prefill.messages import ChunkResult, ChunkTask
+from tetris.actors.prefill.world import World
 from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
-from tetris.actors.world import World
 from tetris.config import ModelConfig, PrefillConfig, TransferConfig
 from tetris.transfer.messages import AgentInfo, ControlMessage
 from tetris.transfer.states import ShardSent, TransferEvent, TransferFailed
