@@ -1,10 +1,14 @@
 """The supervisor: keeps both pools serving while the dispatcher serves requests.
 
-Every ``POLL_S`` it pulls the decode instances' load into the dispatcher's router (and the
-KV-usage gauges), takes broken decode instances out of routing and restarts each in a task
-of its own (backoff 1, 2, 4, ... 60 s), and every ``prefill_check_s`` has the prefill pool
-replace workers that died idle. A request that a death hits is the dispatcher's to run
-again; the supervisor only brings the instances back.
+Every ``POLL_S`` while requests are in flight it pulls the decode instances' load into the
+dispatcher's router (and the KV-usage gauges), takes broken decode instances out of routing
+and restarts each in a task of its own (backoff 1, 2, 4, ... 60 s); and every
+``prefill_check_s`` has the prefill pool replace workers that died idle. While no request is
+in flight (and no restart under way) the decode rounds back off, doubling up to
+``IDLE_POLL_S``: nothing changes the decode load then, and each round costs two Serve calls
+and a ping to every decode rank (~3% of a core on an idle tiny deployment, docs/benchmarks.md
+"Idle CPU"). The first request in flight brings them back to ``POLL_S`` within a tick.
+A request that a death hits is the dispatcher's to run again; the supervisor only brings the instances back.
 """
 
 from __future__ import annotations
@@ -12,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-__all__ = ["Supervisor", "check_period", "actor_handles", "POLL_S"]
+__all__ = ["Supervisor", "check_period", "actor_handles", "POLL_S", "IDLE_POLL_S"]
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.5
+POLL_S = 0.5        # decode rounds while requests are in flight; the loop's tick
+IDLE_POLL_S = 5.0   # the longest between decode rounds while none is
 
 
 def actor_handles(peers: dict) -> dict:
@@ -48,20 +53,38 @@ class Supervisor:
         self._task = asyncio.get_running_loop().create_task(self._poll_load())
 
     async def _poll_load(self) -> None:
+        loop = asyncio.get_running_loop()
+        period, last_round = POLL_S, -float("inf")
         while True:
-            try:
-                stats = await self.dispatcher.refresh_decode_load()
-                for i, s in enumerate(stats):
-                    if s is not None:
-                        self.metrics.set_kv_usage(i, 1.0 - s.free_blocks / s.total_blocks)
-            except Exception:  # noqa: BLE001 - load polling is best effort
-                pass
-            try:
-                await self._heal_decode()
-            except Exception as e:  # noqa: BLE001 - tried again at the next poll
-                log.warning("decode health check failed: %s", e)
+            busy = self._busy()
+            if busy or loop.time() - last_round >= period:
+                await self._decode_round()
+                last_round = loop.time()
+                period = POLL_S if busy or self._busy() else min(IDLE_POLL_S, 2 * period)
             self._heal_prefill()
             await asyncio.sleep(POLL_S)
+
+    def _busy(self) -> bool:
+        """Requests in flight or a decode restart under way (local state: no remote call)."""
+        if self._healing:
+            return True
+        try:
+            return bool(self.dispatcher.stats().get("running"))
+        except Exception:  # noqa: BLE001 - unknown: supervise as if busy
+            return True
+
+    async def _decode_round(self) -> None:
+        try:
+            stats = await self.dispatcher.refresh_decode_load()
+            for i, s in enumerate(stats):
+                if s is not None:
+                    self.metrics.set_kv_usage(i, 1.0 - s.free_blocks / s.total_blocks)
+        except Exception:  # noqa: BLE001 - load polling is best effort
+            pass
+        try:
+            await self._heal_decode()
+        except Exception as e:  # noqa: BLE001 - tried again at the next poll
+            log.warning("decode health check failed: %s", e)
 
     async def set_prefill_check(self, seconds: float) -> float:
         """How often the prefill pool is probed for workers that died idle (0: never; a chunk
