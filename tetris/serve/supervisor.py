@@ -8,7 +8,8 @@ in flight (and no restart under way) the decode rounds back off, doubling up to
 ``IDLE_POLL_S``: nothing changes the decode load then, and each round costs two Serve calls
 and a ping to every decode rank (~3% of a core on an idle tiny deployment, docs/benchmarks.md
 "Idle CPU"). The first request in flight brings them back to ``POLL_S`` within a tick.
-A request that a death hits is the dispatcher's to run again; the supervisor only brings the instances back.
+A request that a death hits is the dispatcher's to run again; the supervisor only brings the
+instances back.
 """
 
 from __future__ import annotations
