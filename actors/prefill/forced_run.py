@@ -24,10 +24,11 @@ __all__ = ["generate_with_plan"]
 
 
 def _deployment(args):
-    from tetris.config import DeploymentConfig, ModelConfig, load_deployment
+    from tetris.config import DeploymentConfig, load_deployment
+    from tetris.model.loader import model_config_for_path
 
-    if getattr(args, "model", None) is not None:
-        return DeploymentConfig(model=ModelConfig(source="hf", path=args.model))
+    if getattr(args, "model", None) is not None:   # a .gguf file or an HF directory
+        return DeploymentConfig(model=model_config_for_path(args.model))
     return load_deployment(getattr(args, "config", None))
 
 
