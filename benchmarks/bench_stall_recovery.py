@@ -1,8 +1,9 @@
 """How soon TTFT recovers after the prefill pool stalls, by what the policy plans on (SIMULATION).
 
-A prefill worker that dies is replaced while the pool goes on (actors/prefill/pool.py
-``_reform``); the requests whose tickets wait behind it hold up the instances they were planned
-on. The dispatcher then plans on one of two views of the pool (``Simulation(pool_view=...)``):
+A prefill worker that dies is replaced while the pool goes on (actors/prefill/worlds.py
+``WorldKeeper.reform``); the requests whose tickets wait behind it hold up the instances they
+were planned on. The dispatcher then plans on one of two views of the pool
+(``Simulation(pool_view=...)``):
 
 - ``bookings``: when the committed plans expected their chunks to end. Once those ends have
   passed they say "free now", though the pool still has the work queued; the policy then plans

@@ -18,12 +18,13 @@ carry traffic.
 
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["World", "DefaultWorld", "PeerLink"]
+__all__ = ["World", "DefaultWorld", "PeerLink", "free_port"]
 
 
 class PeerLink:
@@ -76,3 +77,10 @@ class World(PeerLink):
         """Drop the group's connections and the store (no chunk may be using it)."""
         self._group = None
         self._store = None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now (the OS picks it); the world's store listens there."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -40,9 +40,9 @@ class ChunkRun(msgspec.Struct, frozen=True):
 
 class Stall(msgspec.Struct, frozen=True):
     """From ``at`` on, ``instances`` run nothing for ``seconds``: a worker that died and is being
-    replaced (the live pool's ``_reform``), or the instances whose tickets wait behind it.
-    Work placed before ``at`` runs as placed; what is placed from ``at`` on starts after the
-    stall (``PrefillPoolSim.stall``)."""
+    replaced (the live pool's ``WorldKeeper.reform``), or the instances whose tickets wait
+    behind it. Work placed before ``at`` runs as placed; what is placed from ``at`` on starts
+    after the stall (``PrefillPoolSim.stall``)."""
 
     at: float
     instances: tuple[int, ...]

@@ -177,7 +177,7 @@ def test_a_worker_found_dead_while_the_world_forms_is_replaced_too(ray_session):
         assert pool.workers[1] is not old[1] and pool.workers[2] is not old[2]
         assert pool.busy_for() == [0.0, 0.0, 0.0]
         res = pool.run(PrefillPlan("both", 300, (Chunk(0, 300, (1, 2)),), policy="forced"), [1] * 300)
-        assert res.emulated and pool._ready == {}
+        assert res.emulated and pool.worlds._ready == {}
     finally:
         pool.shutdown()
 

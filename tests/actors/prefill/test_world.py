@@ -7,8 +7,7 @@ import threading
 import pytest
 import torch
 
-from tetris.actors.prefill.pool import free_port
-from tetris.actors.prefill.world import World
+from tetris.actors.prefill.world import World, free_port
 
 
 def _form(generation: int, size: int, port: int) -> list[World]:
