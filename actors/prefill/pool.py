@@ -34,6 +34,7 @@ workers (``reform``).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import threading
@@ -60,6 +61,8 @@ from tetris.transfer.messages import AgentInfo
 
 __all__ = ["PrefillPool"]
 
+_MAX_MEMBERS = 65536   # requests whose plan members are kept for release / abort
+
 log = logging.getLogger(__name__)
 
 
@@ -85,6 +88,10 @@ class PrefillPool:
         self._seq = itertools.count()
         self._lock = threading.Lock()
         self._tickets = ChunkTickets(n)
+        # request -> its plan's instances, from commit (or run) to release or abort: the only
+        # workers that can hold something of it (``_holders``)
+        self._members: collections.OrderedDict[str, tuple[int, ...]] = collections.OrderedDict()
+        self._forgot_members = False   # an entry made room for newer ones (``_MAX_MEMBERS``)
         self._wiring = TransferWiring(timeout_s)
         # the workers, their world's generations and their replacement
         self.worlds = WorldKeeper(
@@ -137,6 +144,7 @@ class PrefillPool:
                     f"plan {plan.request_id} uses prefill instances {replacing}, whose workers "
                     "are being replaced; plan it again around them", tuple(replacing))
             self._tickets.commit(plan)
+        self._note_members(plan)
         return self.busy_for()
 
     def busy_for(self) -> list[float]:
@@ -162,6 +170,7 @@ class PrefillPool:
         plan.validate(self.size)
         token_ids = compact_tokens(token_ids)   # no copy for the dispatcher's int32 array
         self._tickets.start(plan)
+        self._note_members(plan)
         try:
             if len(token_ids) != plan.prompt_tokens:
                 raise PlanError(f"plan {plan.request_id} is for {plan.prompt_tokens} tokens, "
@@ -288,13 +297,35 @@ class PrefillPool:
     def abort(self, request_id: str, instances: list[int] | None = None) -> None:
         """Cancel the request: its chunks no longer hold later plans back, its ``run`` (pending
         or under way) raises ``PrefillError``, and its KV and unfinished KV shards are freed on
-        ``instances`` (default: every worker). A chunk already executing finishes first."""
+        ``instances`` (default: its plan's members). A chunk already executing finishes first."""
         self._tickets.cancel(request_id)
-        self._abort_workers(request_id, range(self.size) if instances is None else instances)
+        holders = self._holders(request_id)
+        self._abort_workers(request_id, holders if instances is None else instances)
 
     def release(self, request_id: str) -> None:
-        """The request's KV has been handed off: free it everywhere."""
-        self._on_workers(self.workers, lambda w: w.release.remote(request_id))
+        """The request's KV has been handed off: free it on its plan's members."""
+        workers = list(self.workers)
+        self._on_workers([workers[i] for i in self._holders(request_id)],
+                         lambda w: w.release.remote(request_id))
+
+    def _note_members(self, plan: PrefillPlan) -> None:
+        with self._lock:
+            self._members[plan.request_id] = plan.instances
+            self._members.move_to_end(plan.request_id)
+            while len(self._members) > _MAX_MEMBERS:
+                self._members.popitem(last=False)
+                self._forgot_members = True
+
+    def _holders(self, request_id: str) -> list[int]:
+        """The instances that may hold something of the request (KV, unfinished KV shards):
+        its plan's members (the last group: groups only grow), forgotten from now on. Nothing
+        runs for a request before it is committed, so one the pool never knew holds nothing;
+        one forgotten for room may be anywhere."""
+        with self._lock:
+            members = self._members.pop(request_id, None)
+            if members is None:
+                return list(range(self.size)) if self._forgot_members else []
+        return sorted(members)
 
     def _on_workers(self, workers, call, timeout_s: float | None = None) -> list:
         """``call(worker)`` (an ObjectRef) on each worker actor, answers in order. A dead

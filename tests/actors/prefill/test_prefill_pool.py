@@ -335,3 +335,48 @@ def test_aborted_committed_plan_does_not_block_later_plans(pool):
 
 def test_node_map_matches_the_virtual_nodes(pool):
     assert pool.node_map() == [i // NODE_SIZE for i in range(POOL_SIZE)]
+
+
+class _Counted:
+    """A worker handle that notes each call made through it (instance, method), then makes it."""
+
+    def __init__(self, handle, instance: int, calls: list) -> None:
+        self._handle, self._instance, self._calls = handle, instance, calls
+
+    def __getattr__(self, method: str):
+        real = getattr(self._handle, method)
+        outer = self
+
+        class _Method:
+            @staticmethod
+            def remote(*args, **kwargs):
+                outer._calls.append((outer._instance, method))
+                return real.remote(*args, **kwargs)
+
+        return _Method()
+
+
+def test_release_and_abort_reach_only_the_plans_members(pool):
+    plan = forced_plan("members", 400, "100x1,restx2", pool.node_of)
+    members = sorted(plan.instances)
+    assert 0 < len(members) < POOL_SIZE
+    pool.run(plan, _prompt(400, 15))
+    held = pool.held_requests()
+    assert sorted(i for i, h in held.items() if "members" in h) == members
+    real, calls = pool.worlds.workers, []
+    pool.worlds.workers = [_Counted(w, i, calls) for i, w in enumerate(real)]
+    try:
+        pool.release("members")
+        assert calls == [(i, "release") for i in members]
+        calls.clear()
+        pool.release("members")      # released already: no worker holds it any more
+        pool.abort("never-committed")
+        assert calls == []
+        doomed = PrefillPlan("aborted", 200, (Chunk(0, 200, (4, 5)),))
+        pool.commit(doomed)
+        pool.abort("aborted")
+        assert calls == [(4, "abort"), (5, "abort")]
+    finally:
+        pool.worlds.workers = real
+    assert all(not held for held in pool.held_requests().values())
+    assert pool._tickets.pending() == {}
