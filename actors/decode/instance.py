@@ -43,6 +43,7 @@ from tetris.actors.placement import PLACEMENT_TIMEOUT_S, Placement, place_decode
 from tetris.config import DeploymentConfig, TransferConfig
 from tetris.engine.engine import EngineStats
 from tetris.engine.request import OutputDelta, TokenLogprob
+from tetris.model.loader import resolve_model_config
 from tetris.sampling_params import SamplingParams
 from tetris.token_ids import compact_tokens
 from tetris.transfer.messages import AgentInfo
@@ -131,7 +132,8 @@ class DecodeInstance:
         heads = await asyncio.wait_for(asyncio.gather(*[
             r.init_group.remote(host, port, self.timeout_s) for r in self.ranks]),
             timeout=max(120.0, self.timeout_s))
-        want = self.deployment.model.num_kv_heads // self.tp_size
+        # the checkpoint's architecture (a GGUF or HF model's own head counts)
+        want = resolve_model_config(self.deployment.model).num_kv_heads // self.tp_size
         if list(heads) != [want] * self.tp_size:
             # senders slice heads [r*h, (r+1)*h) for rank r; any other split would corrupt KV
             raise RuntimeError(f"TP ranks hold {list(heads)} KV heads each, expected {want}")
