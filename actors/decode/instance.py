@@ -21,6 +21,8 @@ Lifecycle of a request fed by KV streaming:
 The round loop is one asyncio task: it sends the pending commands to every rank, waits for all
 replies, routes outputs and transfer events, and sleeps on an event when there is nothing to
 do; while KV is arriving it wakes every ``poll_interval_s`` to collect ranks' ready events.
+The requests' bookkeeping (live and ended requests, the next round's commands, what replies do
+to them) is ``requests.RequestBook``'s.
 """
 
 from __future__ import annotations
@@ -35,10 +37,10 @@ from collections.abc import AsyncIterator
 
 import ray
 
-from tetris.actors.decode.messages import (Abort, Add, Command, Commit, DecodeError, DecodeFull,
-                                           DecodeInstanceLost, KVTransferFailed, Reserve,
-                                           StepReply)
+from tetris.actors.decode.messages import (Abort, Add, Command, DecodeError, DecodeFull,
+                                           DecodeInstanceLost, Reserve, StepReply)
 from tetris.actors.decode.rank import DecodeRankActor
+from tetris.actors.decode.requests import RequestBook, RequestState
 from tetris.actors.placement import PLACEMENT_TIMEOUT_S, Placement, place_decode
 from tetris.config import DeploymentConfig, TransferConfig
 from tetris.engine.engine import EngineStats
@@ -52,24 +54,7 @@ __all__ = ["DecodeInstance", "DecodeFull", "DecodeError", "DecodeInstanceLost"]
 
 log = logging.getLogger(__name__)
 
-_MAX_ENDED = 4096   # ended requests kept for a stream not yet opened (see DecodeInstance._ended)
 _ALIVE_FRESH_S = 1.0   # a round answered this recently proves every rank alive (``check``)
-
-
-class _Request:
-    """Driver-side state of one live request."""
-
-    def __init__(self, receiving: bool) -> None:
-        # No prompt here: the ranks' engines have it, and outputs leave without it (a long
-        # context must not travel with every token; the ingress has its own copy).
-        self.num_tokens = 0                # output tokens streamed so far (checks the deltas)
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.receiving = receiving          # reserved, not yet committed
-        self.ready_ranks: set[int] = set()
-        self.first_token: int | None = None
-        self.first_logprob: TokenLogprob | None = None
-        self.aborting = False
-        self.admitted: asyncio.Future = asyncio.get_running_loop().create_future()
 
 
 class DecodeInstance:
@@ -91,13 +76,7 @@ class DecodeInstance:
         self.timeout_s = timeout_s
         self.poll_interval_s = poll_interval_s
         self.ranks: list = []
-        self._requests: dict[str, _Request] = {}
-        # Requests that ended (finished or failed) with their end still queued for a stream
-        # not yet opened: the dispatcher opens it after the commit, and a short request can end
-        # in between. Taken by ``stream``/``abort``; bounded in case neither ever comes.
-        self._ended: collections.OrderedDict[str, _Request] = collections.OrderedDict()
-        self._commands: list[Command] = []
-        self._wake: asyncio.Event | None = None
+        self._book = RequestBook(instance, self.tp_size)   # requests, ended ones, commands
         self._loop_task: asyncio.Task | None = None
         self._stats: EngineStats | None = None
         self._broken: BaseException | None = None
@@ -140,7 +119,7 @@ class DecodeInstance:
         if self.transfer is not None:
             self._agent_infos = list(await asyncio.gather(
                 *[r.enable_transfer.remote(self.transfer) for r in self.ranks]))
-        self._wake = asyncio.Event()
+        self._book.wake = asyncio.Event()
         self._loop_task = asyncio.create_task(self._run(), name=f"decode-{self.instance}-rounds")
 
     async def agent_infos(self) -> list[AgentInfo]:
@@ -187,7 +166,7 @@ class DecodeInstance:
             await self.shutdown()
             self._broken = None
             self._answered_at = -math.inf
-            self._commands.clear()
+            self._book.commands.clear()
             self._stats = None
             await self.start()
             if self._senders or senders:
@@ -211,33 +190,33 @@ class DecodeInstance:
         generated = tuple(int(t) for t in generated)
         req = self._open(request_id, receiving=True)
         req.num_tokens = len(generated)
-        self._submit(Reserve(request_id, prompt, sampling, generated))
+        self._book.submit(Reserve(request_id, prompt, sampling, generated))
         await req.admitted
 
     async def add(self, request_id: str, prompt_token_ids, sampling: SamplingParams) -> None:
         """Queue a prompt that this instance prefills itself; ``ValueError`` for bad input."""
         prompt = compact_tokens(prompt_token_ids)
         req = self._open(request_id, receiving=False)
-        self._submit(Add(request_id, prompt, sampling))
+        self._book.submit(Add(request_id, prompt, sampling))
         await req.admitted
 
     def transfer_ready(self, request_id: str) -> bool:
         """Whether every rank reported the request's KV complete (False once it left)."""
-        req = self._requests.get(request_id)
+        req = self._book.requests.get(request_id)
         return req is not None and len(req.ready_ranks) == self.tp_size
 
     def commit(self, request_id: str, first_token: int,
                logprob: TokenLogprob | None = None) -> None:
         """The prefill's first token (and its logprobs, when the request asked for them);
         decoding starts once every rank also has the KV."""
-        req = self._requests.get(request_id)
+        req = self._book.requests.get(request_id)
         if req is None or req.aborting:
             return   # aborted or failed meanwhile: its stream already says so
         if not req.receiving or req.first_token is not None:
             raise ValueError(f"request {request_id!r} is not reserved or was already committed")
         req.first_token = int(first_token)
         req.first_logprob = logprob
-        self._maybe_commit(request_id, req)
+        self._book.maybe_commit(request_id, req)
 
     async def stream(self, request_id: str) -> AsyncIterator[OutputDelta]:
         """Output deltas until a finished one; ``DecodeError`` if the request failed. Leaving
@@ -246,7 +225,8 @@ class DecodeInstance:
         Deltas that queued up while the consumer was busy leave as one: a consumer that falls
         behind (a loaded event loop, a slow hop) gets fewer, larger items instead of a backlog
         of one-token items, each costing it a full hop."""
-        req = self._requests.get(request_id) or self._ended.pop(request_id, None)
+        book = self._book
+        req = book.requests.get(request_id) or book.ended.pop(request_id, None)
         if req is None:
             raise KeyError(f"no live request {request_id!r} on decode instance {self.instance}")
         finished = False
@@ -269,19 +249,19 @@ class DecodeInstance:
                 if finished:
                     return
         finally:
-            if self._ended.get(request_id) is req:
-                del self._ended[request_id]
+            if book.ended.get(request_id) is req:
+                del book.ended[request_id]
             if not finished:
                 self.abort(request_id)
 
     def abort(self, request_id: str, reason: str = "aborted by the caller") -> None:
         """Abort on every rank and free everything; a no-op for unknown or finished requests."""
-        self._ended.pop(request_id, None)
-        req = self._requests.get(request_id)
+        self._book.ended.pop(request_id, None)
+        req = self._book.requests.get(request_id)
         if req is None or req.aborting:
             return
         req.aborting = True
-        self._submit(Abort(request_id, reason))
+        self._book.submit(Abort(request_id, reason))
 
     def stats(self) -> EngineStats | None:
         """The last engine stats (rank 0), for the decode router; None before the first round."""
@@ -297,7 +277,7 @@ class DecodeInstance:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
             self._loop_task = None
-        self._fail_all(DecodeInstanceLost(f"decode instance {self.instance} shut down"))
+        self._book.fail_all(DecodeInstanceLost(f"decode instance {self.instance} shut down"))
         if self.ranks:
             with contextlib.suppress(Exception):   # a dead rank answers at once; a hung one not
                 await asyncio.wait_for(asyncio.gather(*[r.shutdown.remote() for r in self.ranks]),
@@ -310,75 +290,36 @@ class DecodeInstance:
             self.placement = None
 
     # -- internals ------------------------------------------------------------------------
-    def _open(self, request_id: str, *, receiving: bool) -> _Request:
+    def _open(self, request_id: str, *, receiving: bool) -> RequestState:
         if self._restarting:
             raise DecodeInstanceLost(f"decode instance {self.instance} is restarting")
         if self._broken is not None:
             raise DecodeInstanceLost(f"decode instance {self.instance} is broken: {self._broken}")
         if self._loop_task is None:
             raise RuntimeError("call start() first")
-        if request_id in self._requests:
-            raise ValueError(f"request {request_id!r} is already on decode instance {self.instance}")
-        req = _Request(receiving)
-        self._requests[request_id] = req
-        return req
-
-    def _submit(self, cmd: Command) -> None:
-        self._commands.append(cmd)
-        self._wake.set()
-
-    def _maybe_commit(self, request_id: str, req: _Request) -> None:
-        if req.receiving and req.first_token is not None and len(req.ready_ranks) == self.tp_size:
-            req.receiving = False
-            self._submit(Commit(request_id, req.first_token, req.first_logprob))
-
-    def _fail(self, request_id: str, error: BaseException) -> None:
-        """Deliver ``error`` to the request's stream and abort it on every rank."""
-        req = self._requests.pop(request_id, None)
-        if req is None:
-            return
-        if not req.admitted.done():
-            req.admitted.set_exception(error)
-        req.queue.put_nowait(error)
-        self._keep_ended(request_id, req)
-        self._commands.append(Abort(request_id, str(error)))
-        self._wake.set()
-
-    def _keep_ended(self, request_id: str, req: _Request) -> None:
-        self._ended[request_id] = req
-        while len(self._ended) > _MAX_ENDED:
-            self._ended.popitem(last=False)
-
-    def _fail_all(self, error: BaseException) -> None:
-        for request_id in sorted(self._requests):
-            req = self._requests.pop(request_id)
-            if not req.admitted.done():
-                req.admitted.set_exception(error)
-            req.queue.put_nowait(error)
-            self._keep_ended(request_id, req)   # a stream opened later still gets the error
+        return self._book.open(request_id, receiving=receiving)
 
     def _busy(self) -> tuple[bool, bool]:
         """(the engines have work to step, some rank still receives KV)."""
         s = self._stats
         schedulable = s is not None and (s.running + s.waiting + s.ready) > 0
-        receiving = any(r.receiving and len(r.ready_ranks) < self.tp_size
-                        for r in self._requests.values())
-        return schedulable, receiving
+        return schedulable, self._book.receiving()
 
     async def _run(self) -> None:
+        book = self._book
         try:
             while True:
                 schedulable, receiving = self._busy()
-                if not self._commands and not schedulable:
+                if not book.commands and not schedulable:
                     # Idle: sleep until a command comes; while KV arrives, wake now and then
                     # to pick up the ranks' ready events.
-                    self._wake.clear()
+                    book.wake.clear()
                     timeout = self.poll_interval_s if receiving else None
                     with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), timeout)
-                    if not self._commands and not receiving:
+                        await asyncio.wait_for(book.wake.wait(), timeout)
+                    if not book.commands and not receiving:
                         continue
-                cmds, self._commands = self._commands, []
+                cmds = book.take_commands()
                 t0 = time.perf_counter()
                 replies = await asyncio.gather(*[r.step.remote(cmds) for r in self.ranks])
                 self._answered_at = time.monotonic()
@@ -397,7 +338,7 @@ class DecodeInstance:
         if self._broken is not None:
             return
         self._broken = exc
-        self._fail_all(DecodeInstanceLost(f"decode instance {self.instance} failed: {exc}"))
+        self._book.fail_all(DecodeInstanceLost(f"decode instance {self.instance} failed: {exc}"))
         if self._loop_task is not None and self._loop_task is not asyncio.current_task():
             self._loop_task.cancel()   # found by ``check``: no more rounds to dead ranks
 
@@ -405,60 +346,4 @@ class DecodeInstance:
         self._stats = replies[0].stats
         if replies[0].step_s:
             self.step_times.append(replies[0].step_s)
-        self._settle(cmds, replies)
-        for delta in replies[0].outputs:
-            req = self._requests.get(delta.request_id)
-            if req is None:
-                continue   # failed earlier: its stream already ended with the error
-            req.queue.put_nowait(self._output(req, delta))
-            if delta.finished:
-                self._keep_ended(delta.request_id, self._requests.pop(delta.request_id))
-        for reply in replies:
-            for f in reply.failed:
-                req = self._requests.get(f.request_id)
-                if req is not None and req.receiving and not req.aborting:
-                    self._fail(f.request_id, KVTransferFailed(
-                        f"KV transfer of {f.request_id} failed on TP rank {reply.rank}: {f.reason}"))
-            for request_id in reply.ready:
-                req = self._requests.get(request_id)
-                if req is not None and req.receiving:
-                    req.ready_ranks.add(reply.rank)
-                    self._maybe_commit(request_id, req)
-
-    @staticmethod
-    def _output(req: _Request, delta: OutputDelta) -> OutputDelta:
-        req.num_tokens += len(delta.new_token_ids)
-        if req.num_tokens != delta.num_tokens:
-            raise RuntimeError(f"{delta.request_id}: {req.num_tokens} tokens streamed but the "
-                               f"engine has {delta.num_tokens} (a step's output was lost)")
-        return delta
-
-    def _settle(self, cmds: list[Command], replies: list[StepReply]) -> None:
-        """Answer ``reserve``/``add`` callers: admitted, or rejected (same on every rank)."""
-        rejected = {}
-        for reply in replies:
-            for rej in reply.rejected:
-                rejected.setdefault(rej.request_id, rej)
-        for cmd in cmds:
-            if isinstance(cmd, Commit) and cmd.request_id in rejected:
-                self._fail(cmd.request_id, DecodeError(
-                    f"commit of {cmd.request_id} refused: {rejected[cmd.request_id].reason}"))
-            if not isinstance(cmd, (Reserve, Add)):
-                continue
-            req = self._requests.get(cmd.request_id)
-            if req is None:
-                continue
-            rej = rejected.get(cmd.request_id)
-            if rej is None:
-                if not req.admitted.done():
-                    req.admitted.set_result(None)
-                continue
-            del self._requests[cmd.request_id]
-            if rej.full:
-                err: Exception = DecodeFull(f"decode instance {self.instance}: {rej.reason}")
-            else:
-                err = ValueError(rej.reason)
-            req.admitted.set_exception(err)
-            if any(not any(r.request_id == cmd.request_id for r in reply.rejected) for reply in replies):
-                # Ranks disagreed (they should not): undo it where it was applied.
-                self._commands.append(Abort(cmd.request_id, "rejected on another TP rank"))
+        self._book.route(cmds, replies)

@@ -229,7 +229,7 @@ def test_a_request_that_ends_before_its_stream_opens_still_streams(cluster, loop
     async def body():
         await inst.add("early", prompt, GREEDY)
         deadline = time.monotonic() + 60
-        while "early" not in inst._ended:     # finished, stream not yet opened
+        while "early" not in inst._book.ended:     # finished, stream not yet opened
             assert time.monotonic() < deadline, "the request never finished"
             await asyncio.sleep(0.01)
         return await _collect(inst, "early")
@@ -237,7 +237,7 @@ def test_a_request_that_ends_before_its_stream_opens_still_streams(cluster, loop
     outs = loop.run_until_complete(body())
     assert _tokens(outs) == want and outs[-1].finished
     assert len(outs) == 1        # every step's delta was queued when the stream opened: merged
-    assert "early" not in inst._ended
+    assert "early" not in inst._book.ended
     loop.run_until_complete(_wait_empty(inst, senders))
 
 
