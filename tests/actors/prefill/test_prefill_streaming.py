@@ -322,8 +322,9 @@ def test_default_group_runs_one_chunk_at_a_time_while_transfer_calls_answer(setu
     assert state["shards"] == 0
     results = ray.get(refs)
     assert [r.request_id for r in results] == ["solo-0", "solo-1", "solo-2"]
-    for t in tasks:
-        pool.release(t.request_id)
+    # run on the worker itself, not through the pool: the pool, which releases a request on its
+    # plan's members only, never heard of these
+    ray.get([worker.release.remote(t.request_id) for t in tasks])
     assert all(not h for h in pool.held_requests().values())
 
 
