@@ -1,1 +1,2 @@
-"""Ray actors: prefill workers of the SP pool and decode instances (TP groups)."""
+"""Ray actors: ``prefill`` (the SP pool's driver and workers) and ``decode`` (decode instances,
+TP groups); the modules both share (placement, process environment, transfer pump) sit here."""

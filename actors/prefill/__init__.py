@@ -1,1 +1,2 @@
-"""The SP prefill pool: the driver (``pool``, ``worlds``, ``wiring``), its worker actors and what they run."""
+"""The SP prefill pool: the driver (``pool``, ``chunks``, ``worlds``, ``wiring``), the worker
+actors and what they run (rings, cache balancing, KV store, executors)."""
