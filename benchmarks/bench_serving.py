@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import socket
-import statistics
 import sys
 import time
 
@@ -45,18 +44,37 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 async def _one(client: httpx.AsyncClient, base: str, model: str, prompt: list[int],
-               max_tokens: int) -> dict:
+               max_tokens: int, per_token: bool = False) -> dict:
+    """One streamed request: the stamp of every SSE event and, with ``per_token``
+    (``stream_options.continuous_usage_stats``), how many tokens each event carried."""
     t0 = time.perf_counter()
     stamps: list[float] = []
+    counts: list[int] = []
+    tokens = 0
+    options = {"include_usage": True, **({"continuous_usage_stats": True} if per_token else {})}
     async with client.stream("POST", f"{base}/v1/completions", json={
             "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True}) as r:
+            "stream": True, "ignore_eos": True, "stream_options": options}) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                stamps.append(time.perf_counter())
-    return {"ttft": stamps[0] - t0, "gaps": [b - a for a, b in zip(stamps, stamps[1:])],
-            "events": len(stamps)}
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if not event.get("choices"):   # the closing usage-only event
+                tokens = event["usage"]["completion_tokens"]
+                continue
+            stamps.append(time.perf_counter())
+            if per_token:
+                counts.append(event["usage"]["completion_tokens"])
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    # time per output token after the first (TPOT): the stream's span over its tokens
+    tpot = (stamps[-1] - stamps[0]) / (tokens - 1) if tokens > 1 and len(stamps) > 1 else None
+    per_token_gaps = []
+    if per_token:   # an event of k new tokens: k gaps of (its gap / k)
+        new = [b - a for a, b in zip(counts, counts[1:])]
+        per_token_gaps = [g / k for g, k in zip(gaps, new) if k > 0 for _ in range(k)]
+    return {"ttft": stamps[0] - t0, "gaps": gaps, "events": len(stamps), "tokens": tokens,
+            "tpot": tpot, "per_token_gaps": per_token_gaps}
 
 
 async def _drive(base: str, model: str, args) -> list[dict]:
@@ -67,7 +85,7 @@ async def _drive(base: str, model: str, args) -> list[dict]:
         async def run(i: int) -> dict:
             async with sem:
                 prompt = [(j * 31 + i * 7) % 500 + 3 for j in range(args.prompt_tokens)]
-                out = await _one(client, base, model, prompt, args.max_tokens)
+                out = await _one(client, base, model, prompt, args.max_tokens, args.per_token)
                 bar.update(1)
                 return out
         results = await asyncio.gather(*[run(i) for i in range(args.requests)])
@@ -83,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--per-token", action="store_true",
+                   help="ask for usage in every event (continuous_usage_stats) to time each token")
     args = p.parse_args(argv)
 
     import ray
@@ -122,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         "requests": args.requests, "concurrency": args.concurrency,
         "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
         "token_gap_p50_ms": 1e3 * _pct(gaps, 0.5), "token_gap_p90_ms": 1e3 * _pct(gaps, 0.9),
+        "tokens_per_event": (sum(r["tokens"] for r in results) - len(results))
+                            / max(1, sum(r["events"] - 1 for r in results)),
+        "tpot_p50_ms": 1e3 * _pct([r["tpot"] for r in results if r["tpot"] is not None], 0.5),
+        "per_token_gap_p50_ms": 1e3 * _pct([g for r in results for g in r["per_token_gaps"]], 0.5),
         "engine_step_p50_ms": 1e3 * _pct(steps, 0.5),
         "decode_round_p50_ms": 1e3 * _pct(rounds, 0.5),
         "overhead_per_token_p50_ms": 1e3 * (_pct(gaps, 0.5) - _pct(steps, 0.5)),

@@ -199,7 +199,7 @@ def test_emulated_deployment_serves_requests_end_to_end_and_frees_everything(emu
             break
         time.sleep(0.2)
     assert held["dispatcher"] == {"inflight": 0, "queue_bookings": 0, "virtual_usage": 0,
-                                  "virtual_requests": 0, "cleanups": 0}
+                                  "virtual_requests": 0, "cleanups": 0, "relayed": 0}
     assert not any(held["prefill"].values())
     assert all(r["empty"] for inst in held["decode"] for r in inst["ranks"]), held
     timelines = dispatcher.timelines.remote(10).result()
