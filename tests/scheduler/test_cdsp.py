@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from tetris.control import PrefillQueue
 from tetris.scheduler.latency import load_profile
 from tetris.scheduler.policies import PolicyError, make_policy
 from tetris.scheduler.pool import PoolState
@@ -17,6 +18,13 @@ from tetris.scheduler.pool import PoolState
 TOL_S = 0.06
 
 
+def _queued(n: int, node_size: int, until: float) -> PrefillQueue:
+    """A control-plane queue of ``n`` instances, every one busy until ``until``."""
+    queue = PrefillQueue([i // node_size for i in range(n)])
+    queue.hold(range(n), until)
+    return queue
+
+
 @pytest.fixture(scope="module")
 def prof():
     return load_profile("a100-llama3-8b-tp1")
@@ -25,22 +33,22 @@ def prof():
 def test_limitation2_greedy_vs_reserved(prof):
     """§2.4 L2: 16 instances queued 1 s; 32k then 16k. Greedy SP16 → (1.53, 1.84) in the paper."""
     greedy = make_policy("loongserve-disagg", prof)
-    pool = PoolState.uniform(16, 8, [1.0] * 16)
-    p32 = greedy.plan("32k", 32768, 0.0, pool)
-    pool.commit(p32)
-    p16 = greedy.plan("16k", 16384, 0.0, pool)
+    queue = _queued(16, 8, 1.0)
+    p32 = greedy.plan("32k", 32768, 0.0, queue.pool_state(0.0))
+    queue.commit(p32)
+    p16 = greedy.plan("16k", 16384, 0.0, queue.pool_state(0.0))
     assert p32.chunks[0].sp_size == 16 and len(p32.chunks) == 1
     assert p32.ttft_estimate == pytest.approx(1.53, abs=TOL_S)
     assert p16.ttft_estimate == pytest.approx(1.84, abs=TOL_S)
 
     # The paper's alternative: SP 8 for the 32k request, the other 8 kept for the 16k one.
     tetris = make_policy("tetris", prof, improvement_rate=0.05)
-    pool = PoolState.uniform(16, 8, [1.0] * 16)
-    a = tetris.plan("32k", 32768, 0.0, pool)
+    queue = _queued(16, 8, 1.0)
+    a = tetris.plan("32k", 32768, 0.0, queue.pool_state(0.0))
     assert [c.sp_size for c in a.chunks] == [8]
     assert a.ttft_estimate == pytest.approx(1.58, abs=TOL_S)
-    pool.commit(a)
-    b = make_policy("loongserve-disagg", prof).plan("16k", 16384, 0.0, pool)
+    queue.commit(a)
+    b = make_policy("loongserve-disagg", prof).plan("16k", 16384, 0.0, queue.pool_state(0.0))
     assert set(b.instances).isdisjoint(a.instances)
     assert b.ttft_estimate == pytest.approx(1.31, abs=TOL_S)
     # Average and max TTFT both fall, as the paper says (by 0.24 / 0.26 s there).

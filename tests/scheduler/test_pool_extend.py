@@ -1,23 +1,26 @@
-"""PoolState (Eq. 2 commit) and topology-aware extend."""
+"""PoolState snapshots, Eq. 2 commits through the control plane's queue, and topology-aware
+extend."""
 
 from __future__ import annotations
 
 import pytest
 
+from tetris.control import PrefillQueue
 from tetris.plan import Chunk, PlanError, PrefillPlan
 from tetris.scheduler.extend import GroupBuilder, node_members
 from tetris.scheduler.pool import PoolError, PoolState
 
 
 def test_commit_holds_each_chunk_group_until_its_end():
-    pool = PoolState.uniform(4, 2, [0.0, 5.0, 0.0, 0.0])
+    queue = PrefillQueue([0, 0, 1, 1])
+    queue.hold([1], 5.0)
     plan = PrefillPlan("r", 100, (Chunk(0, 40, (0,), 0.0, 1.0), Chunk(40, 100, (0, 2, 3), 1.0, 3.0)))
-    before = pool.copy()
-    pool.commit(plan)
-    assert pool.queue_times == [3.0, 5.0, 3.0, 3.0]
-    assert before.queue_times == [0.0, 5.0, 0.0, 0.0]  # copy is independent
+    before = queue.pool_state(0.0)
+    queue.commit(plan)
+    assert queue.pool_state(0.0).queue_times == [3.0, 5.0, 3.0, 3.0]
+    assert before.queue_times == [0.0, 5.0, 0.0, 0.0]  # a snapshot is independent
     with pytest.raises(PlanError):
-        pool.commit(PrefillPlan("bad", 10, (Chunk(0, 10, (7,), 0.0, 1.0),)))
+        queue.commit(PrefillPlan("bad", 10, (Chunk(0, 10, (7,), 0.0, 1.0),)))
 
 
 def test_pool_validation():

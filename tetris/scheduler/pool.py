@@ -1,14 +1,13 @@
-"""The prefill pool as the scheduler sees it: when each instance becomes free, and where it is.
+"""The prefill pool as a policy sees it: when each instance becomes free, and where it is.
 
-The live dispatcher keeps one ``PoolState`` and commits each plan it dispatches; the simulator
-does the same on its own clock. Policies only read it.
+A snapshot: the control plane's ``PrefillQueue`` (``tetris.control.queue``, paper Eq. 2) makes
+one for every plan; policies only read it.
 """
 
 from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from tetris.plan import PrefillPlan
 
 __all__ = ["PoolError", "PoolState"]
 
@@ -62,23 +61,6 @@ class PoolState:
         new.queue_times = list(self.queue_times)
         new.node_of = self.node_of
         return new
-
-    def commit(self, plan: PrefillPlan) -> None:
-        """Paper Eq. 2: each chunk's group is busy until that chunk's ``expected_end``.
-
-        A ring needs all members at once, so every member of a chunk's group is held until the
-        chunk ends; later (larger) chunks extend the hold of the members they keep.
-        """
-        plan.validate(self.size)
-        for chunk in plan.chunks:
-            for i in chunk.instances:
-                if self.queue_times[i] < chunk.expected_end:
-                    self.queue_times[i] = chunk.expected_end
-
-    def release(self, instance: int, now: float) -> None:
-        """An instance finished early (live execution beat the estimate): free it at ``now``."""
-        if self.queue_times[instance] > now:
-            self.queue_times[instance] = now
 
     def __repr__(self) -> str:
         return f"PoolState(queue_times={self.queue_times}, node_of={self.node_of})"
