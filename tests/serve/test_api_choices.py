@@ -6,19 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from openai_helpers import MODEL, app_for, client, local_backend, post, reference_logprobs, run
-
-
-@pytest.fixture(scope="module")
-def backend():
-    b = local_backend()
-    yield b
-    b.close()
-
-
-@pytest.fixture(scope="module")
-def app(backend):
-    return app_for(backend)
+from openai_helpers import MODEL, client, post, reference_logprobs, run
 
 
 def _ask(app, body, path="/v1/completions"):

@@ -12,22 +12,10 @@ import torch
 from tetris.engine.engine import LLMEngine
 from tetris.sampling_params import SamplingParams
 
-from openai_helpers import MODEL, app_for, client, local_backend, post, reference_logprobs, run
+from openai_helpers import MODEL, app_for, client, post, reference_logprobs, run
 
 TOL = 1e-4
 PROMPT = [256, 84, 101, 116, 114, 105, 115, 32, 102, 105, 108, 108, 115]   # BOS "Tetris fills"
-
-
-@pytest.fixture(scope="module")
-def backend():
-    b = local_backend()
-    yield b
-    b.close()
-
-
-@pytest.fixture(scope="module")
-def app(backend):
-    return app_for(backend)
 
 
 def _ask(app, path, body):

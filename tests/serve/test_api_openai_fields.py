@@ -9,23 +9,11 @@ import pytest
 from tetris.engine.engine import LLMEngine
 from tetris.sampling_params import SamplingParams
 
-from openai_helpers import MODEL, app_for, client, local_backend, post, run
+from openai_helpers import MODEL, client, post, run
 
 PROMPT = "Tetris fills the gaps"
 COMP = "/v1/completions"
 CHAT = "/v1/chat/completions"
-
-
-@pytest.fixture(scope="module")
-def backend():
-    b = local_backend()
-    yield b
-    b.close()
-
-
-@pytest.fixture(scope="module")
-def app(backend):
-    return app_for(backend)
 
 
 def _base(path: str) -> dict:
