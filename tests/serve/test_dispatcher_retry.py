@@ -162,7 +162,7 @@ async def _collect(d: Dispatcher, rid: str, prompt: list[int], n: int) -> list[O
     if not d.relay:
         return [o async for o in d.generate(req)]
 
-    async def report(request_id, run_id, rep):
+    async def report(run_id, rep):
         d.relay_report(run_id, rep)
 
     return [o async for o in follow(d.generate(req), d.decode.stream, report)]
@@ -285,7 +285,7 @@ def test_a_client_that_leaves_during_the_run_again_frees_both_runs(relay):
     prefill, decode = ToyPrefill(), ToyDecode(instances=2, lose_after={0: 3})
     d = _dispatcher(prefill, decode, instances=2, relay=relay)
 
-    async def report(request_id, run_id, rep):
+    async def report(run_id, rep):
         d.relay_report(run_id, rep)
 
     async def main():
@@ -361,7 +361,7 @@ def test_relayed_the_dispatcher_sees_two_events_per_run_not_each_token():
                     first_token=EarlyFirstToken(_text, (), 1 << 20))
     from_dispatcher, reports = [], []
 
-    async def report(request_id, run_id, rep):
+    async def report(run_id, rep):
         reports.append((run_id, rep.kind, len(rep.token_ids)))
         d.relay_report(run_id, rep)
 
@@ -405,7 +405,7 @@ def test_relayed_an_end_report_that_overtakes_the_arrival_report_still_frees_the
     d = _dispatcher(prefill, decode, relay=True)
     held_back = []
 
-    async def report(request_id, run_id, rep):
+    async def report(run_id, rep):
         if rep.kind == "kv_arrived":
             held_back.append((run_id, rep))   # delivered after the end, or never
             return

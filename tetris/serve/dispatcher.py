@@ -108,9 +108,8 @@ class Dispatcher(DispatcherAdmin):
                                     DecodeRouter(decode_capacities),
                                     improvement_rate=sc.improvement_rate,
                                     monitor=self._make_monitor(rate_table))
-        self.router = self.control.router
         if metrics is not None:
-            for i in range(self.router.num_instances):
+            for i in range(self.control.router.num_instances):
                 metrics.set_decode_up(i, True)
         self._plan_lock = asyncio.Lock()
         self._inflight: dict[str, RequestTimeline] = {}
@@ -273,8 +272,7 @@ class Dispatcher(DispatcherAdmin):
             async for out in stream:
                 if not kv_arrived:
                     kv_arrived = True
-                    tl.first_output = tl.first_output or self.clock()
-                    await self._kv_arrived(aid)
+                    await self._kv_arrived(aid, tl)
                 tl.tokens = out.num_tokens
                 if cursor is not None and (out := cursor.follow(out)) is None:
                     continue
@@ -293,8 +291,7 @@ class Dispatcher(DispatcherAdmin):
             # overtook its arrival report says as much, the KV arrived (it made outputs).
             if not kv_arrived and (report.kind == "kv_arrived" or report.num_tokens):
                 kv_arrived = True
-                tl.first_output = tl.first_output or self.clock()
-                await self._kv_arrived(aid)
+                await self._kv_arrived(aid, tl)
             if report.kind == "kv_arrived":
                 continue
             sent.token_ids.extend(report.token_ids)
@@ -382,8 +379,10 @@ class Dispatcher(DispatcherAdmin):
         if busy is not None:
             self.control.pool_report(busy, self.clock())
 
-    async def _kv_arrived(self, aid: str) -> None:
-        """The decode instance has all the KV: drop the prefill copy and the virtual usage."""
+    async def _kv_arrived(self, aid: str, tl: RequestTimeline) -> None:
+        """The decode instance has all the KV (its first output): drop the prefill copy and the
+        virtual usage."""
+        tl.first_output = tl.first_output or self.clock()
         self.control.kv_arrived(aid)
         await self.prefill.release(aid)
 

@@ -74,7 +74,7 @@ class DispatcherAdmin:
         now = self.clock()
         return {"running": len(self._inflight), "waiting": 0,
                 "improvement_rate": self.improvement_rate,
-                "decode_down": sorted(self.router.down),
+                "decode_down": sorted(self.control.router.down),
                 "queue_times": [max(0.0, t - now) for t in self.control.queue.queue_times(now)]}
 
     def held(self) -> dict:

@@ -62,7 +62,7 @@ class DispatcherBackend:
         finally:
             gen.cancel()
 
-    async def _report(self, request_id: str, run_id: str, report: RelayReport) -> None:
+    async def _report(self, run_id: str, report: RelayReport) -> None:
         await self.handle.relay_report.remote(run_id, report)
 
     async def stats(self) -> dict:

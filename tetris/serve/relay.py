@@ -78,14 +78,14 @@ class RelayBoxes:
         return len(self._boxes)
 
 
-Report = Callable[[str, str, RelayReport], Awaitable[None]]
+Report = Callable[[str, RelayReport], Awaitable[None]]
 
 
 async def follow(dispatched: AsyncIterator, stream: Callable[[int, str], AsyncIterator],
                  report: Report) -> AsyncIterator[OutputDelta]:
     """The client's stream: the dispatcher's outputs, with each ``DecodeHandoff`` replaced by
     the decode instance's own stream of that run. ``stream(instance, run_id)`` opens a decode
-    stream; ``report(request_id, run_id, RelayReport)`` reaches the dispatcher."""
+    stream; ``report(run_id, RelayReport)`` reaches the dispatcher."""
     pending: set[asyncio.Task] = set()
     try:
         async for item in dispatched:
@@ -114,8 +114,7 @@ async def _relay(h: DecodeHandoff, stream, report: Report,
             async for out in outs:
                 if first:
                     first = False
-                    task = asyncio.ensure_future(report(h.request_id, h.run_id,
-                                                        RelayReport("kv_arrived")))
+                    task = asyncio.ensure_future(report(h.run_id, RelayReport("kv_arrived")))
                     pending.add(task)
                     task.add_done_callback(pending.discard)
                 num_tokens = out.num_tokens
@@ -135,5 +134,5 @@ async def _relay(h: DecodeHandoff, stream, report: Report,
         raise   # the client left: the dispatcher's cleanup aborts the run
     except Exception as e:  # noqa: BLE001 - reported, the dispatcher fails the request
         end = RelayReport("failed", error=f"{type(e).__name__}: {e}")
-    await report(h.request_id, h.run_id, msgspec.structs.replace(
+    await report(h.run_id, msgspec.structs.replace(
         end, token_ids=tuple(ids), chars=chars, num_tokens=num_tokens))

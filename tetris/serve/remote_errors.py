@@ -3,16 +3,17 @@
 A deployment or actor that raises ``E`` reaches its caller as Ray's ``RayTaskError(E)``: a
 subclass of both ``RayTaskError`` and ``E``, whose ``cause`` is the original ``E`` (with its
 own attributes: ``instances``, ``retry_after_s``). Re-raised through a second process it may
-arrive as a plain ``RayTaskError`` whose ``cause`` is the first wrapper. Every translation between the pools, the
-dispatcher and the ingress is one of the functions here, and each matches by ``isinstance``
-and hands on the original exception, never a copy rebuilt from the message text.
+arrive as a plain ``RayTaskError`` whose ``cause`` is the first wrapper. Every translation
+between the pools, the dispatcher and the ingress is one of the functions here, and each
+matches by ``isinstance`` and hands on the original exception, never a copy rebuilt from the
+message text.
 """
 
 from __future__ import annotations
 
 from typing import TypeVar
 
-from tetris.errors import InstanceLost, InstanceReplacing, PlanOutdated
+from tetris.errors import InstanceLost, InstanceReplacing
 from tetris.serve.backend import Overloaded
 
 __all__ = ["carried", "as_lost", "as_replacing", "as_client_error"]
@@ -36,13 +37,9 @@ def carried(err: BaseException, cls: type[E]) -> E | None:
 
 
 def as_lost(err: BaseException) -> BaseException:
-    """A lost worker (``PlanOutdated`` or ``InstanceLost``: the dispatcher runs the request
-    again), else ``err`` itself."""
-    for cls in (PlanOutdated, InstanceLost):
-        lost = carried(err, cls)
-        if lost is not None:
-            return lost
-    return err
+    """A lost worker (an ``InstanceLost``, ``PlanOutdated`` included: the dispatcher runs the
+    request again), else ``err`` itself."""
+    return carried(err, InstanceLost) or err
 
 
 def as_replacing(err: BaseException) -> BaseException:
