@@ -10,7 +10,7 @@ import pytest
 
 from tetris.config import load_deployment
 from tetris.engine.request import OutputDelta
-from tetris.plan import Chunk, PrefillPlan
+from tetris.plan import PrefillPlan
 from tetris.sampling_params import SamplingParams
 from tetris.scheduler.rate import RateTableError
 from tetris.serve.backend import Overloaded
