@@ -230,9 +230,16 @@ class WorldKeeper:
                     with self._world_lock:
                         self.workers = workers
                         self._world = generation
+                    # Swapped in: no longer being replaced, counted, and the waiters let go,
+                    # all at once (a reader never sees a worker in and still "replacing").
                     with self._replacing_lock:
                         for i in ready:
                             self._ready.pop(i, None)
+                            self._found_dead_after.pop(i, None)
+                            done = self._replacing.pop(i, None)
+                            if done is not None:
+                                done.set()
+                        self.replacements += len(ready)
                     self._drop_unused_worlds()
                     return ready
             log.warning("prefill workers %s died while world %d formed (attempt %d)",
@@ -305,6 +312,8 @@ class WorldKeeper:
 
     def _replace(self, mine: list[int]) -> None:
         """Replace the workers of ``mine`` (claimed by ``reform``) and form the world again."""
+        with self._replacing_lock:
+            claims = {i: self._replacing[i] for i in mine}
         try:
             # The receivers give up what the dead workers owed them now, not once the
             # replacements are in: no peer under those ids until then.
@@ -316,7 +325,6 @@ class WorldKeeper:
             t1 = time.perf_counter()
             swapped = self.new_world(mine)
             if swapped:
-                self.replacements += len(swapped)
                 log.warning("prefill workers %s replaced: %.1f s to start them, %.1f s to form "
                             "world %d, while the pool ran", sorted(swapped), t1 - t0,
                             time.perf_counter() - t1, self._world)
@@ -327,10 +335,14 @@ class WorldKeeper:
                 ray.kill(w)
             raise
         finally:
+            # Claims a swap has not ended (a failure): ended here. A claim of a later death of
+            # the same instance is another event and stays.
             with self._replacing_lock:
-                for i in mine:
-                    self._found_dead_after.pop(i, None)
-                    self._replacing.pop(i).set()
+                for i, done in claims.items():
+                    if self._replacing.get(i) is done:
+                        self._found_dead_after.pop(i, None)
+                        del self._replacing[i]
+                    done.set()
 
     def _start_replacements(self, instances: list[int]) -> dict:
         """instance -> a new worker that has answered (model loaded), with the send side on
