@@ -8,6 +8,10 @@ in flight (and no restart under way) the decode rounds back off, doubling up to
 ``IDLE_POLL_S``: nothing changes the decode load then, and each round costs two Serve calls
 and a ping to every decode rank (~3% of a core on an idle tiny deployment, docs/benchmarks.md
 "Idle CPU"). The first request in flight brings them back to ``POLL_S`` within a tick.
+The prefill probe backs off the same way, doubling from ``prefill_check_s`` up to
+``IDLE_PREFILL_CHECK_S`` while idle (each probe is a Serve call and a ping to every prefill
+worker), and is back at ``prefill_check_s`` within a tick of a request in flight; a worker
+that died idle is still found by the first chunk that needs it (the request runs again).
 A request that a death hits is the dispatcher's to run again; the supervisor only brings the
 instances back.
 """
@@ -17,12 +21,14 @@ from __future__ import annotations
 import asyncio
 import logging
 
-__all__ = ["Supervisor", "check_period", "actor_handles", "POLL_S", "IDLE_POLL_S"]
+__all__ = ["Supervisor", "check_period", "actor_handles", "POLL_S", "IDLE_POLL_S",
+           "IDLE_PREFILL_CHECK_S"]
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5        # decode rounds while requests are in flight; the loop's tick
 IDLE_POLL_S = 5.0   # the longest between decode rounds while none is
+IDLE_PREFILL_CHECK_S = 32.0   # the longest between prefill probes while idle (if above the period)
 
 
 def actor_handles(peers: dict) -> dict:
@@ -48,6 +54,7 @@ class Supervisor:
         self.restarts: dict[int, int] = {}            # decode instance -> restarts that succeeded
         self._prefill_healing: asyncio.Task | None = None
         self._last_prefill_check = 0.0
+        self._prefill_backoff = 1   # idle probes so far double the period: 1, 2, 4, ...
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -62,7 +69,7 @@ class Supervisor:
                 await self._decode_round()
                 last_round = loop.time()
                 period = POLL_S if busy or self._busy() else min(IDLE_POLL_S, 2 * period)
-            self._heal_prefill()
+            self._heal_prefill(busy or self._busy())
             await asyncio.sleep(POLL_S)
 
     def _busy(self) -> bool:
@@ -93,14 +100,25 @@ class Supervisor:
         old, self.prefill_check_s = self.prefill_check_s, check_period(seconds)
         return old
 
-    def _heal_prefill(self) -> None:
-        """Every ``prefill_check_s``, have the pool replace workers that died idle, in a task
-        (replacing waits for running chunks to finish; load polling goes on meanwhile)."""
+    def _prefill_period(self, busy: bool) -> float:
+        """``prefill_check_s`` while busy; while idle doubled per probe, up to
+        ``IDLE_PREFILL_CHECK_S`` (never below ``prefill_check_s``)."""
+        if busy:
+            self._prefill_backoff = 1
+        cap = max(self.prefill_check_s, IDLE_PREFILL_CHECK_S)
+        return min(cap, self.prefill_check_s * self._prefill_backoff)
+
+    def _heal_prefill(self, busy: bool = True) -> None:
+        """Every ``prefill_check_s`` (backed off while idle), have the pool replace workers
+        that died idle, in a task (replacing waits for running chunks to finish; load polling
+        goes on meanwhile)."""
         loop = asyncio.get_running_loop()
         if (not self.prefill_check_s or self._prefill_healing is not None
-                or loop.time() - self._last_prefill_check < self.prefill_check_s):
+                or loop.time() - self._last_prefill_check < self._prefill_period(busy)):
             return
         self._last_prefill_check = loop.time()
+        if not busy and self.prefill_check_s * self._prefill_backoff < IDLE_PREFILL_CHECK_S:
+            self._prefill_backoff *= 2
 
         async def heal() -> None:
             try:
