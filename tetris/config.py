@@ -33,6 +33,7 @@ __all__ = [
     "TransferConfig",
     "DeploymentConfig",
     "EmulationConfig",
+    "PrefixCacheConfig",
     "load_deployment",
     "default_deployment_path",
     "resolve_model_file",
@@ -273,6 +274,21 @@ class EmulationConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"emulation.time_scale must be positive, got {self.time_scale}")
 
 
+class PrefixCacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Prefix caching (docs/prefix_cache.md): the control plane's index of cached prompt
+    blocks. ``block_tokens`` is the hashing granularity (a hit counts whole blocks only);
+    ``capacity_blocks`` bounds the indexed blocks, evicted least recently used first."""
+
+    enabled: bool = False
+    block_tokens: int = 16
+    capacity_blocks: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.block_tokens <= 0 or self.capacity_blocks < 0:
+            raise ValueError("prefix_cache.block_tokens must be positive and capacity_blocks "
+                             f">= 0, got {self.block_tokens} and {self.capacity_blocks}")
+
+
 class DeploymentConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: ModelConfig
     prefill: PrefillConfig = PrefillConfig()
@@ -280,6 +296,7 @@ class DeploymentConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scheduler: SchedulerConfig = SchedulerConfig()
     transfer: TransferConfig = TransferConfig()
     emulation: EmulationConfig = EmulationConfig()
+    prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
     source_path: str | None = None
 
 
