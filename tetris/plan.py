@@ -7,7 +7,8 @@ replays it against the latency model. Times in a plan are seconds on the caller'
 
 Invariants (checked by ``PrefillPlan.validate``):
 
-- chunks cover ``[0, prompt_tokens)`` in order, without gaps or overlap;
+- chunks cover ``[cached_tokens, prompt_tokens)`` in order, without gaps or overlap (a
+  cached prefix counts as a chunk already run on ``cached_instances``);
 - each chunk's group contains every instance of the previous chunk's group (groups only grow,
   paper §4.1), and the previous group's members come first in the same order, so ring
   position ``r`` of an old member never changes;
@@ -18,7 +19,13 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["Chunk", "PrefillPlan", "PlanError"]
+__all__ = ["Chunk", "PrefillPlan", "PlanError", "SP_LAYOUTS"]
+
+# How a chunk's group shares attention (CSPS §3.2): "ring" passes KV blocks around the group
+# (zigzag ring attention); "a2a" is SP-NTP, DeepSpeed-Ulysses-style all-to-all from sequence
+# shards to head shards and back (actors/prefill/alltoall.py). The KV each member stores is the
+# same under both, so chunks of one plan may mix them.
+SP_LAYOUTS = ("ring", "a2a")
 
 
 class PlanError(ValueError):
@@ -37,6 +44,8 @@ class Chunk(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     instances: tuple[int, ...]
     expected_start: float = 0.0
     expected_end: float = 0.0
+    sp_layout: str = "ring"        # one of SP_LAYOUTS
+    sp_layout_reason: str = ""     # why this layout (the chooser's or the fallback's words)
 
     @property
     def tokens(self) -> int:
@@ -60,6 +69,12 @@ class PrefillPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ttft_estimate: float = 0.0
     policy: str = ""
     improvement_rate: float = 0.0
+    # Prefix caching: ``[0, cached_tokens)`` is not computed; its KV is the run
+    # ``cached_source``'s, on ``cached_instances`` (ring order) as that run's ring left it, and
+    # counts as a chunk already run: the first chunk's group starts with those instances.
+    cached_tokens: int = 0
+    cached_instances: tuple[int, ...] = ()
+    cached_source: str = ""
 
     @property
     def instances(self) -> tuple[int, ...]:
@@ -71,8 +86,12 @@ class PrefillPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise PlanError(f"plan {self.request_id}: prompt_tokens must be positive")
         if not self.chunks:
             raise PlanError(f"plan {self.request_id}: no chunks")
-        pos = 0
-        prev: tuple[int, ...] = ()
+        if not 0 <= self.cached_tokens < self.prompt_tokens or \
+                bool(self.cached_tokens) != bool(self.cached_instances):
+            raise PlanError(f"plan {self.request_id}: {self.cached_tokens} cached tokens on "
+                            f"{self.cached_instances} for a {self.prompt_tokens}-token prompt")
+        pos = self.cached_tokens
+        prev: tuple[int, ...] = self.cached_instances
         for k, c in enumerate(self.chunks):
             if c.start != pos or c.end <= c.start:
                 raise PlanError(
@@ -86,6 +105,9 @@ class PrefillPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                     f"plan {self.request_id}: chunk {k} group {c.instances} must start with "
                     f"the previous group {prev} (groups only grow)"
                 )
+            if c.sp_layout not in SP_LAYOUTS:
+                raise PlanError(f"plan {self.request_id}: chunk {k} layout {c.sp_layout!r} "
+                                f"is not one of {SP_LAYOUTS}")
             if pool_size is not None and any(i < 0 or i >= pool_size for i in c.instances):
                 raise PlanError(
                     f"plan {self.request_id}: chunk {k} names an instance outside 0..{pool_size - 1}"

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from tetris.actors.decode.emulated import PLACEHOLDER_TOKEN, WIRE_HEAD_DIM, torch_dtype
+from tetris.actors.prefill.alltoall import AllToAllAttention
 from tetris.actors.prefill.balance import BALANCE_TAG_KIND, LayerBalancer
 from tetris.actors.prefill.kv_store import PagedKVStore, ranges_tensor
 from tetris.actors.prefill.messages import ChunkResult, ChunkTask
@@ -86,6 +87,9 @@ class ModelExecutor:
             raise ValueError(f"chunk {task.chunk_index}: token count does not match positions")
         if task.kv_receivers:
             self._check_streaming(task)
+        if task.sp_layout == "a2a" and self.model.local_num_kv_heads % len(task.group):
+            raise ValueError(f"chunk {task.chunk_index}: SP-NTP on a group of {len(task.group)} "
+                             f"needs it to divide {self.model.local_num_kv_heads} KV heads")
         self.store.reserve(task.request_id, normalize_ranges(
             list(task.chunk_positions[task.rank]) + list(incoming)))
 
@@ -105,8 +109,7 @@ class ModelExecutor:
         q_pos = ranges_tensor(mine)
         blocks = [normalize_ranges(list(h) + list(c))
                   for h, c in zip(task.history, task.chunk_positions)]
-        ring = RingAttention(task.group, task.rank, [ranges_tensor(b) for b in blocks],
-                             message_tag(task.seq, RING_TAG_KIND), task.timeout_s, link)
+        ring = _group_attention(task, blocks, link)
         moves = task.moves if task.balance != "off" else ()
         balancer = LayerBalancer(store, req, task.instance, moves,
                                  message_tag(task.seq, BALANCE_TAG_KIND), task.timeout_s, link)
@@ -271,6 +274,18 @@ class EmulatedExecutor:
 
     def abort(self, request_id: str) -> None:
         return None
+
+
+def _group_attention(task: ChunkTask, blocks, link: PeerLink | None):
+    """The chunk's attention across its group, by the plan's layout: the zigzag ring, or SP-NTP
+    all-to-all (one chunk's traffic is one kind or the other, so both use the ring's tag)."""
+    tag = message_tag(task.seq, RING_TAG_KIND)
+    block_pos = [ranges_tensor(b) for b in blocks]
+    if task.sp_layout == "a2a":
+        return AllToAllAttention(task.group, task.rank,
+                                 [ranges_tensor(c) for c in task.chunk_positions], block_pos,
+                                 tag, task.timeout_s, link)
+    return RingAttention(task.group, task.rank, block_pos, tag, task.timeout_s, link)
 
 
 def _token_tensor(token_ids) -> torch.Tensor:

@@ -42,7 +42,8 @@ def prefill_with_plan(deployment, prompt: list[int], spec: str, params: Sampling
     pc = deployment.prefill
     # Build (and check) the plan before any actor starts: a bad spec fails fast.
     node_of = tuple(i // pc.node_size for i in range(pc.num_instances))
-    plan = forced_plan("generate-plan", len(prompt), spec, node_of)
+    plan = forced_plan("generate-plan", len(prompt), spec, node_of,
+                       num_kv_heads=deployment.model.num_kv_heads // pc.tp_size)
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=max(8, deployment.prefill.num_instances), include_dashboard=False,
@@ -99,7 +100,8 @@ def _summary(plan, res) -> str:
              f"waited {res.balance_wait_s:.4f}s"]
     for k, (c, t) in enumerate(zip(plan.chunks, res.chunk_elapsed_s)):
         lines.append(f"  chunk {k}: [{c.start}, {c.end}) on instances {list(c.instances)}: "
-                     f"{t:.3f}s")
+                     f"{t:.3f}s, {c.sp_layout}"
+                     + (f" ({c.sp_layout_reason})" if c.sp_layout_reason else ""))
     lines.append("  KV held: " + ", ".join(
         f"instance {i}: {sum(hi - lo for lo, hi in r)} tokens" for i, r in res.kv_layout))
     return "\n".join(lines)

@@ -15,12 +15,13 @@ import re
 
 import msgspec
 
+from tetris.actors.prefill.alltoall import resolve_sp_layout
 from tetris.actors.prefill.balance import plan_balance
 from tetris.actors.prefill.messages import BalanceMode, Move
 from tetris.actors.prefill.zigzag import Ranges, normalize_ranges, zigzag_layout
-from tetris.plan import Chunk, PlanError, PrefillPlan
+from tetris.plan import SP_LAYOUTS, Chunk, PlanError, PrefillPlan
 
-__all__ = ["ChunkLayout", "plan_layout", "parse_plan_spec", "forced_plan"]
+__all__ = ["ChunkLayout", "plan_layout", "parse_plan_spec", "parse_plan_layouts", "forced_plan"]
 
 
 class ChunkLayout(msgspec.Struct, frozen=True):
@@ -54,11 +55,14 @@ def plan_layout(plan: PrefillPlan, balance: BalanceMode = "overlap"
     return layouts, held
 
 
-_SPEC_ITEM = re.compile(r"^\s*(\d+|rest)\s*x\s*(\d+)\s*$")
+_SPEC_ITEM = re.compile(r"^\s*(\d+|rest)\s*x\s*(\d+)\s*(?::\s*(\w+)\s*)?$")
 
 
 def parse_plan_spec(spec: str) -> list[tuple[int | None, int]]:
-    """``"1500x1,2500x2,restx4"`` -> ``[(1500, 1), (2500, 2), (None, 4)]`` (None: the rest)."""
+    """``"1500x1,2500x2,restx4"`` -> ``[(1500, 1), (2500, 2), (None, 4)]`` (None: the rest).
+
+    An item may name its chunk's SP layout after a colon (``2500x2:a2a``); see
+    ``parse_plan_layouts``."""
     items = []
     for part in spec.split(","):
         m = _SPEC_ITEM.match(part)
@@ -71,12 +75,27 @@ def parse_plan_spec(spec: str) -> list[tuple[int | None, int]]:
     return items
 
 
-def forced_plan(request_id: str, prompt_tokens: int, spec: str, node_of: tuple[int, ...]
-                ) -> PrefillPlan:
-    """A plan with the given chunk sizes and SP sizes; groups grown by the scheduler's extend."""
+def parse_plan_layouts(spec: str) -> list[str]:
+    """Each item's SP layout: ``"300x1,restx2:a2a"`` -> ``["ring", "a2a"]`` (default "ring")."""
+    parse_plan_spec(spec)
+    layouts = [_SPEC_ITEM.match(part).group(3) or "ring" for part in spec.split(",")]
+    for lay in layouts:
+        if lay not in SP_LAYOUTS:
+            raise PlanError(f"--plan layout {lay!r}: expected one of {', '.join(SP_LAYOUTS)}")
+    return layouts
+
+
+def forced_plan(request_id: str, prompt_tokens: int, spec: str, node_of: tuple[int, ...],
+                num_kv_heads: int | None = None) -> PrefillPlan:
+    """A plan with the given chunk sizes and SP sizes; groups grown by the scheduler's extend.
+
+    A chunk asking for "a2a" on a group that does not divide ``num_kv_heads`` runs the ring,
+    and its ``sp_layout_reason`` says so (``num_kv_heads`` None: no check here; the worker
+    refuses such a chunk)."""
     from tetris.scheduler.extend import GroupBuilder, node_members
 
     items = parse_plan_spec(spec)
+    layouts = parse_plan_layouts(spec)
     builder = GroupBuilder([0.0] * len(node_of), node_members(node_of))
     chunks, pos, chain = [], 0, ()
     for k, (tokens, sp) in enumerate(items):
@@ -86,7 +105,11 @@ def forced_plan(request_id: str, prompt_tokens: int, spec: str, node_of: tuple[i
             group = builder.group(chain).members
         except ValueError as e:
             raise PlanError(f"--plan chunk {k}: {e}") from None
-        chunks.append(Chunk(start=pos, end=end, instances=group))
+        lay, why = layouts[k], ""
+        if num_kv_heads is not None:
+            lay, why = resolve_sp_layout(lay, len(group), num_kv_heads)
+        chunks.append(Chunk(start=pos, end=end, instances=group, sp_layout=lay,
+                            sp_layout_reason=why))
         pos = end
     plan = PrefillPlan(request_id=request_id, prompt_tokens=prompt_tokens, chunks=tuple(chunks),
                        policy="forced")

@@ -93,6 +93,7 @@ class ChunkTask(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # the KV it computes, receiver j taking KV heads [j*h, (j+1)*h), h = Hkv // len. Empty: none.
     kv_receivers: tuple[int, ...] = ()
     world: int = 0                # the generation of the pool's world its rings use (world.py)
+    sp_layout: str = "ring"       # the chunk's attention across the group (tetris/plan.py)
 
     @property
     def instance(self) -> int:

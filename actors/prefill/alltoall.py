@@ -1,0 +1,172 @@
+"""SP-NTP for a chunk group: all-to-all from sequence shards to head shards and back (CSPS §3.2.1,
+Fig. 4a; DeepSpeed-Ulysses).
+
+Per layer, member ``r`` of a group of ``s`` holds queries for its zigzag share of the chunk
+(all heads) and its KV *block* (its history share plus its chunk share, all KV heads), exactly
+what the ring starts from. Head shard ``j`` is query heads ``[j·Hq/s, (j+1)·Hq/s)`` with the KV
+heads they read, ``[j·Hkv/s, (j+1)·Hkv/s)`` (GQA: query head ``h`` reads KV head
+``h // (Hq/Hkv)``), so ``s`` must divide ``Hkv``; a group that does not runs the ring instead
+(``resolve_sp_layout``).
+
+1. A2A #1: member ``r`` sends member ``j`` the rows of head shard ``j``: its queries and its
+   whole block's K, V. History KV travels with the chunk's, so head shard ``j`` ends up with
+   every key of ``[0, end)``: the history attention is the same one full-sequence attention,
+   not a separate step (the history is sequence-sharded over the earlier chunks' members, and
+   a head-sharded member has to see all of it for its heads).
+2. Member ``j`` sorts the queries and keys by position and attends ``[start, end)`` to
+   ``[0, end)`` for its heads (history keys unmasked, chunk keys causal).
+3. A2A #2: member ``j`` sends each member the outputs of that member's queries for head shard
+   ``j``; each member joins the head shards back into ``[n_r, Hq, D]``.
+
+The stored KV never moves: each member keeps the KV of its own share, as under the ring, so the
+hand-off to decode and cache balancing see the same layout whatever the chunk's layout was.
+All-to-all is point-to-point sends on the pool's world (``PeerLink``), like the ring; one
+message per peer and direction, sized from the plan (no handshake).
+
+``simulate_all_to_all`` runs the same steps in one process: the reference the distributed
+version is tested against.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch
+from tetris.actors.prefill.ring import partial_attention
+from tetris.actors.prefill.world import DefaultWorld, PeerLink
+
+__all__ = [
+    "AllToAllAttention",
+    "attend_head_shard",
+    "head_shard",
+    "resolve_sp_layout",
+    "simulate_all_to_all",
+]
+
+
+def resolve_sp_layout(requested: str, sp_size: int, num_kv_heads: int) -> tuple[str, str]:
+    """The layout a chunk of ``sp_size`` members runs, and why: "a2a" needs the group size to
+    divide the KV heads (head shards hold whole KV heads; replicating them is not built)."""
+    if requested != "a2a":
+        return requested, ""
+    if num_kv_heads % sp_size:
+        return "ring", (f"a2a asked, ring run: a group of {sp_size} does not divide "
+                        f"{num_kv_heads} KV heads")
+    return "a2a", ""
+
+
+def head_shard(j: int, sp_size: int, num_heads: int, num_kv_heads: int) -> tuple[slice, slice]:
+    """Query-head and KV-head slices of head shard ``j``."""
+    if num_kv_heads % sp_size or num_heads % num_kv_heads:
+        raise ValueError(f"SP-NTP: a group of {sp_size} does not divide {num_kv_heads} KV heads")
+    hq, hkv = num_heads // sp_size, num_kv_heads // sp_size
+    return slice(j * hq, (j + 1) * hq), slice(j * hkv, (j + 1) * hkv)
+
+
+def attend_head_shard(qs, q_pos, kvs, k_pos, scale=None) -> list[torch.Tensor]:
+    """One head shard's attention over the whole chunk and its history.
+
+    qs[j]: [n_j, hq, D] member j's queries (this shard's heads) at sorted q_pos[j];
+    kvs[j]: [m_j, 2, hkv, D] member j's block at sorted k_pos[j].
+    Returns per member j its queries' outputs [n_j, hq, D].
+    """
+    qp = torch.cat(q_pos)
+    q_order = torch.argsort(qp)
+    kp = torch.cat(k_pos)
+    k_order = torch.argsort(kp)
+    kv = torch.cat(kvs)[k_order]
+    if qp.numel() == 0:
+        return [q for q in qs]
+    out, _ = partial_attention(torch.cat(qs)[q_order], qp[q_order], kv[:, 0], kv[:, 1],
+                               kp[k_order], scale=scale)
+    unsorted = torch.empty_like(out)
+    unsorted[q_order] = out
+    return list(torch.split(unsorted, [q.shape[0] for q in qs]))
+
+
+def simulate_all_to_all(qs, q_pos, ks, vs, k_pos, scale=None) -> list[torch.Tensor]:
+    """Single-process SP-NTP: each member's attention output, shard by shard.
+
+    qs[r]: [n_r, Hq, D]; ks[r], vs[r]: [m_r, Hkv, D] (member r's block); *_pos: sorted int64.
+    """
+    s = len(qs)
+    hq, hkv = qs[0].shape[1], ks[0].shape[1]
+    per_shard = []
+    for j in range(s):
+        qh, kh = head_shard(j, s, hq, hkv)
+        per_shard.append(attend_head_shard(
+            [q[:, qh] for q in qs], q_pos,
+            [torch.stack((k[:, kh], v[:, kh]), dim=1) for k, v in zip(ks, vs)], k_pos, scale))
+    return [torch.cat([per_shard[j][r] for j in range(s)], dim=1) for r in range(s)]
+
+
+class AllToAllAttention:
+    """One member's SP-NTP for one chunk: every layer's two all-to-alls on ``link``.
+
+    group: world ranks in group order; query_positions[j], block_positions[j]: int64 positions
+    of member j's queries and KV block. Same call as ``RingAttention``.
+    """
+
+    def __init__(self, group: tuple[int, ...], rank: int, query_positions: list[torch.Tensor],
+                 block_positions: list[torch.Tensor], tag: int, timeout_s: float,
+                 link: PeerLink | None = None) -> None:
+        self.link = link or DefaultWorld()
+        self.group = group
+        self.rank = rank
+        self.query_positions = query_positions
+        self.block_positions = block_positions
+        self.tag = tag
+        self.timeout = timedelta(seconds=timeout_s)
+        self.comm_wait_s = 0.0
+        self.sent_elements = 0     # per chunk, both all-to-alls: the Appendix A volume, measured
+
+    @property
+    def sp_size(self) -> int:
+        return len(self.group)
+
+    def __call__(self, q, q_pos, k_block, v_block, layer: int = 0, scale=None):
+        """q [n_r, Hq, D] at q_pos; k_block, v_block [m_r, Hkv, D]: this member's block.
+
+        Returns out [n_r, Hq, D]: attention over the chunk and its whole history.
+        """
+        s = self.sp_size
+        hq, hkv, d = q.shape[1], k_block.shape[1], q.shape[2]
+        qh_n, kh_n = hq // s, hkv // s
+        # A2A #1: one flat message per peer, [its heads' queries ; its heads' K, V of my block].
+        outgoing = []
+        for j in range(s):
+            qh, kh = head_shard(j, s, hq, hkv)
+            kv = torch.stack((k_block[:, kh], v_block[:, kh]), dim=1)
+            outgoing.append(torch.cat((q[:, qh].reshape(-1), kv.reshape(-1))))
+        sizes = [(self.query_positions[j].numel() * qh_n * d,
+                  self.block_positions[j].numel() * 2 * kh_n * d) for j in range(s)]
+        incoming = self._exchange(outgoing, [a + b for a, b in sizes], q.dtype, layer, 1)
+        qs = [m[:a].view(-1, qh_n, d) for m, (a, _) in zip(incoming, sizes)]
+        kvs = [m[a:].view(-1, 2, kh_n, d) for m, (a, _) in zip(incoming, sizes)]
+        outs = attend_head_shard(qs, self.query_positions, kvs, self.block_positions, scale)
+        # A2A #2: member j gets its queries' outputs for my head shard.
+        back = self._exchange([o.reshape(-1).contiguous() for o in outs],
+                              [q.shape[0] * qh_n * d] * s, q.dtype, layer, 2)
+        return torch.cat([b.view(-1, qh_n, d) for b in back], dim=1)
+
+    def _exchange(self, outgoing, in_sizes, dtype, layer: int, which: int) -> list[torch.Tensor]:
+        """Send outgoing[j] to member j and receive in_sizes[j] elements from it (own: kept)."""
+        s, r = self.sp_size, self.rank
+        incoming = [outgoing[r] if j == r else torch.empty(in_sizes[j], dtype=dtype)
+                    for j in range(s)]
+        works = []
+        for j in range(s):
+            if j == r:
+                continue
+            if outgoing[j].numel():
+                works.append(self.link.isend(outgoing[j], self.group[j], self.tag))
+                self.sent_elements += outgoing[j].numel()
+            if in_sizes[j]:
+                works.append(self.link.irecv(incoming[j], self.group[j], self.tag))
+        t0 = time.perf_counter()
+        for w in works:
+            if not w.wait(self.timeout):
+                raise TimeoutError(f"all-to-all #{which} of layer {layer} timed out")
+        self.comm_wait_s += time.perf_counter() - t0
+        return incoming
