@@ -18,6 +18,12 @@ order, so the simulator predicts the decisions of the live system:
 7. ``finished(run_id, now)``: completion, abort or failure; frees whatever is still held
    (idempotent, so every exit path may call it).
 
+With a ``PrefixIndex`` (prefix caching, docs/prefix_cache.md), ``plan`` and ``admit`` take the
+prompt's block hashes: a cached prefix is planned as history (``plan_from_prefix``) and its
+blocks referenced until ``finished``; ``prefix_cached(run_id)`` after a successful prefill
+indexes the run's blocks where its KV lies, and ``prefix_released()`` names the runs whose
+cached KV nothing needs any more.
+
 Pure: no Ray, no torch, no asyncio, no wall clock.
 """
 
@@ -28,8 +34,10 @@ from typing import Any
 
 import msgspec
 
+from tetris.control.prefix_index import KvLocation, PrefixIndex
 from tetris.control.queue import PrefillQueue
 from tetris.plan import PrefillPlan
+from tetris.scheduler.prefix_plan import PrefixOption, plan_from_prefix
 from tetris.scheduler.rate import RateMonitor
 from tetris.scheduler.router import DecodeRouter
 
@@ -51,7 +59,8 @@ class ControlPlane:
     """
 
     def __init__(self, policy: Any, queue: PrefillQueue, router: DecodeRouter | None, *,
-                 improvement_rate: float | None, monitor: RateMonitor | None = None) -> None:
+                 improvement_rate: float | None, monitor: RateMonitor | None = None,
+                 prefix_index: PrefixIndex | None = None) -> None:
         self.policy = policy
         self.queue = queue
         self.router = router
@@ -59,6 +68,10 @@ class ControlPlane:
         self.improvement_rate = (monitor.improvement_rate if monitor is not None
                                  else improvement_rate)
         self._virtual: dict[str, tuple[int, int]] = {}   # run -> (decode instance, kv tokens)
+        self.prefix_index = prefix_index
+        # run -> (its prompt's block hashes, its plan's last group, its decode instance)
+        self._prefix_runs: dict[str, tuple[Sequence[int], tuple[int, ...], int | None]] = {}
+        self.last_prefix: PrefixOption | None = None
 
     # -- decisions --------------------------------------------------------------------------
     def route(self, run_id: str, kv_tokens: int,
@@ -75,21 +88,42 @@ class ControlPlane:
         return instance
 
     def plan(self, run_id: str, prompt_tokens: int, now: float, *,
-             arrival: bool = True) -> PrefillPlan:
+             arrival: bool = True, block_hashes: Sequence[int] | None = None) -> PrefillPlan:
         """The policy's plan against the queue now; ``arrival`` runs θ's update first (a run
-        again after a lost instance is not an arrival)."""
+        again after a lost instance is not an arrival). With a prefix index and the prompt's
+        ``block_hashes``, a cached prefix is planned as history and referenced."""
         if arrival:
             self._update_theta(now)
-        return self.policy.plan(run_id, prompt_tokens, now, self.queue.pool_state(now),
-                                improvement_rate=self.improvement_rate)
+        if self.prefix_index is None or block_hashes is None:
+            return self.policy.plan(run_id, prompt_tokens, now, self.queue.pool_state(now),
+                                    improvement_rate=self.improvement_rate)
+        return self._plan_with_prefix(run_id, prompt_tokens, now, block_hashes)
+
+    def _plan_with_prefix(self, run_id: str, prompt_tokens: int, now: float,
+                          block_hashes: Sequence[int]) -> PrefillPlan:
+        index = self.prefix_index
+        index.release(run_id)   # a run planned again drops its earlier reference
+        hit = index.match(block_hashes)
+        option = plan_from_prefix(self.policy, run_id, prompt_tokens, now,
+                                  self.queue.pool_state(now), cached_tokens=hit.tokens,
+                                  holders=hit.location.prefill_instances, source=hit.source,
+                                  improvement_rate=self.improvement_rate)
+        if option.plan.cached_tokens:
+            index.acquire(run_id, hit)
+        self.last_prefix = option
+        decode = self._virtual[run_id][0] if run_id in self._virtual else None
+        self._prefix_runs[run_id] = (block_hashes, option.plan.instances, decode)
+        return option.plan
 
     def commit(self, plan: PrefillPlan) -> None:
         self.queue.commit(plan)
 
-    def admit(self, run_id: str, prompt_tokens: int, kv_tokens: int, now: float) -> Admission:
+    def admit(self, run_id: str, prompt_tokens: int, kv_tokens: int, now: float, *,
+              block_hashes: Sequence[int] | None = None) -> Admission:
         """Route, plan and commit one arriving request."""
         instance = self.route(run_id, kv_tokens)
-        plan = self.plan(run_id, prompt_tokens, now)
+        plan = (self.plan(run_id, prompt_tokens, now) if block_hashes is None
+                else self.plan(run_id, prompt_tokens, now, block_hashes=block_hashes))
         self.commit(plan)
         return Admission(instance, plan)
 
@@ -118,6 +152,23 @@ class ControlPlane:
         """The run is over, whatever its outcome: free its bookings and virtual usage."""
         self.prefill_done(run_id, now)
         self.kv_arrived(run_id)
+        if self.prefix_index is not None:
+            self.prefix_index.release(run_id)
+            self._prefix_runs.pop(run_id, None)
+
+    # -- prefix caching ---------------------------------------------------------------------
+    def prefix_cached(self, run_id: str) -> int:
+        """The run's prefill succeeded: index its prompt's blocks where its KV lies (its plan's
+        last group; its decode instance). Returns the blocks indexed."""
+        entry = self._prefix_runs.get(run_id)
+        if self.prefix_index is None or entry is None:
+            return 0
+        hashes, instances, decode = entry
+        return self.prefix_index.insert(run_id, hashes, KvLocation(instances, decode))
+
+    def prefix_released(self) -> list[str]:
+        """Runs whose cached KV no block and no run needs any more (free it where it lies)."""
+        return self.prefix_index.drain_released() if self.prefix_index is not None else []
 
     # -- θ ----------------------------------------------------------------------------------
     def _update_theta(self, now: float) -> None:
@@ -132,4 +183,6 @@ class ControlPlane:
         """What the control plane still holds (zero everywhere when idle)."""
         return {"queue_bookings": self.queue.bookings(),
                 "virtual_usage": sum(self.router.virtual) if self.router is not None else 0,
-                "virtual_requests": len(self._virtual)}
+                "virtual_requests": len(self._virtual),
+                **({"prefix_refs": self.prefix_index.stats()["held_runs"]}
+                   if self.prefix_index is not None else {})}
