@@ -106,3 +106,15 @@ def test_consolidation_moves_a_small_range_once_the_master_has_room():
     assert placer.consolidation("r", remaining_steps=5) is None   # nearly done: keep asking q
     after = placer.moved("r", small)
     assert after.instances == (0,) and not after.sharded
+
+
+def test_the_master_keeps_room_for_the_output():
+    placer = _placer(spread_for_time=False)
+    placer.router.update(0, 700_000, 0)
+    placer.router.update(1, 600_000, 0)
+    group = placer.choose(1_000_000, grow_tokens=200_000)
+    # the 800K prompt tokens by room after the master's 200K: 500K : 600K
+    assert group.ranges == (ShardRange(1, 0, 436_363), ShardRange(0, 436_363, 1_000_000))
+    assert group.tokens_on(0) - 200_000 == 363_637
+    # a master that cannot hold the output gives no group
+    assert placer.candidate_groups(1_000_000, grow_tokens=800_000) == []

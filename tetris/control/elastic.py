@@ -7,7 +7,7 @@ range ``[start, end)`` of its KV, the last member its master (its new KV is appe
 
 Lifecycle of one run here (beside the ``ControlPlane``'s, on the same ``DecodeRouter``):
 
-1. ``place(run_id, kv_tokens)``: a ``DecodeGroup``; each range's tokens are booked as virtual
+1. ``place(run_id, kv_tokens, grow_tokens)``: a ``DecodeGroup``; each range's tokens are booked as virtual
    usage on its instance (Llumnix accounting per instance);
 2. ``arrived(run_id)``: every range's KV is on its holder; the virtual usage goes;
 3. ``consolidation(run_id, remaining_steps)``: a range worth moving onto its master now
@@ -159,38 +159,47 @@ class ElasticPlacer:
         return worst + self.exchange.step_time(len(group.instances))
 
     # -- placement ---------------------------------------------------------------------------
-    def candidate_groups(self, kv_tokens: int, avoid: frozenset[int] = frozenset()) -> list[DecodeGroup]:
-        """Groups of 2..max_group instances, the freest first, whose room holds the request."""
+    def candidate_groups(self, kv_tokens: int, grow_tokens: int = 0,
+                         avoid: frozenset[int] = frozenset()) -> list[DecodeGroup]:
+        """Groups of 2..max_group instances, the freest first, whose room holds the request;
+        the master (the freest) keeps room for the ``grow_tokens`` appended while decoding."""
         up = [i for i in range(self.router.num_instances)
               if i not in self.router.down and i not in avoid and self.room(i) > 0]
         up.sort(key=lambda i: (-self.room(i), i))
         groups = []
         for k in range(2, min(self.config.max_group, len(up)) + 1):
             members = up[:k]
-            if sum(self.room(i) for i in members) >= kv_tokens:
-                groups.append(self._split(kv_tokens, members))
+            if sum(self.room(i) for i in members) >= kv_tokens and self.room(up[0]) >= grow_tokens:
+                groups.append(self._split(kv_tokens, grow_tokens, members))
         return groups
 
-    def _split(self, kv_tokens: int, members: list[int]) -> DecodeGroup:
-        """Shares by room (members[0], the freest, is the master and takes the remainder)."""
-        total = sum(self.room(i) for i in members)
-        shares = {i: kv_tokens * self.room(i) // total for i in members[1:]}
+    def _split(self, kv_tokens: int, grow_tokens: int, members: list[int]) -> DecodeGroup:
+        """The first ``kv_tokens - grow_tokens`` tokens (the prompt) by the members' room left
+        after the master's ``grow_tokens``; the master (members[0]) takes the rest and every
+        appended token, so a range never grows anywhere but at the master."""
+        room = {i: self.room(i) for i in members}
+        room[members[0]] -= grow_tokens
+        total = sum(room.values())
+        prompt = kv_tokens - grow_tokens
+        shares = {i: prompt * room[i] // total for i in members[1:]} if total > 0 else {}
         shares[members[0]] = kv_tokens - sum(shares.values())
         order = sorted(members[1:]) + [members[0]]
         ranges, start = [], 0
         for i in order:
-            if shares[i] > 0:
+            if shares.get(i, 0) > 0:
                 ranges.append(ShardRange(i, start, start + shares[i]))
                 start += shares[i]
         return DecodeGroup(tuple(ranges))
 
-    def choose(self, kv_tokens: int, avoid: frozenset[int] = frozenset()) -> DecodeGroup:
-        """The group for a request of ``kv_tokens`` (prompt and output), booking nothing."""
+    def choose(self, kv_tokens: int, grow_tokens: int = 0,
+               avoid: frozenset[int] = frozenset()) -> DecodeGroup:
+        """The group for a request of ``kv_tokens`` (prompt and output), ``grow_tokens`` of
+        them appended while decoding (at the master), booking nothing."""
         single = self.router.choose(kv_tokens, avoid)
         whole = DecodeGroup((ShardRange(single, 0, kv_tokens),))
         if not self.config.enabled:
             return whole
-        groups = self.candidate_groups(kv_tokens, avoid)
+        groups = self.candidate_groups(kv_tokens, grow_tokens, avoid)
         if self.room(single) < kv_tokens:          # memory: no single instance has room
             return groups[0] if groups else whole  # none either: wait on the freest, as today
         if not self.config.spread_for_time or not groups:
@@ -200,14 +209,14 @@ class ElasticPlacer:
             return best
         return whole
 
-    def place(self, run_id: str, kv_tokens: int,
+    def place(self, run_id: str, kv_tokens: int, grow_tokens: int = 0,
               avoid: frozenset[int] = frozenset()) -> DecodeGroup:
         """Choose and book: each range's tokens count as virtual usage on its instance."""
         if run_id in self.groups:
             raise ValueError(f"run {run_id!r} is already placed")
         if len(self.router.down) == self.router.num_instances:
             raise NoInstanceUp(f"all {self.router.num_instances} decode instances are down")
-        group = self.choose(kv_tokens, avoid)
+        group = self.choose(kv_tokens, grow_tokens, avoid)
         for r in group.ranges:
             self.router.reserve(r.instance, r.tokens)
         self.groups[run_id] = group
