@@ -34,6 +34,7 @@ __all__ = [
     "DeploymentConfig",
     "EmulationConfig",
     "PrefixCacheConfig",
+    "SpLayoutConfig",
     "load_deployment",
     "default_deployment_path",
     "resolve_model_file",
@@ -289,6 +290,27 @@ class PrefixCacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
                              f">= 0, got {self.block_tokens} and {self.capacity_blocks}")
 
 
+class SpLayoutConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Per-chunk SP layout choice (CSPS §3.2, Appendix A; tetris/scheduler/sp_comm.py).
+
+    ``layouts`` are those the chooser may pick; the default, the ring alone, plans exactly as
+    before. Bandwidths are per instance (GPU), in GB/s: A100 NVSwitch bus bandwidth inside a
+    node (the decode model's B_link), one 200 Gb/s HDR InfiniBand NIC per GPU across nodes."""
+
+    layouts: tuple[str, ...] = ("ring",)
+    intra_node_gbps: float = 240.0
+    inter_node_gbps: float = 25.0
+    message_latency_s: float = 10e-6
+    bytes_per_element: int = 2
+
+    def __post_init__(self) -> None:
+        if "ring" not in self.layouts or any(x not in ("ring", "a2a") for x in self.layouts):
+            raise ValueError(f"sp_layout.layouts must hold 'ring' and may add 'a2a', "
+                             f"got {list(self.layouts)}")
+        if min(self.intra_node_gbps, self.inter_node_gbps) <= 0 or self.bytes_per_element <= 0:
+            raise ValueError("sp_layout bandwidths and bytes_per_element must be positive")
+
+
 class DeploymentConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: ModelConfig
     prefill: PrefillConfig = PrefillConfig()
@@ -297,6 +319,7 @@ class DeploymentConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     transfer: TransferConfig = TransferConfig()
     emulation: EmulationConfig = EmulationConfig()
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
+    sp_layout: SpLayoutConfig = SpLayoutConfig()
     source_path: str | None = None
 
 

@@ -11,9 +11,12 @@ import argparse
 import json
 import sys
 
+from tetris.config import SpLayoutConfig
 from tetris.scheduler.latency import ProfileError, load_profile
+from tetris.scheduler.layout_policy import assign_layouts
 from tetris.scheduler.policies import DEFAULT_MIN_CHUNK_TOKENS, CdspPolicy, PolicyError, make_policy
 from tetris.scheduler.pool import PoolError, PoolState
+from tetris.scheduler.sp_comm import LLAMA3_8B, CommLinks, LayoutChooser
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,6 +35,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sp-candidates", default=None,
                    help="comma-separated SP sizes (default: every size of the profile)")
     p.add_argument("--min-chunk-tokens", type=int, default=DEFAULT_MIN_CHUNK_TOKENS)
+    p.add_argument("--sp-layouts", default="ring",
+                   help="layouts a chunk may use, e.g. ring,a2a (CSPS SP-NTP); default ring")
+    p.add_argument("--intra-node-gbps", type=float, default=SpLayoutConfig().intra_node_gbps)
+    p.add_argument("--inter-node-gbps", type=float, default=SpLayoutConfig().inter_node_gbps)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -57,6 +64,7 @@ def build(args: argparse.Namespace) -> dict:
                          min_chunk_tokens=args.min_chunk_tokens,
                          improvement_rate=args.improvement_rate)
     plan = policy.plan("cli", args.prompt_tokens, 0.0, pool, args.improvement_rate).validate(pool.size)
+    plan = assign_layouts(plan, _chooser(args), pool, 0.0, prof).validate(pool.size)
     # Algorithm 2's view, whatever the policy: each single chunk, and the one θ would pick.
     single = CdspPolicy("tetris-single-chunk", prof, chunked=False, sp_candidates=cands,
                         improvement_rate=args.improvement_rate)
@@ -68,11 +76,20 @@ def build(args: argparse.Namespace) -> dict:
         "ttft_estimate": plan.ttft_estimate,
         "chunks": [{"start": c.start, "end": c.end, "tokens": c.tokens, "sp_size": c.sp_size,
                     "instances": list(c.instances), "expected_start": c.expected_start,
-                    "expected_end": c.expected_end} for c in plan.chunks],
+                    "expected_end": c.expected_end, "sp_layout": c.sp_layout,
+                    "sp_layout_reason": c.sp_layout_reason} for c in plan.chunks],
         "single_chunk_options": [{"sp_size": s, "instances": list(m), "expected_start": st,
                                   "ttft": t} for s, m, st, t in search.options(args.prompt_tokens)],  # now = 0
         "single_chunk_choice": {"sp_size": pick.chunks[0].sp_size, "ttft": pick.ttft_estimate},
     }
+
+
+def _chooser(args: argparse.Namespace) -> LayoutChooser:
+    """Layouts by CSPS Appendix A costs on the profile's model (the shipped profiles are
+    LLaMA3 on A100; the 70B one at TP 4 has 8 KV heads / 4 = 2 per instance)."""
+    cfg = SpLayoutConfig(layouts=tuple(x.strip() for x in args.sp_layouts.split(",")),
+                         intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps)
+    return LayoutChooser(cfg.layouts, LLAMA3_8B, CommLinks.from_config(cfg))
 
 
 def _print_table(out: dict) -> None:
@@ -83,6 +100,8 @@ def _print_table(out: dict) -> None:
         rng = f"[{c['start']}, {c['end']})"
         print(f"{k:>5} {c['tokens']:>8} {rng:>17} {c['sp_size']:>3} {c['expected_start']:>8.3f} "
               f"{c['expected_end']:>8.3f}  {','.join(map(str, c['instances']))}")
+        if c["sp_layout_reason"]:
+            print(f"      layout {c['sp_layout']}: {c['sp_layout_reason']}")
     print(f"TTFT estimate {out['ttft_estimate']:.3f} s")
     print("single-chunk alternatives (Algorithm 2):")
     for o in out["single_chunk_options"]:

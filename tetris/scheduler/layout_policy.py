@@ -1,0 +1,67 @@
+"""Each chunk of a plan on its cheapest SP layout, with Eq. 1's times corrected for it.
+
+``assign_layouts`` takes a plan the CDSP search made (chunk lengths and groups chosen under
+Eq. 1, i.e. the ring), picks every chunk's layout with a ``LayoutChooser`` (sp_comm.py), and
+re-times the chunks: a chunk takes ``T_s(h, l) + Δ_layout`` and starts when the previous chunk
+has ended and its group is free (Eq. 2 on the same snapshot the search used). Chunk boundaries
+are not searched again under the new costs: a faster layout only ends chunks earlier.
+
+A ring-only chooser returns the plan object it was given, so the default deployment plans
+bit for bit as before. ``LayoutPolicy`` wraps any policy with it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from tetris.plan import PrefillPlan
+from tetris.scheduler.latency import PrefillLatencyModel
+from tetris.scheduler.pool import PoolState
+from tetris.scheduler.sp_comm import LayoutChooser
+
+__all__ = ["LayoutPolicy", "assign_layouts", "attention_seconds"]
+
+
+def assign_layouts(plan: PrefillPlan, chooser: LayoutChooser, pool: PoolState, now: float,
+                   profile: PrefillLatencyModel) -> PrefillPlan:
+    """``plan`` with every chunk's layout, reason and times (``profile``: Eq. 1)."""
+    if chooser.ring_only:
+        return plan
+    chunks, t_prev, changed = [], now, False
+    for c in plan.chunks:
+        pick = chooser.choose(c.instances, pool.node_of, c.start, c.tokens,
+                              attention_seconds(profile, c.sp_size, c.start, c.tokens))
+        if pick.layout == "ring" and not changed:
+            chunks.append(msgspec.structs.replace(c, sp_layout_reason=pick.reason))
+            t_prev = c.expected_end
+            continue
+        changed = True
+        busy = max(pool.queue_times[i] for i in c.instances)
+        start = max(t_prev, busy)
+        end = start + profile.predict(c.sp_size, c.start, c.tokens) + pick.delta_s
+        chunks.append(msgspec.structs.replace(c, expected_start=start, expected_end=end,
+                                              sp_layout=pick.layout, sp_layout_reason=pick.reason))
+        t_prev = end
+    ttft = chunks[-1].expected_end - now if changed else plan.ttft_estimate
+    return msgspec.structs.replace(plan, chunks=tuple(chunks), ttft_estimate=ttft)
+
+
+def attention_seconds(profile: PrefillLatencyModel, sp: int, history: int, tokens: int) -> float:
+    """Eq. 1's attention terms, γ·h·l + δ·l²: what a ring step's transfer can hide behind."""
+    _, _, g, d = profile.table[sp]
+    return tokens * (g * history + d * tokens)
+
+
+class LayoutPolicy:
+    """A policy whose plans carry per-chunk layouts (``assign_layouts``)."""
+
+    def __init__(self, inner, chooser: LayoutChooser, profile: PrefillLatencyModel) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.chooser = chooser
+        self.profile = profile
+
+    def plan(self, request_id: str, prompt_tokens: int, now: float, pool: PoolState,
+             improvement_rate: float | None = None) -> PrefillPlan:
+        plan = self.inner.plan(request_id, prompt_tokens, now, pool, improvement_rate)
+        return assign_layouts(plan, self.chooser, pool, now, self.profile)

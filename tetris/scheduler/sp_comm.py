@@ -1,0 +1,181 @@
+"""Communication cost of a chunk's SP layout, and the per-chunk choice (CSPS §3.2.2, Appendix A).
+
+A chunk of ``l`` tokens after ``h`` history tokens on a group of ``N`` instances moves, per
+layer (elements summed over the group; ``Hq``, ``Hkv`` heads of ``d_h``, ``d = Hq·d_h``):
+
+    ring (zigzag ring attention): every member forwards N−1 KV blocks of (h+l)/N tokens
+        V_ring = (N−1)·(h+l)·2·Hkv·d_h
+    a2a (SP-NTP, Ulysses; actors/prefill/alltoall.py): A2A #1 carries queries of the chunk and
+    K, V of the chunk and its history, A2A #2 the outputs; a member keeps 1/N of each
+        V_a2a = (N−1)/N · (2·l·Hq·d_h + 2·(h+l)·Hkv·d_h)
+        (Appendix A's 4·L_in·d·(N−1)/N at h = 0 with MHA; GQA per csps-notes §2.1 [RECON])
+    all-gather (SP-TP, Megatron-SP; Appendix A, chunk only; not executable here)
+        V_ag = 2·l·d·(N−1)
+
+At h = 0 and equal bandwidths SP-NTP beats the ring iff l·Hq < (h+l)·Hkv·(N−1): for LLaMA3-8B
+(Hq/Hkv = 4) from N = 5 on at any h, at N = 2 once h > 3l.
+
+Times: a ring step is as slow as its slowest hop (the inter-node one when the group spans
+nodes), N−1 steps per layer. An all-to-all runs its intra- and inter-node sends at once, so it
+takes the longer of the two, for the member with the most of the slower kind. Each message costs
+``message_latency_s`` once. The ring overlaps each step's transfer with attention on the block
+it holds, so only the excess is exposed: ``max(0, transfer − attention_s / (layers·N))`` per
+step, with ``attention_s`` the chunk's attention time (Eq. 1's quadratic terms,
+``γ·h·l + δ·l²``; 0 charges the ring in full). The all-to-all is not pipelined (three-phase
+pipelining is not built), so all of its time is exposed. Eq. 1 was fitted on ring runs, so its
+coefficients already hold the ring's exposed communication: a chunk on layout X is predicted at
+``T_s(h, l) + T_X − T_ring``.
+
+Pure: no torch, no Ray.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+__all__ = [
+    "LLAMA3_8B",
+    "CommLinks",
+    "LayoutChoice",
+    "LayoutChooser",
+    "ModelGeometry",
+    "layout_time",
+    "layout_volume",
+]
+
+
+class ModelGeometry(NamedTuple):
+    """What the volumes need of a model, per instance (KV heads after TP)."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def hidden(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @classmethod
+    def from_model_config(cls, model, tp_size: int = 1) -> ModelGeometry:
+        head_dim = model.head_dim or model.hidden_size // model.num_heads
+        return cls(model.num_layers, model.num_heads // tp_size,
+                   model.num_kv_heads // tp_size, head_dim)
+
+
+# The paper's 8B model (Tetris §7.1, CSPS §3.1): the simulator's cluster runs it at TP 1.
+LLAMA3_8B = ModelGeometry(num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128)
+
+
+class CommLinks(NamedTuple):
+    """Per-instance bandwidths in bytes/s, one message's latency, bytes per element."""
+
+    intra_node: float
+    inter_node: float
+    message_latency_s: float = 10e-6
+    bytes_per_element: int = 2
+
+    @classmethod
+    def from_config(cls, cfg) -> CommLinks:
+        """From a ``SpLayoutConfig`` (GB/s)."""
+        return cls(cfg.intra_node_gbps * 1e9, cfg.inter_node_gbps * 1e9,
+                   cfg.message_latency_s, cfg.bytes_per_element)
+
+
+def layout_volume(layout: str, g: ModelGeometry, sp: int, history: int, tokens: int) -> float:
+    """Elements moved per layer, summed over the group (module docstring; Appendix A)."""
+    n, h, l, dh = sp, history, tokens, g.head_dim
+    if layout == "ring":
+        return (n - 1) * (h + l) * 2 * g.num_kv_heads * dh
+    if layout == "a2a":
+        return (n - 1) / n * (2 * l * g.num_heads * dh + 2 * (h + l) * g.num_kv_heads * dh)
+    if layout == "allgather":
+        return 2 * l * g.hidden * (n - 1)
+    raise ValueError(f"unknown SP layout {layout!r}")
+
+
+def _spread(counts: Sequence[int], pair_bytes: float, links: CommLinks) -> float:
+    """One all-to-all-like exchange: every member sends ``pair_bytes`` to each other member;
+    intra- and inter-node sends run at once, the slowest member's longer kind decides."""
+    n = sum(counts)
+    worst = 0.0
+    for c in counts:
+        t = max((c - 1) * pair_bytes / links.intra_node, (n - c) * pair_bytes / links.inter_node)
+        worst = max(worst, t)
+    return worst + links.message_latency_s
+
+
+def layout_time(layout: str, g: ModelGeometry, links: CommLinks, node_counts: Sequence[int],
+                history: int, tokens: int, attention_s: float = 0.0) -> float:
+    """Exposed seconds of communication for the whole chunk (all layers) on a group whose
+    members sit ``node_counts[k]`` to a node; ``attention_s`` hides ring transfers."""
+    n = sum(node_counts)
+    if n <= 1:
+        return 0.0
+    h, l, dh, b = history, tokens, g.head_dim, links.bytes_per_element
+    if layout == "ring":
+        hop = links.inter_node if len(node_counts) > 1 else links.intra_node
+        block = (h + l) / n * 2 * g.num_kv_heads * dh * b
+        hidden = attention_s / (g.num_layers * n)
+        per_layer = (n - 1) * max(0.0, block / hop + links.message_latency_s - hidden)
+    elif layout == "a2a":
+        qkv = (l / n * g.num_heads + (h + l) / n * 2 * g.num_kv_heads) / n * dh * b
+        out = l / n * g.num_heads / n * dh * b
+        per_layer = _spread(node_counts, qkv, links) + _spread(node_counts, out, links)
+    elif layout == "allgather":
+        rows = l / n * g.hidden * b   # each member's share of E, then of O_L
+        per_layer = 2 * _spread(node_counts, rows, links)
+    else:
+        raise ValueError(f"unknown SP layout {layout!r}")
+    return g.num_layers * per_layer
+
+
+class LayoutChoice(NamedTuple):
+    layout: str
+    reason: str
+    delta_s: float              # T_layout − T_ring, added to Eq. 1's prediction
+    times: dict                 # layout -> communication seconds (every layout considered)
+
+
+class LayoutChooser:
+    """Picks each chunk's cheapest executable layout among ``layouts`` (ring on ties)."""
+
+    def __init__(self, layouts: Sequence[str], geometry: ModelGeometry, links: CommLinks):
+        self.layouts = tuple(layouts)
+        self.geometry = geometry
+        self.links = links
+
+    @property
+    def ring_only(self) -> bool:
+        return self.layouts == ("ring",)
+
+    def feasible(self, layout: str, sp: int) -> str:
+        """Why ``layout`` cannot run on ``sp`` instances ("" when it can)."""
+        if layout == "a2a" and self.geometry.num_kv_heads % sp:
+            return f"a group of {sp} does not divide {self.geometry.num_kv_heads} KV heads"
+        return ""
+
+    def choose(self, members: Sequence[int], node_of: Sequence[int], history: int,
+               tokens: int, attention_s: float = 0.0) -> LayoutChoice:
+        counts = node_counts(members, node_of)
+        times = {x: layout_time(x, self.geometry, self.links, counts, history, tokens,
+                                attention_s) for x in self.layouts}
+        best, notes = "ring", []
+        for x in self.layouts:
+            why = self.feasible(x, len(members))
+            if why:
+                notes.append(f"{x} out: {why}")
+            elif times[x] < times[best]:
+                best = x
+        ranked = ", ".join(f"{x} {times[x] * 1e3:.3f} ms" for x in self.layouts)
+        reason = f"comm {ranked}" + (f"; {'; '.join(notes)}" if notes else "")
+        return LayoutChoice(best, reason, times[best] - times["ring"], times)
+
+
+def node_counts(members: Sequence[int], node_of: Sequence[int]) -> list[int]:
+    """Members per node, nodes in first-seen order."""
+    counts: dict[int, int] = {}
+    for i in members:
+        counts[node_of[i]] = counts.get(node_of[i], 0) + 1
+    return list(counts.values())
