@@ -18,9 +18,11 @@ Lifecycle of a request fed by KV streaming:
 
 ``add`` is the local path: the decode instance prefills the prompt itself.
 
-The round loop is one asyncio task: it sends the pending commands to every rank, waits for all
-replies, routes outputs and transfer events, and sleeps on an event when there is nothing to
-do; while KV is arriving it wakes every ``poll_interval_s`` to collect ranks' ready events.
+The round loop is one asyncio task: it sends the pending commands to rank 0, which runs the
+round on every rank over their gloo group and answers with all ranks' replies (one Ray call
+per round, ``lockstep.py``); it routes outputs and transfer events, and sleeps on an event
+when there is nothing to do; while KV is arriving it wakes every ``poll_interval_s`` to
+collect ranks' ready events.
 The requests' bookkeeping (live and ended requests, the next round's commands, what replies do
 to them) is ``requests.RequestBook``'s.
 """
@@ -61,7 +63,8 @@ class DecodeInstance:
     def __init__(self, deployment: DeploymentConfig, instance: int, *,
                  transfer: TransferConfig | None, placement: str | None = None, seed: int = 0,
                  timeout_s: float = 60.0, poll_interval_s: float = 0.003,
-                 placement_timeout_s: float = PLACEMENT_TIMEOUT_S) -> None:
+                 placement_timeout_s: float = PLACEMENT_TIMEOUT_S,
+                 lockstep_timeout_s: float | None = None) -> None:
         self.deployment = deployment
         self.instance = instance
         # EMULATION: one rank actor stands for the whole TP group (its engine still takes the
@@ -74,6 +77,8 @@ class DecodeInstance:
         self.placement: Placement | None = None
         self.seed = seed
         self.timeout_s = timeout_s
+        # the TP ranks' lockstep group (idle followers get a keepalive a quarter of it apart)
+        self.lockstep_timeout_s = timeout_s if lockstep_timeout_s is None else lockstep_timeout_s
         self.poll_interval_s = poll_interval_s
         self.ranks: list = []
         self._book = RequestBook(instance, self.tp_size)   # requests, ended ones, commands
@@ -109,7 +114,8 @@ class DecodeInstance:
             for r in range(self.tp_size)]
         host, port = await self.ranks[0].rendezvous.remote()
         heads = await asyncio.wait_for(asyncio.gather(*[
-            r.init_group.remote(host, port, self.timeout_s) for r in self.ranks]),
+            r.init_group.remote(host, port, self.timeout_s, self.lockstep_timeout_s)
+            for r in self.ranks]),
             timeout=max(120.0, self.timeout_s))
         # the checkpoint's architecture (a GGUF or HF model's own head counts)
         want = resolve_model_config(self.deployment.model).num_kv_heads // self.tp_size
@@ -321,7 +327,8 @@ class DecodeInstance:
                         continue
                 cmds = book.take_commands()
                 t0 = time.perf_counter()
-                replies = await asyncio.gather(*[r.step.remote(cmds) for r in self.ranks])
+                # one Ray call: rank 0 runs the round on every rank (decode/lockstep.py)
+                replies = await self.ranks[0].round.remote(cmds)
                 self._answered_at = time.monotonic()
                 if replies[0].step_s:
                     self.round_times.append(time.perf_counter() - t0)

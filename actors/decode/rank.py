@@ -8,8 +8,11 @@ Lifecycle of a rank (driven by ``DecodeInstance``):
    engine's cache, driven by a ``TransferPump`` thread; ``connect_senders`` names the prefill
    workers it answers. Senders' control messages arrive through ``deliver_transfer`` (Ray
    concurrency group ``"transfer"``, so they are handled while a decode step computes).
-3. ``step(commands)`` every round: apply the driver's commands, run one engine step, report
-   outputs (rank 0), the requests whose KV completed or failed here, and the engine's stats.
+3. ``round(commands)`` every round, on rank 0 only: ``step`` (apply the driver's commands,
+   run one engine step, report outputs (rank 0), the requests whose KV completed or failed
+   here, and the engine's stats) on every rank; rank 0 hands the commands to the other ranks
+   and gathers their replies over a gloo group of the TP ranks (``lockstep.py``), so a round
+   is one Ray call whatever the TP size.
 
 Every rank applies the same commands in the same order, so all engine replicas make the same
 decisions (lockstep); only transfer events differ between ranks, and the driver combines them.
@@ -33,6 +36,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from tetris.actors.decode.lockstep import Follower, Leader, new_lockstep_group
 from tetris.actors.decode.messages import (Abort, Add, Command, Commit, Failed, RankHeld, Rejected,
                                            Reserve, StepReply)
 from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
@@ -94,6 +98,11 @@ class DecodeRank:
         self._ready: list[str] = []
         self._failed: list[Failed] = []
         self._counts = _ControlCounts()
+        # a rank > 0 steps on a thread of its own (``Follower``) while Ray calls (``held``,
+        # ``stats``) come on the actor's: one step or read at a time
+        self._step_lock = threading.Lock()
+        self._leader: Leader | None = None
+        self._follower: Follower | None = None
 
     # -- setup ----------------------------------------------------------------------------
     def rendezvous(self) -> tuple[str, int]:
@@ -103,19 +112,22 @@ class DecodeRank:
             s.bind((host, 0))
             return host, s.getsockname()[1]
 
-    def init_group(self, host: str, port: int, timeout_s: float) -> int:
-        """Form the instance's gloo world (all ranks at once) and load the sharded model."""
+    def init_group(self, host: str, port: int, timeout_s: float,
+                   lockstep_timeout_s: float | None = None) -> int:
+        """Form the instance's gloo world and lockstep group (all ranks at once) and load the
+        sharded model."""
         from tetris.model.loader import load_model
 
         if self.deployment.decode.executor == "emulated":
             return self._init_emulated()
-        group = None
+        group = lockstep = None
         if self.tp_size > 1:
             if dist.is_initialized():
                 dist.destroy_process_group()
             dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=self.tp_rank,
                                     world_size=self.tp_size, timeout=timedelta(seconds=timeout_s))
             group = dist.group.WORLD
+            lockstep = new_lockstep_group(lockstep_timeout_s or timeout_s)
         model, tokenizer = load_model(self.deployment.model, tp_group=group)
         dc = self.deployment.decode
         # CUDA graphs capture only single-rank decode for now: capturing the TP all-reduce
@@ -125,6 +137,11 @@ class DecodeRank:
                                 cuda_graphs=None if group is None else False)
         if group is not None:
             dist.barrier()
+            if self.tp_rank == 0:
+                self._leader = Leader(lockstep, self.tp_size, self.step,
+                                      lockstep_timeout_s or timeout_s)
+            else:
+                self._follower = Follower(lockstep, self.tp_rank, self.step)
         return model.local_num_kv_heads
 
     def _init_emulated(self) -> int:
@@ -182,7 +199,21 @@ class DecodeRank:
                                 self.receiver_id, e.request_id, e.sender_id, e.reason)
 
     # -- one round ------------------------------------------------------------------------
+    def round(self, commands: list[Command]) -> list[StepReply]:
+        """The driver's one call per round (to rank 0): every rank's ``step`` reply, in rank
+        order; ``LockstepBroken`` when a rank died or failed its step."""
+        self._counts.ray_rounds += 1
+        if self._follower is not None:
+            raise RuntimeError(f"TP rank {self.tp_rank} follows rank 0: call rank 0's round")
+        if self._leader is None:
+            return [self.step(commands)]
+        return self._leader.round(commands)
+
     def step(self, commands: list[Command]) -> StepReply:
+        with self._step_lock:
+            return self._step(commands)
+
+    def _step(self, commands: list[Command]) -> StepReply:
         engine = self._engine()
         self._counts.steps += 1
         rejected: list[Rejected] = []
@@ -261,9 +292,14 @@ class DecodeRank:
         return self._counts.snapshot()
 
     def stats(self) -> EngineStats:
-        return self._engine().stats()
+        with self._step_lock:
+            return self._engine().stats()
 
     def held(self) -> RankHeld:
+        with self._step_lock:
+            return self._held()
+
+    def _held(self) -> RankHeld:
         s = self._engine().stats()
         receiving: list[str] = []
         backends: list[int] = []
@@ -277,6 +313,14 @@ class DecodeRank:
                         total_blocks=s.total_blocks)
 
     def shutdown(self) -> None:
+        if self._leader is not None:
+            self._leader.stop()
+            self._leader = None
+        if self._follower is not None:
+            # rank 0's shutdown (called beside this one) stops the loop; a dead rank 0 ends it
+            if not self._follower.join(10.0):
+                log.warning("TP rank %d: lockstep loop still waiting at shutdown", self.tp_rank)
+            self._follower = None
         if self.pump is not None:
             self.pump.stop()
             with self.pump.locked() as manager:
@@ -310,6 +354,7 @@ class _ControlCounts:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.steps = 0
+        self.ray_rounds = 0   # ``round`` calls from the driver (rank 0 only under lockstep)
         self.calls_in = 0
         self.calls_out = 0
         self.msgs: dict[str, int] = {}
@@ -330,7 +375,8 @@ class _ControlCounts:
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
-            return {"steps": self.steps, "transfer_calls_in": self.calls_in,
+            return {"steps": self.steps, "ray_rounds": self.ray_rounds,
+                    "transfer_calls_in": self.calls_in,
                     "transfer_calls_out": self.calls_out} | dict(sorted(self.msgs.items()))
 
 
