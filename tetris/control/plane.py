@@ -164,7 +164,10 @@ class ControlPlane:
         if self.prefix_index is None or entry is None:
             return 0
         hashes, instances, decode = entry
-        return self.prefix_index.insert(run_id, hashes, KvLocation(instances, decode))
+        n = self.prefix_index.insert(run_id, hashes, KvLocation(instances, decode))
+        # Its own KV now holds the prefix it read: the source it planned from may go.
+        self.prefix_index.release(run_id)
+        return n
 
     def prefix_released(self) -> list[str]:
         """Runs whose cached KV no block and no run needs any more (free it where it lies)."""

@@ -155,12 +155,15 @@ class Simulation:
         if self.report:   # the pool's report: what each instance still has queued (< 0: idle since)
             self.control.pool_report([f - now for f in self.prefill.free_at], now)
         control = self.control
+        # Prefix caching: the prompt's block hashes reach the plane only when it has an index.
+        cached = {"block_hashes": r.block_hashes} \
+            if getattr(control, "prefix_index", None) is not None and r.block_hashes else {}
         if self.decoders:
             admission = control.admit(r.request_id, r.prompt_tokens,
-                                      r.prompt_tokens + r.output_tokens, now)
+                                      r.prompt_tokens + r.output_tokens, now, **cached)
             d, plan = admission.decode_instance, admission.plan
         else:
-            plan = control.plan(r.request_id, r.prompt_tokens, now)
+            plan = control.plan(r.request_id, r.prompt_tokens, now, **cached)
             control.commit(plan)
         if not self.thetas or self.thetas[-1] != control.improvement_rate:
             self.thetas.append(control.improvement_rate)
@@ -236,6 +239,9 @@ class Simulation:
                 self._on_arrival(now, payload)
             elif kind is EventKind.PREFILL_DONE:
                 self.control.prefill_done(payload, now)
+                if getattr(self.control, "prefix_index", None) is not None:
+                    self.control.prefix_cached(payload)
+                    self.control.prefix_released()   # simulated KV needs no freeing
             elif kind is EventKind.KV_READY:
                 self._on_kv_ready(now, *payload)
             elif kind is EventKind.DECODE_STEP:

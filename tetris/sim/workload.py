@@ -45,6 +45,9 @@ class SimRequest(msgspec.Struct, frozen=True):
     arrival_time: float
     prompt_tokens: int
     output_tokens: int
+    # Chained hashes of the prompt's whole blocks (prefix caching; a Mooncake trace's
+    # ``hash_ids``); empty: the prompt shares nothing (``tetris.sim.prefix_workload``).
+    block_hashes: tuple[int, ...] = ()
 
 
 def _phi(x: float) -> float:

@@ -1,0 +1,108 @@
+"""SIMULATION of prefix caching: one shared-prefix workload with the cache on and off.
+
+Both runs use the paper's cluster (``CLUSTERS``), the policy with a fixed θ (no improvement-rate
+table exists for this workload), and the same requests; the cached run's control plane holds
+a ``PrefixIndex`` of ``capacity_blocks`` blocks, so only the index differs.
+
+Capacity is the highest rate whose TTFT P50 and P99 stay within ``SLO_FACTOR`` times those of
+the uncached run at light load (the simulator's capacity rule, ``experiments.capacity``, with
+one SLO for both runs so that the two capacities compare).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from tetris.control import ControlPlane, PrefillQueue
+from tetris.control.prefix_index import PrefixIndex
+from tetris.scheduler.policies import make_policy
+from tetris.sim.cluster import Simulation, cluster_by_name
+from tetris.sim.experiments import SLO_FACTOR, _decode_side, _profile, execution_fn
+from tetris.sim.prefix_workload import PrefixWorkload, shared_prefix_workload
+from tetris.sim.workload import SimRequest
+
+__all__ = ["PrefixRun", "default_capacity_blocks", "prefix_capacity", "run_prefix",
+           "slo_from_light_load"]
+
+
+class PrefixRun(msgspec.Struct, frozen=True):
+    """One run's TTFT figures, hits and the index at the end."""
+
+    cache: bool
+    rate: float
+    requests: int
+    ttft_p50: float
+    ttft_p99: float
+    ttft_mean: float
+    hit_rate: float          # requests planned from a cached prefix / requests
+    cached_token_share: float   # prompt tokens not computed / prompt tokens
+    index: dict[str, int]
+
+
+def default_capacity_blocks(model: str, block_tokens: int, share: float = 0.5) -> int:
+    """``share`` of the prefill pool's KV memory, in blocks (the rest is for running prefills).
+    Counted as blocks of the index, not the sources' whole KV (docs/prefix_cache.md)."""
+    c = cluster_by_name(model)
+    tokens = c.prefill_instances * c.kv_capacity_tokens(c.prefill_tp) * share
+    return int(tokens // block_tokens)
+
+
+def run_prefix(requests: list[SimRequest], *, model: str = "8b", policy: str = "tetris",
+               improvement_rate: float = 0.3, cache: bool, block_tokens: int = 512,
+               capacity_blocks: int | None = None, decode: bool = False,
+               rate: float = 0.0) -> tuple[PrefixRun, Simulation]:
+    cluster = cluster_by_name(model)
+    lat = _profile(cluster)
+    pol = make_policy(policy, lat, sp_candidates=cluster.sp_candidates,
+                      improvement_rate=improvement_rate)
+    step, router = _decode_side(cluster) if decode else (None, None)
+    index = None
+    if cache:
+        blocks = (default_capacity_blocks(model, block_tokens) if capacity_blocks is None
+                  else capacity_blocks)
+        index = PrefixIndex(block_tokens, blocks)
+    control = ControlPlane(pol, PrefillQueue(cluster.node_of()), router,
+                           improvement_rate=improvement_rate, prefix_index=index)
+    sim = Simulation(requests, cluster=cluster, control=control, latency=lat, decode_step=step,
+                     workload="shared-prefix", rate=rate, record=True,
+                     execution=execution_fn(model, "profile"))
+    res = sim.run()
+    plans = sim.plans or []
+    prompt = sum(p.prompt_tokens for p in plans)
+    return PrefixRun(cache, rate, res.requests, res.ttft.p50, res.ttft.p99, res.ttft.mean,
+                     sum(1 for p in plans if p.cached_tokens) / max(1, len(plans)),
+                     sum(p.cached_tokens for p in plans) / max(1, prompt),
+                     index.stats() if index is not None else {}), sim
+
+
+def prefix_capacity(spec: PrefixWorkload, seed: int, *, cache: bool, slo: tuple[float, float],
+                    lo: float, hi: float, tol: float, **run: Any) -> tuple[float, list]:
+    """Bisection for the highest rate meeting ``slo`` = (P50, P99) bounds; ``lo`` must meet
+    it (else 0). Returns the rate and the probes (rate, P50, P99, met)."""
+    probes = []
+
+    def ok(rate: float) -> bool:
+        reqs = shared_prefix_workload(spec, rate, seed)
+        r, _ = run_prefix(reqs, cache=cache, rate=rate, block_tokens=spec.block_tokens, **run)
+        good = r.ttft_p50 <= slo[0] and r.ttft_p99 <= slo[1]
+        probes.append((rate, r.ttft_p50, r.ttft_p99, good))
+        return good
+
+    if not ok(lo):
+        return 0.0, probes
+    while ok(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > tol:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo, probes
+
+
+def slo_from_light_load(spec: PrefixWorkload, seed: int, rate: float,
+                        **run: Any) -> tuple[float, float]:
+    """``SLO_FACTOR`` × the uncached run's TTFT P50 and P99 at a light ``rate``."""
+    r, _ = run_prefix(shared_prefix_workload(spec, rate, seed), cache=False, rate=rate,
+                      block_tokens=spec.block_tokens, **run)
+    return SLO_FACTOR * r.ttft_p50, SLO_FACTOR * r.ttft_p99
