@@ -161,6 +161,30 @@ class PagedKVStore:
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         return kc.view(-1, *kc.shape[2:])[slots], vc.view(-1, *vc.shape[2:])[slots]
 
+    def copy_prefix(self, source: str, request_id: str, upto: int) -> Ranges:
+        """Prefix caching: give ``request_id`` its own copy of ``source``'s KV at positions
+        below ``upto`` held here (all layers); returns those positions as ranges."""
+        entry = self._reqs.get(source)
+        if entry is None or request_id == source:
+            return ()
+        n = int((entry.pos < upto).sum())   # pos is sorted: the first n
+        if n == 0:
+            return ()
+        pos = entry.pos[:n].tolist()
+        ranges, lo = [], pos[0]
+        for a, b in zip(pos, pos[1:] + [None]):
+            if b != a + 1:
+                ranges.append((lo, a + 1))
+                lo = b
+        ranges = tuple(ranges)
+        src = entry.slot[:n].clone()
+        self.reserve(request_id, ranges)
+        dst = self.slots(request_id, ranges)
+        for cache in (*self.k_cache, *self.v_cache):
+            flat = cache.view(-1, *cache.shape[2:])   # [num_blocks * block_size, Hkv, D]
+            flat[dst] = flat[src]
+        return ranges
+
     def empty_rows(self, n: int, pairs: int = 2) -> torch.Tensor:
         """A receive buffer [n, pairs, Hkv, D] of the cache dtype."""
         kc = self.k_cache[0]

@@ -31,15 +31,17 @@ class ChunkLayout(msgspec.Struct, frozen=True):
     moves: tuple[Move, ...]
 
 
-def plan_layout(plan: PrefillPlan, balance: BalanceMode = "overlap"
+def plan_layout(plan: PrefillPlan, balance: BalanceMode = "overlap",
+                cached: dict[int, Ranges] | None = None
                 ) -> tuple[list[ChunkLayout], dict[int, Ranges]]:
     """Per-chunk layouts and the final ``instance -> positions`` map of the request's KV.
 
     Balancing runs only when a chunk's group is larger than the previous one (paper §4.1);
-    with ``balance="off"`` history stays where the earlier chunks left it.
+    with ``balance="off"`` history stays where the earlier chunks left it. ``cached``: a
+    cached prefix's positions on each of ``plan.cached_instances``, as a chunk already run.
     """
-    held: dict[int, Ranges] = {}
-    prev: tuple[int, ...] = ()
+    held: dict[int, Ranges] = dict(cached or {})
+    prev: tuple[int, ...] = plan.cached_instances if cached else ()
     layouts = []
     for c in plan.chunks:
         group = c.instances

@@ -50,6 +50,7 @@ from tetris.actors.prefill.chunks import (ChunkFailed, RunOptions, chunk_task, p
 from tetris.actors.prefill.layout import plan_layout
 from tetris.actors.prefill.messages import (BalanceMode, ChunkResult, PrefillPlanOutdated,
                                             PrefillResult)
+from tetris.actors.prefill.prefix import adopt_prefix
 from tetris.actors.prefill.wiring import TransferWiring
 from tetris.actors.prefill.worlds import WorldKeeper
 from tetris.config import DeploymentConfig, TransferConfig
@@ -183,11 +184,12 @@ class PrefillPool:
 
     def _run_chunks(self, plan: PrefillPlan, token_ids: TokenIds,
                     opts: RunOptions) -> PrefillResult:
-        layouts, final = plan_layout(plan, opts.balance)
         waits: list[float] = []   # per chunk, the wait for its turn on its members
-        touched: list[int] = []
+        touched: list[int] = sorted(plan.cached_instances)
         results: list[list[ChunkResult]] = []
         try:
+            cached = adopt_prefix(self, plan, opts) if plan.cached_tokens else None
+            layouts, final = plan_layout(plan, opts.balance, cached)
             for k, lay in enumerate(layouts):
                 w0 = time.perf_counter()
                 self._await_replacements(plan, k, wait=False)

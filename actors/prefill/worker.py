@@ -278,6 +278,13 @@ class PrefillWorker:
             self.streaming.release(request_id)
         self.executor.abort(request_id)
 
+    def adopt_prefix(self, source: str, request_id: str, upto: int):
+        """Prefix caching: copy ``source``'s KV below position ``upto`` held here to
+        ``request_id``; returns the positions copied (ranges)."""
+        if self.store is None:
+            raise RuntimeError("an emulated worker holds no KV to reuse")
+        return self.store.copy_prefix(source, request_id, upto)
+
     def export_kv(self, request_id: str):
         """(positions [n], k [L, n, Hkv, D], v [L, n, Hkv, D]) held here, for hand-off or tests."""
         if self.store is None:

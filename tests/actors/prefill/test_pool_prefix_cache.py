@@ -1,0 +1,145 @@
+"""Prefix caching on a pool of 4 Ray prefill workers over 2 nodes (gloo): a run from a cached
+prefix computes only its suffix and equals, token and logits, the run without the cache and
+single-instance prefill of the tiny model; the control plane's index decides what is kept."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tetris.actors.prefill.layout import forced_plan
+from tetris.kernels.dispatch import attention_with_lse
+
+from tetris.config import load_deployment
+from tetris.control import ControlPlane, PrefillQueue
+from tetris.control.prefix_index import PrefixIndex
+from tetris.plan import Chunk, PrefillPlan
+from tetris.scheduler.policies import policy_from_config
+
+pytestmark = pytest.mark.ray
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def deployment():
+    return load_deployment("tiny-cpu.toml")
+
+
+@pytest.fixture(scope="module")
+def pool(ray_session, deployment):
+    from tetris.actors.prefill.pool import PrefillPool
+
+    p = PrefillPool(deployment, num_instances=4, node_size=2, timeout_s=8.0)
+    yield p
+    p.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model(deployment):
+    from tetris.model.loader import load_model
+
+    torch.set_num_threads(1)
+    return load_model(deployment.model)[0]
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _reference(model, ids):
+    ks, vs = [], []
+
+    def causal(i, q, k, v):
+        ks.append(k)
+        vs.append(v)
+        return attention_with_lse(q, k, v, causal=True)[0]
+
+    hidden = model.forward(torch.tensor(ids), torch.arange(len(ids)), causal)
+    return model.logits(hidden[-1:])[0], torch.stack(ks), torch.stack(vs)
+
+
+def _same_as_reference(pool, model, res, request_id, ids):
+    ref_logits, ref_k, ref_v = _reference(model, ids)
+    got = torch.tensor(res.logits)
+    rel = ((got - ref_logits).abs().max() / ref_logits.abs().max()).item()
+    assert rel < 1e-4, f"last-token logits differ by {rel:.2e} relative"
+    assert res.first_token == int(ref_logits.argmax())
+    parts = pool.export_kv(request_id)
+    pos = torch.cat([p for p, _, _ in parts.values()])
+    assert sorted(pos.tolist()) == list(range(len(ids)))   # the whole prompt, once
+    torch.testing.assert_close(torch.cat([k for _, k, _ in parts.values()], dim=1),
+                               ref_k[:, pos], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.cat([v for _, _, v in parts.values()], dim=1),
+                               ref_v[:, pos], rtol=1e-4, atol=1e-5)
+    return got
+
+
+@pytest.mark.parametrize("case,source_spec,shared,extra,spec,cached", [
+    # the whole prompt cached but its last token (the first output's logits need it)
+    ("full", "restx1", 640, 0, "restx1", 639),
+    # the prompts share 520 tokens: the hit is 32 whole blocks, 8 shared tokens are recomputed
+    ("inside-block", "restx2", 520, 150, "restx2", 512),
+    # the prefix sharded over two instances by a two-chunk ring, extended to all four
+    ("sharded", "200x1,restx2", 704, 200, "restx4", 704),
+])
+def test_a_run_from_a_cached_prefix_equals_the_run_without(pool, model, case, source_spec,
+                                                          shared, extra, spec, cached):
+    src_ids = _ids(max(shared, 640) if case != "inside-block" else 600, seed=1)
+    ids = src_ids[:shared] + _ids(extra, seed=2)
+    source = forced_plan(f"{case}-src", len(src_ids), source_spec, pool.node_of)
+    pool.run(source, src_ids)
+    holders = source.instances
+    plain = forced_plan(f"{case}-plain", len(ids), spec, pool.node_of)
+    base = pool.run(plain, ids, return_logits=True)
+    grown = forced_plan("g", len(ids), spec, pool.node_of).chunks[-1].instances
+    group = holders + tuple(i for i in grown if i not in holders)
+    plan = PrefillPlan(f"{case}-cached", len(ids), (Chunk(cached, len(ids), group),),
+                       cached_tokens=cached, cached_instances=holders,
+                       cached_source=source.request_id).validate(4)
+    res = pool.run(plan, ids, return_logits=True)
+    got = _same_as_reference(pool, model, res, plan.request_id, ids)
+    assert res.first_token == base.first_token
+    torch.testing.assert_close(got, torch.tensor(base.logits), rtol=1e-4, atol=1e-5)
+    if case == "sharded":
+        assert len(holders) == 2 and res.balance_moved_tokens > 0   # the prefix was spread
+    # The source can go at once: the run holds its own copy.
+    pool.release(source.request_id)
+    parts = pool.export_kv(plan.request_id)
+    assert sum(p.numel() for p, _, _ in parts.values()) == len(ids)
+    for r in (plain.request_id, plan.request_id):
+        pool.release(r)
+    assert not any(pool.held_requests().values())
+
+
+def test_the_index_drives_what_the_pool_keeps(pool, model, deployment):
+    """Two questions about one document and a second turn, planned by the control plane from
+    its index: each runs from the cache, equals single-instance prefill, and once the index
+    lets a run go and the cache is cleared the pool holds nothing."""
+    index = PrefixIndex(BLOCK, capacity_blocks=64)
+    queue = PrefillQueue(pool.node_of)
+    cp = ControlPlane(policy_from_config(deployment.scheduler), queue, None,
+                      improvement_rate=0.3, prefix_index=index)
+    doc = _ids(608, seed=5)
+    turn1 = doc + _ids(40, seed=6)
+    prompts = {"q1": turn1, "q2": doc + _ids(90, seed=7), "t2": turn1 + _ids(70, seed=8)}
+    released: list[str] = []
+    for now, (run, ids) in enumerate(prompts.items()):
+        plan = cp.plan(run, len(ids), float(now), block_hashes=index.hashes(ids))
+        cp.commit(plan)
+        res = pool.run(plan, ids, return_logits=True)
+        cp.prefill_done(run, float(now) + 0.5)
+        _same_as_reference(pool, model, res, run, ids)
+        cp.prefix_cached(run)
+        for gone in cp.prefix_released():
+            pool.release(gone)
+            released.append(gone)
+        if run != "q1":
+            assert plan.cached_tokens >= 608 and plan.cached_source in ("q1", "q2")
+        cp.finished(run, float(now) + 1.0)
+    assert index.stats()["hits"] == 2
+    for gone in index.clear():
+        pool.release(gone)
+        released.append(gone)
+    index.check()
+    assert sorted(released) == sorted(prompts)
+    assert not any(pool.held_requests().values())
