@@ -39,6 +39,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="layouts a chunk may use, e.g. ring,a2a (CSPS SP-NTP); default ring")
     p.add_argument("--intra-node-gbps", type=float, default=SpLayoutConfig().intra_node_gbps)
     p.add_argument("--inter-node-gbps", type=float, default=SpLayoutConfig().inter_node_gbps)
+    p.add_argument("--cached-tokens", type=int, default=0,
+                   help="prefix caching: tokens of the prompt whose KV is cached")
+    p.add_argument("--cached-on", default=None,
+                   help="comma-separated instances holding the cached prefix, in ring order")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -63,7 +67,10 @@ def build(args: argparse.Namespace) -> dict:
     policy = make_policy(args.policy, prof, sp_candidates=cands,
                          min_chunk_tokens=args.min_chunk_tokens,
                          improvement_rate=args.improvement_rate)
-    plan = policy.plan("cli", args.prompt_tokens, 0.0, pool, args.improvement_rate).validate(pool.size)
+    prefix = _prefix(args, policy, pool)
+    plan = (prefix.plan if prefix is not None else
+            policy.plan("cli", args.prompt_tokens, 0.0, pool, args.improvement_rate)
+            ).validate(pool.size)
     plan = assign_layouts(plan, _chooser(args), pool, 0.0, prof).validate(pool.size)
     # Algorithm 2's view, whatever the policy: each single chunk, and the one θ would pick.
     single = CdspPolicy("tetris-single-chunk", prof, chunked=False, sp_candidates=cands,
@@ -81,7 +88,26 @@ def build(args: argparse.Namespace) -> dict:
         "single_chunk_options": [{"sp_size": s, "instances": list(m), "expected_start": st,
                                   "ttft": t} for s, m, st, t in search.options(args.prompt_tokens)],  # now = 0
         "single_chunk_choice": {"sp_size": pick.chunks[0].sp_size, "ttft": pick.ttft_estimate},
+        **({} if prefix is None else {"prefix": {
+            "hit_tokens": args.cached_tokens, "holders": _ints(args.cached_on),
+            "decision": prefix.decision, "cached_tokens": plan.cached_tokens,
+            "other_option_ttft": prefix.other_ttft}}),
     }
+
+
+def _prefix(args: argparse.Namespace, policy, pool: PoolState):
+    """The plan from a cached prefix (``extend`` or ``recompute``, the latency model's pick),
+    or None without ``--cached-tokens``."""
+    if args.cached_tokens <= 0:
+        return None
+    holders = _ints(args.cached_on)
+    if not holders:
+        raise ValueError("--cached-tokens needs --cached-on (the instances holding the prefix)")
+    from tetris.scheduler.prefix_plan import plan_from_prefix
+
+    return plan_from_prefix(policy, "cli", args.prompt_tokens, 0.0, pool,
+                            cached_tokens=args.cached_tokens, holders=holders, source="cli",
+                            improvement_rate=args.improvement_rate)
 
 
 def _chooser(args: argparse.Namespace) -> LayoutChooser:
@@ -103,6 +129,12 @@ def _print_table(out: dict) -> None:
         if c["sp_layout_reason"]:
             print(f"      layout {c['sp_layout']}: {c['sp_layout_reason']}")
     print(f"TTFT estimate {out['ttft_estimate']:.3f} s")
+    if "prefix" in out:
+        pf = out["prefix"]
+        print(f"prefix cache: {pf['hit_tokens']} tokens cached on "
+              f"{','.join(map(str, pf['holders']))}: {pf['decision']} (history "
+              f"{pf['cached_tokens']} tokens); the other option's TTFT "
+              f"{pf['other_option_ttft']:.3f} s")
     print("single-chunk alternatives (Algorithm 2):")
     for o in out["single_chunk_options"]:
         mark = " <- θ pick" if o["sp_size"] == out["single_chunk_choice"]["sp_size"] else ""
