@@ -8,32 +8,39 @@ cached_tokens``) runs only its chunks; the prefix is history its source run left
 2. The copies together must be exactly ``[0, cached_tokens)``; they are the layout's history
    before chunk 0 (``plan_layout(..., cached)``), and cache balancing spreads them to the
    members chunk 0 adds, as between chunks.
-3. A failure from here on frees the copies with the rest of the run (the pool's abort path).
-
-Not built: streaming a cached prefix's KV to a decode instance (only KV computed in a chunk is
-streamed), so a run with ``kv_receivers`` and a cached prefix is refused.
+3. With ``kv_receivers``, every holder streams its copy to each decode rank (its head slice)
+   as one shard of the pseudo-chunk ``PREFIX_CHUNK`` covering ``[0, cached_tokens)``
+   (``stream_prefix``): the chunks stream only the KV they compute, and a decode rank admits
+   the request once every position of every layer arrived, whichever chunk carried it.
+4. A failure from here on frees the copies (and cancels their shards) with the rest of the
+   run (the pool's abort path).
 """
 
 from __future__ import annotations
 
+import time
+
+import torch
 from tetris.actors.prefill.messages import PrefillError
 from tetris.actors.prefill.zigzag import Ranges, normalize_ranges, ranges_len
 
-from tetris.plan import PlanError, PrefillPlan
+from tetris.plan import PrefillPlan
 
-__all__ = ["adopt_prefix"]
+__all__ = ["PREFIX_CHUNK", "adopt_prefix", "stream_prefix"]
+
+# The chunk index of a cached prefix's shards: before every chunk of the plan (0, 1, ...).
+PREFIX_CHUNK = -1
 
 
 def adopt_prefix(pool, plan: PrefillPlan, opts) -> dict[int, Ranges]:
-    """Copy the cached prefix on its holders to ``plan``'s run; instance -> positions."""
-    if opts.kv_receivers:
-        raise PlanError(f"plan {plan.request_id}: streaming a cached prefix's KV to decode is "
-                        "not built; plan it without the cache")
+    """Copy the cached prefix on its holders to ``plan``'s run (streaming it to
+    ``opts.kv_receivers``); instance -> positions."""
     holders = plan.cached_instances
     workers = pool.workers
     got = pool._on_workers(
         [workers[i] for i in holders],
-        lambda w: w.adopt_prefix.remote(plan.cached_source, plan.request_id, plan.cached_tokens))
+        lambda w: w.adopt_prefix.remote(plan.cached_source, plan.request_id, plan.cached_tokens,
+                                        plan.prompt_tokens, tuple(opts.kv_receivers)))
     held = {i: tuple(tuple(r) for r in (ranges or ())) for i, ranges in zip(holders, got)}
     parts = [r for ranges in held.values() for r in ranges]
     whole = ((0, plan.cached_tokens),)
@@ -46,3 +53,25 @@ def adopt_prefix(pool, plan: PrefillPlan, opts) -> dict[int, Ranges]:
                            f"{plan.cached_tokens}) of {plan.cached_source!r} is not whole on "
                            f"prefill instances {holders} (they hold {held})")
     return held
+
+
+def stream_prefix(mgr, store, request_id: str, ranges: Ranges, prompt_tokens: int, upto: int,
+                  receivers: tuple[int, ...]) -> None:
+    """Hand ``request_id``'s KV at ``ranges`` (held in ``store``) to the send manager ``mgr``:
+    one shard per receiver, its slice of the KV heads (as the chunks split them), all layers
+    ready at once. Call with the pump's lock held."""
+    hkv = store.k_cache[0].shape[2]
+    if hkv % len(receivers) or len(set(receivers)) != len(receivers):
+        raise ValueError(f"{hkv} KV heads cannot be split over receivers {receivers}")
+    h = hkv // len(receivers)
+    now = time.monotonic()
+    for r in receivers:
+        mgr.add_shard(request_id=request_id, chunk_index=PREFIX_CHUNK, receiver_id=r,
+                      prompt_tokens=prompt_tokens, chunk=(0, upto), ranges=ranges,
+                      num_layers=store.num_layers, kv_heads=h,
+                      head_dim=store.k_cache[0].shape[3], dtype=store.k_cache[0].dtype, now=now)
+    for layer in range(store.num_layers):
+        k, v = store.read(request_id, layer, ranges)   # [n, Hkv, D] each
+        for j, r in enumerate(receivers):
+            kv = torch.stack((k[:, j * h:(j + 1) * h], v[:, j * h:(j + 1) * h]), dim=1)
+            mgr.layer_ready(request_id, PREFIX_CHUNK, layer, kv, receiver_id=r)

@@ -278,12 +278,20 @@ class PrefillWorker:
             self.streaming.release(request_id)
         self.executor.abort(request_id)
 
-    def adopt_prefix(self, source: str, request_id: str, upto: int):
+    def adopt_prefix(self, source: str, request_id: str, upto: int, prompt_tokens: int = 0,
+                     kv_receivers: tuple[int, ...] = ()):
         """Prefix caching: copy ``source``'s KV below position ``upto`` held here to
-        ``request_id``; returns the positions copied (ranges)."""
+        ``request_id`` and stream the copy to ``kv_receivers``; returns its positions."""
         if self.store is None:
             raise RuntimeError("an emulated worker holds no KV to reuse")
-        return self.store.copy_prefix(source, request_id, upto)
+        ranges = self.store.copy_prefix(source, request_id, upto)
+        if ranges and kv_receivers:
+            from tetris.actors.prefill.prefix import stream_prefix
+
+            with self._streaming().pump.locked() as mgr:
+                stream_prefix(mgr, self.store, request_id, ranges, prompt_tokens, upto,
+                              tuple(kv_receivers))
+        return ranges
 
     def export_kv(self, request_id: str):
         """(positions [n], k [L, n, Hkv, D], v [L, n, Hkv, D]) held here, for hand-off or tests."""
