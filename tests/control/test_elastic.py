@@ -118,3 +118,18 @@ def test_the_master_keeps_room_for_the_output():
     assert group.tokens_on(0) - 200_000 == 363_637
     # a master that cannot hold the output gives no group
     assert placer.candidate_groups(1_000_000, grow_tokens=800_000) == []
+
+
+def test_no_spread_when_the_batches_involved_lose_more_than_the_request_gains():
+    placer = _placer(n=2)
+    for i in (0, 1):
+        placer.router.update(i, CAP - 2_500_000, 60)
+    whole = placer.choose(1_000_000)
+    assert whole == DecodeGroup((ShardRange(0, 0, 1_000_000),))
+    group = placer.candidate_groups(1_000_000)[0]
+    assert group.ranges == (ShardRange(1, 0, 500_000), ShardRange(0, 500_000, 1_000_000))
+    # the request's own step would be 12% shorter spread ...
+    assert placer.group_step_time(group) < 0.9 * placer.group_step_time(whole)
+    # ... but instance 1's 60 requests read 500K more tokens and instance 0's wait for them
+    touched = (0, 1)
+    assert placer.mean_step_time(group, touched) > placer.mean_step_time(whole, touched)

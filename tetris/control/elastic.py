@@ -19,9 +19,10 @@ whole-request choice, bit for bit):
 - **memory**: no instance has room for the whole request, but the free room of up to
   ``max_group`` instances does (LoongServe's memory-triggered scale-up, Fig. 4's
   fragmentation);
-- **time**: the modelled decode step of the group (its slowest member, plus the q/partial
-  exchange) is at least ``min_gain`` shorter than the best single instance's (the scale-up
-  rule: spreading the attention reads of a long context saves time).
+- **time**: over the instances involved, the batch-weighted mean decode step (the mean TBT)
+  with the group is at least ``min_gain`` shorter than with the router's single instance
+  (the scale-up rule: spreading the attention reads of a long context saves time); the
+  master's step waits for its slowest member's partials and the q/partial exchange.
 Shares follow each member's free room (the fullest instances are not emptied: their room is
 what other requests need), so the members' used fractions move together; the member with
 the most room is the master, since output KV grows there.
@@ -149,14 +150,36 @@ class ElasticPlacer:
     def _used(self, i: int) -> int:
         return self.capacities[i] - self.room(i)
 
+    def _instance_time(self, batch: int, context: float) -> float:
+        """An instance's share of a step: its own iteration, or with no batch of its own the
+        attention reads of the ranges it holds for masters elsewhere."""
+        if batch:
+            return self.step(self.tp, batch, context)
+        return self.step(self.tp, 1, context) - self.step(self.tp, 1, 0) if context else 0.0
+
     def group_step_time(self, group: DecodeGroup) -> float:
-        """Modelled step of the group's members with the request added: the slowest member
-        (its batch gains one at the master; its KV reads the range), plus the exchange."""
-        worst = 0.0
-        for i in group.instances:
+        """Modelled step of the request's master with the request placed as ``group``: every
+        member reads its range (the master's batch gains the request), the master waits for
+        the slowest member's partials (lockstep), plus the q/partial exchange."""
+        return self._step_times(group)[group.master]
+
+    def _step_times(self, group: DecodeGroup, others: tuple[int, ...] = ()) -> dict[int, float]:
+        times = {}
+        for i in sorted(set(group.instances) | set(others)):
             batch = self.router.batch_size[i] + (i == group.master)
-            worst = max(worst, self.step(self.tp, batch, self._used(i) + group.tokens_on(i)))
-        return worst + self.exchange.step_time(len(group.instances))
+            times[i] = self._instance_time(batch, self._used(i) + group.tokens_on(i))
+        times[group.master] = (max(times[i] for i in group.instances)
+                               + self.exchange.step_time(len(group.instances)))
+        return times
+
+    def mean_step_time(self, group: DecodeGroup, touched: tuple[int, ...]) -> float:
+        """Batch-weighted mean step (the mean TBT) over the ``touched`` instances with the
+        request placed as ``group``: what spreading must shorten, not just the request's own
+        step (a holder's batch reads the range too; the master's batch waits for it)."""
+        times = self._step_times(group, touched)
+        weights = {i: self.router.batch_size[i] + (i == group.master) for i in times}
+        total = sum(weights.values())
+        return sum(weights[i] * times[i] for i in sorted(times)) / total
 
     # -- placement ---------------------------------------------------------------------------
     def candidate_groups(self, kv_tokens: int, grow_tokens: int = 0,
@@ -204,10 +227,13 @@ class ElasticPlacer:
             return groups[0] if groups else whole  # none either: wait on the freest, as today
         if not self.config.spread_for_time or not groups:
             return whole
-        best = min(groups, key=lambda g: (self.group_step_time(g), len(g.ranges)))
-        if self.group_step_time(best) <= (1 - self.config.min_gain) * self.group_step_time(whole):
-            return best
-        return whole
+        gains = []
+        for g in groups:   # each against whole placement over the same instances
+            touched = tuple(sorted(set(g.instances) | {single}))
+            ratio = self.mean_step_time(g, touched) / self.mean_step_time(whole, touched)
+            gains.append((ratio, len(g.ranges), g))
+        ratio, _, best = min(gains, key=lambda x: x[:2])
+        return best if ratio <= 1 - self.config.min_gain else whole
 
     def place(self, run_id: str, kv_tokens: int, grow_tokens: int = 0,
               avoid: frozenset[int] = frozenset()) -> DecodeGroup:
