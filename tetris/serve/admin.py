@@ -9,6 +9,7 @@ at recent plans, per-request timelines and what is still held (operators and tes
                                     them for that long (running work goes on)
     GET  /admin/plans               the last 64 prefill plans
     GET  /admin/timelines?last=N    per-request TTFT breakdowns (queue, prefill, hand-off)
+    GET  /admin/prefix_cache        the prefix index (blocks, hits, queries); DELETE clears it
     GET  /admin/held                reservations still held (queue time, virtual usage,
                                     prefill KV and shards, decode blocks): zero when idle
 
@@ -77,3 +78,11 @@ def add_admin_routes(app: FastAPI, dispatcher) -> None:
     @app.get("/admin/held")
     async def held():
         return await dispatcher.held.remote()
+
+    @app.get("/admin/prefix_cache")
+    async def prefix_cache():
+        return await dispatcher.prefix_cache.remote()
+
+    @app.delete("/admin/prefix_cache")
+    async def clear_prefix_cache():
+        return await dispatcher.prefix_cache.remote(True)

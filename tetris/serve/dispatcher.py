@@ -57,6 +57,7 @@ from tetris.scheduler.latency import PrefillLatencyModel, load_profile
 from tetris.scheduler.policies import policy_from_config
 from tetris.scheduler.rate import ImprovementRateTable, RateMonitor
 from tetris.scheduler.router import DecodeRouter, NoInstanceUp
+from tetris.serve import prefix_cache
 from tetris.serve.backend import Overloaded
 from tetris.serve.clients import DecodeClient, PrefillClient
 from tetris.serve.dispatcher_admin import DispatcherAdmin, rate_table_path
@@ -107,7 +108,8 @@ class Dispatcher(DispatcherAdmin):
         self.control = ControlPlane(self._make_policy(self.profile), PrefillQueue(node_of),
                                     DecodeRouter(decode_capacities),
                                     improvement_rate=sc.improvement_rate,
-                                    monitor=self._make_monitor(rate_table))
+                                    monitor=self._make_monitor(rate_table),
+                                    prefix_index=prefix_cache.make_index(deployment.prefix_cache))
         if metrics is not None:
             for i in range(self.control.router.num_instances):
                 metrics.set_decode_up(i, True)
@@ -223,7 +225,7 @@ class Dispatcher(DispatcherAdmin):
         if tl.retries:
             instance = await self._reroute(req, aid, tl, sent)
             sent.stage = "planning"
-            plan = await self._plan(aid, len(prompt), tl)
+            plan = await self._plan(aid, len(prompt), tl, prompt)
         else:
             # The decode instance reserves the request's blocks while the plan is made.
             instance = self._route(req, aid, tl)
@@ -231,7 +233,7 @@ class Dispatcher(DispatcherAdmin):
                 self.decode.reserve(instance, aid, req.prompt_token_ids, req.sampling))
             sent.stage = "planning"
             try:
-                plan = await self._plan(aid, len(prompt), tl)
+                plan = await self._plan(aid, len(prompt), tl, prompt)
             except BaseException:
                 reserving.cancel()   # what it reserved is aborted with the run
                 with contextlib.suppress(BaseException):
@@ -249,6 +251,7 @@ class Dispatcher(DispatcherAdmin):
             if self.metrics is not None:
                 self.metrics.observe_queue(max(0.0, tl.prefill_start - tl.arrival))
         self.control.prefill_done(aid, self.clock())
+        await prefix_cache.index_run(self.control, self.prefill, aid)
         sent.stage = "decode"
         first_logprob = getattr(result, "first_logprob", None)   # when logprobs were asked for
         cursor: StreamCursor | None = None
@@ -337,8 +340,10 @@ class Dispatcher(DispatcherAdmin):
                                        f"within {self.retry_wait_s:g} s of losing its own: {e}") from None
                 await asyncio.sleep(self.retry_poll_s)
 
-    async def _plan(self, aid: str, prompt_tokens: int, tl: RequestTimeline) -> PrefillPlan:
+    async def _plan(self, aid: str, prompt_tokens: int, tl: RequestTimeline,
+                    prompt: Sequence[int] | None = None) -> PrefillPlan:
         control = self.control
+        hashes = prefix_cache.block_hashes(control, prompt)
         async with self._plan_lock:
             if tl.retries:
                 # A run again after a lost worker: the last report predates the loss, and the
@@ -348,7 +353,7 @@ class Dispatcher(DispatcherAdmin):
             arrival = not tl.retries   # a run again is not an arrival: θ does not move
             theta = control.improvement_rate
             for tries in range(1, _PLAN_TRIES + 1):
-                plan = control.plan(aid, prompt_tokens, now, arrival=arrival)
+                plan = control.plan(aid, prompt_tokens, now, arrival=arrival, **hashes)
                 arrival = False
                 try:
                     # The last try is let wait for a replacement: the policy chose the
@@ -369,6 +374,8 @@ class Dispatcher(DispatcherAdmin):
         tl.chunks = len(plan.chunks)
         tl.sp_sizes = tuple(c.sp_size for c in plan.chunks)
         tl.ttft_estimate = plan.ttft_estimate
+        if hashes and self.metrics is not None:
+            self.metrics.count_prefix_query(plan.cached_tokens)
         self.plans.append(msgspec.to_builtins(plan))
         if self.metrics is not None:
             self.metrics.observe_plan(list(tl.sp_sizes))
@@ -384,7 +391,8 @@ class Dispatcher(DispatcherAdmin):
         virtual usage."""
         tl.first_output = tl.first_output or self.clock()
         self.control.kv_arrived(aid)
-        await self.prefill.release(aid)
+        if not prefix_cache.retained(self.control, aid):   # else the cache's, until let go
+            await self.prefill.release(aid)
 
     async def _cleanup(self, rid: str, tl: RequestTimeline) -> None:
         """Free everything the request still holds; every step is idempotent."""
@@ -402,7 +410,8 @@ class Dispatcher(DispatcherAdmin):
         if completed:
             return
         try:
-            await self.prefill.abort(aid)
+            if not prefix_cache.retained(self.control, aid):   # a cached prefill stays
+                await self.prefill.abort(aid)
         except Exception as e:  # noqa: BLE001 - cleanup must reach every side
             log.warning("cleanup of %s on the prefill pool: %s", aid, e)
         if decode_instance >= 0:

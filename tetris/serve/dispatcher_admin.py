@@ -77,6 +77,15 @@ class DispatcherAdmin:
                 "decode_down": sorted(self.control.router.down),
                 "queue_times": [max(0.0, t - now) for t in self.control.queue.queue_times(now)]}
 
+    async def prefix_cache(self, clear: bool = False) -> dict:
+        """The prefix index's state; ``clear`` drops its unreferenced blocks first and frees
+        the runs let go on the prefill pool (``tetris.serve.prefix_cache``)."""
+        from tetris.serve import prefix_cache
+
+        if clear:
+            return await prefix_cache.clear(self.control, self.prefill)
+        return prefix_cache.view(self.control)
+
     def held(self) -> dict:
         """What is still reserved on the control side (zero everywhere when idle)."""
         return {"inflight": len(self._inflight), **self.control.held(),

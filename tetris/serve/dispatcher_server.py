@@ -98,6 +98,10 @@ class DispatcherServer:
         return {"dispatcher": d.held(), "prefill": await self._prefill_h.held.remote(),
                 "decode": await self._decode_h.held.remote()}
 
+    async def prefix_cache(self, clear: bool = False) -> dict:
+        """``/admin/prefix_cache``: the prefix index's state (``clear``: after clearing it)."""
+        return await (await self.ready()).prefix_cache(clear)
+
     async def metrics_text(self) -> bytes:
         await self.ready()
         return self.metrics.render()

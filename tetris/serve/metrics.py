@@ -37,6 +37,7 @@ class ServingMetrics:
         self.requests = self.running = self.waiting = None
         self.queue = self.chunks = self.sp_size = self.kv_usage = self.improvement_rate = None
         self.decode_up = self.decode_restarts = self.retries = None
+        self.prefix_queries = self.prefix_hits = self.prefix_cached_tokens = None
         if requests:
             self.ttft = hist("tetris:time_to_first_token_seconds", "Time to first token.")
             self.itl = hist("tetris:inter_token_latency_seconds", "Gap between streamed tokens.",
@@ -77,6 +78,15 @@ class ServingMetrics:
                                    "Requests run again after the prefill worker or decode instance "
                                    "serving them died, by the stage it died in.",
                                    labels + ["stage"], registry=r)
+            # Prefix caching (docs/prefix_cache.md): plans that asked the index, those planned
+            # from a cached prefix, and the prompt tokens they did not compute.
+            self.prefix_queries = Counter("tetris:prefix_cache_queries",
+                                          "Plans made with the prefix index.", labels, registry=r)
+            self.prefix_hits = Counter("tetris:prefix_cache_hits",
+                                       "Plans made from a cached prefix.", labels, registry=r)
+            self.prefix_cached_tokens = Counter("tetris:prefix_cache_cached_tokens",
+                                                "Prompt tokens taken from the prefix cache.",
+                                                labels, registry=r)
             series += [self.queue, self.chunks, self.sp_size, self.improvement_rate]
         # Expose every series at zero from the start, so dashboards and rate() see them.
         for metric in series:
@@ -132,6 +142,13 @@ class ServingMetrics:
     def count_retry(self, stage: str) -> None:
         if self.retries is not None:
             self.retries.labels(self._model, stage).inc()
+
+    def count_prefix_query(self, cached_tokens: int) -> None:
+        if self.prefix_queries is not None:
+            self.prefix_queries.labels(self._model).inc()
+            if cached_tokens:
+                self.prefix_hits.labels(self._model).inc()
+                self.prefix_cached_tokens.labels(self._model).inc(cached_tokens)
 
     def set_improvement_rate(self, theta: float) -> None:
         if self.improvement_rate is not None:

@@ -1,0 +1,67 @@
+"""Prefix caching in the served system: what the dispatcher does around the control plane's
+``PrefixIndex`` (docs/prefix_cache.md).
+
+1. ``make_index(config)``: the index when ``[prefix_cache] enabled``, else None (the dispatcher
+   then plans and frees exactly as without this module);
+2. ``block_hashes``: a run's prompt hashes go with its plan (``ControlPlane.plan``);
+3. ``index_run`` after a successful prefill: the run's blocks are indexed where its KV lies,
+   and the runs the index lets go are released on the prefill pool;
+4. ``retained``: an indexed run's prefill KV is the cache's: it is not released when the KV
+   reached decode, nor aborted with the run; the index releases it (3, or ``clear``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tetris.config import PrefixCacheConfig
+from tetris.control import ControlPlane
+from tetris.control.prefix_index import PrefixIndex
+
+__all__ = ["block_hashes", "clear", "index_run", "make_index", "retained", "view"]
+
+
+def make_index(config: PrefixCacheConfig) -> PrefixIndex | None:
+    return PrefixIndex(config.block_tokens, config.capacity_blocks) if config.enabled else None
+
+
+def block_hashes(control: ControlPlane, prompt: Sequence[int] | None) -> dict:
+    """``plan``'s keyword for the prompt's hashes (none without an index)."""
+    index = control.prefix_index
+    if index is None or prompt is None:
+        return {}
+    return {"block_hashes": index.hashes(list(prompt))}
+
+
+async def index_run(control: ControlPlane, prefill, run_id: str) -> None:
+    """The run's prefill succeeded: index it; release what the index let go."""
+    if control.prefix_index is None:
+        return
+    control.prefix_cached(run_id)
+    await release(control.prefix_released(), prefill)
+
+
+async def release(runs: list[str], prefill) -> None:
+    for run in runs:
+        await prefill.release(run)
+
+
+def retained(control: ControlPlane, run_id: str) -> bool:
+    """The run's prefill KV belongs to the cache now."""
+    index = control.prefix_index
+    return index is not None and index.location(run_id) is not None
+
+
+async def clear(control: ControlPlane, prefill) -> dict:
+    """Drop every unreferenced block and free the runs let go; the index's stats after."""
+    if control.prefix_index is not None:
+        await release(control.prefix_index.clear(), prefill)
+    return view(control)
+
+
+def view(control: ControlPlane) -> dict:
+    """``/admin/prefix_cache``: whether it is on and the index's counts."""
+    index = control.prefix_index
+    if index is None:
+        return {"enabled": False}
+    return {"enabled": True, "block_tokens": index.block_tokens, **index.stats()}
