@@ -132,6 +132,10 @@ class OverloadMonitor:
         self.restore_usage = restore_usage
         self._loads: dict[int, InstanceLoad] = {}
 
+    def reset(self) -> None:
+        """Forget every report (units change when groups form or split)."""
+        self._loads.clear()
+
     def observe(self, instance: int, load: InstanceLoad) -> None:
         self._loads[instance] = load
 

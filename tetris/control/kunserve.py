@@ -1,0 +1,87 @@
+"""KunServe's global memory manager: when to drop, when to restore (§3 workflow, §4.1, §4.4).
+
+``KunServeController.decide`` takes one KV report per serving *unit* (an undropped instance,
+or a group run as a pipeline, keyed by its first member) and answers with at most one
+action: a ``DropPlan`` when some unit overloads and merging covers the queued demand, a
+``RestorePlan`` for one group whose usage fell under half of its undropped capacity with
+nothing queued, or nothing. A refused drop (no plan keeps one copy of every layer) is kept in
+``refusals`` and the units fall back to their KV-centric policy (queue, recompute or swap).
+The simulator and a live driver call it with the same reports. Pure: no torch, no ray.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from tetris.control.drop_plan import (
+    DropPlan,
+    DropRefused,
+    Group,
+    RestorePlan,
+    plan_drop,
+    plan_restore,
+)
+from tetris.control.kunserve_memory import InstanceLoad, InstanceMemory, OverloadMonitor
+
+__all__ = ["Decision", "KunServeController"]
+
+
+class Decision(msgspec.Struct, frozen=True):
+    kind: str                          # "drop" or "restore"
+    drop: DropPlan | None = None
+    restore: RestorePlan | None = None
+    restored_group: Group | None = None
+
+
+class KunServeController:
+    """The grouping of ``instances`` and the decisions that change it."""
+
+    def __init__(self, mem: InstanceMemory, instances: list[int],
+                 monitor: OverloadMonitor | None = None) -> None:
+        self.mem = mem
+        self.monitor = monitor or OverloadMonitor()
+        self.groups: list[Group] = [Group((i,), ((0, mem.num_layers),)) for i in instances]
+        self.refusals: list[str] = []
+        self.drops = 0
+        self.restores = 0
+
+    def group_of(self, leader: int) -> Group:
+        return next(g for g in self.groups if g.members[0] == leader)
+
+    def dropped_layers(self) -> dict[int, int]:
+        """``tetris:dropped_layers{instance}``: layers each instance does not hold now."""
+        out = {}
+        for g in self.groups:
+            for m, (s, e) in zip(g.members, g.layer_ranges, strict=True):
+                out[m] = self.mem.num_layers - (e - s)
+        return dict(sorted(out.items()))
+
+    def decide(self, loads: dict[int, InstanceLoad]) -> Decision | None:
+        """One monitor tick: ``loads`` by unit leader (every current unit reports)."""
+        self.monitor.reset()
+        for leader, load in loads.items():
+            self.monitor.observe(leader, load)
+        leaders = sorted(loads)
+        if self.monitor.overloaded_instances():
+            demand, free = self.monitor.demand_blocks(leaders)
+            used = sum(loads[u].used_blocks for u in leaders)
+            try:
+                plan = plan_drop(self.mem, self.groups, demand_blocks=demand - used,
+                                 free_blocks=free)
+            except DropRefused as e:
+                self.refusals.append(str(e))
+                return None
+            if plan.merges:
+                self.groups = list(plan.groups)
+                self.drops += 1
+                return Decision("drop", drop=plan)
+            return None
+        for g in self.groups:
+            if g.size > 1 and self.monitor.can_restore(g.size * self.mem.kv_blocks,
+                                                       [g.members[0]]):
+                restore = plan_restore(self.mem, [g])
+                self.groups = sorted([x for x in self.groups if x is not g]
+                                     + list(restore.groups), key=lambda x: x.members[0])
+                self.restores += 1
+                return Decision("restore", restore=restore, restored_group=g)
+        return None

@@ -1,0 +1,351 @@
+"""SIMULATION of decode KV-memory overload: KunServe and the KV-centric baselines.
+
+The served system's shape (P/D disaggregation): a request arrives, is routed Llumnix-style to
+the decode unit with the most free blocks, and starts its prefill only once that unit has
+reserved its KV blocks (the dispatcher's ``decode.reserve``); the prefill pool is not the
+bottleneck here (``prompt * prefill_s_per_token`` plus the KV stream), so the time a request
+waits for decode KV memory is TTFT. Decode units run iterations of every request whose KV is
+in place. Policies when blocks run out:
+
+- ``queue``: Tetris today: blocks for the prompt plus the whole output are reserved up front
+  and never preempted; the rest wait (the live system's 429 and retry).
+- ``recompute`` (vLLM): blocks grow with the output; a decode that finds no block preempts the
+  newest running request, which later reserves again and is prefilled again.
+- ``swap`` (InferCept-style): the newest request's KV goes to host memory over PCIe, stalling
+  the iteration, and comes back before new admissions.
+- ``kunserve``: ``recompute``'s paged growth plus the control plane's ``KunServeController``
+  every ``tick_s``: a drop merges units into pipelined groups whose freed parameter memory is
+  KV (running requests stall for the KV exchange, ``T_ex = bytes (g-1)/g / link``), a restore
+  splits them back (the exchange back stalls them again; parameter pulls overlap).
+
+Iteration time of one instance (memory-bound decode): ``T(b, ctx) = params/hbm + b * per_seq
++ ctx * kv_tok/hbm``. A group of g runs g micro-batches, each a full pass over 1/g of the
+batch, overlapped across members: ``round = T(b/g, ctx/g) * (1 + bubble) + g * t_act``;
+``bubble`` is the paper's measured bubble share with lookahead (8.3%, §6.4), an input here.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+
+import msgspec
+import numpy as np
+
+from tetris.control.kunserve import KunServeController
+from tetris.control.kunserve_memory import InstanceLoad, InstanceMemory
+
+__all__ = ["POLICIES", "KunRequest", "KunServeSim", "PoolProfile"]
+
+POLICIES = ("queue", "recompute", "swap", "kunserve")
+
+
+class PoolProfile(msgspec.Struct, frozen=True):
+    """Timing of one instance (configs/profiles/kunserve-*.json)."""
+
+    name: str
+    instances: int
+    hbm_bytes_per_s: float
+    per_seq_s: float                 # per running sequence per decode iteration
+    prefill_s_per_token: float
+    link_bytes_per_s: float          # between instances (KV exchange, activations)
+    pcie_bytes_per_s: float          # swap to host
+    activation_bytes_per_token: int
+    bubble: float = 0.083            # KunServe §6.4, with lookahead
+    max_batch: int = 256
+    tick_s: float = 0.5              # the artifact's load-report interval
+
+
+class KunRequest:
+    __slots__ = (
+        "arrival",
+        "blocks",
+        "finish",
+        "first_token",
+        "generated",
+        "home",
+        "output",
+        "prompt",
+        "rid",
+        "stalled_until",
+        "unit",
+    )
+
+    def __init__(self, rid: int, arrival: float, prompt: int, output: int) -> None:
+        self.rid, self.arrival, self.prompt, self.output = rid, arrival, prompt, output
+        self.generated = 0
+        self.blocks = 0
+        self.first_token = math.nan
+        self.finish = math.nan
+        self.stalled_until = 0.0
+        self.home = -1
+        self.unit = None           # the unit holding its KV, None while queued or swapped
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt + self.generated
+
+
+class _Unit:
+    """An instance, or a group of instances run as one pipeline."""
+
+    def __init__(self, members: tuple[int, ...], capacity: int) -> None:
+        self.members = members
+        self.capacity = capacity
+        self.used = 0
+        self.running: list[KunRequest] = []
+        self.swapped: deque[KunRequest] = deque()
+        self.busy = False
+        self.alive = True
+        self.step_end = 0.0
+        self.epoch = 0
+        self.pending_s = 0.0       # swap traffic the next iteration waits for
+
+
+class KunServeSim:
+    def __init__(self, requests: list[KunRequest], mem: InstanceMemory, prof: PoolProfile,
+                 policy: str) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy {policy!r} is not one of {POLICIES}")
+        self.reqs, self.mem, self.prof, self.policy = requests, mem, prof, policy
+        self.bs = mem.block_size
+        self.units = [_Unit((i,), mem.kv_blocks) for i in range(prof.instances)]
+        self.control = (KunServeController(mem, list(range(prof.instances)))
+                        if policy == "kunserve" else None)
+        self.events: list = []
+        self._seq = 0
+        self.exchange_bytes = 0
+        self.waiting: deque[KunRequest] = deque()   # the dispatcher's queue, FCFS
+        self.preemptions = 0
+        self.kv_capacity_log: list[tuple[float, int]] = []
+
+    # -- events -----------------------------------------------------------------------------
+    def _push(self, t: float, kind: int, payload) -> None:
+        heapq.heappush(self.events, (t, kind, self._seq, payload))
+        self._seq += 1
+
+    def run(self) -> dict:
+        for r in self.reqs:
+            self._push(r.arrival, 1, r)
+        if self.control is not None:
+            self._push(self.reqs[0].arrival, 2, None)
+        last_arrival = self.reqs[-1].arrival
+        while self.events:
+            now, kind, _, payload = heapq.heappop(self.events)
+            if kind == 0:
+                self._step_end(now, payload)
+            elif kind == 1:
+                self._arrive(now, payload)
+            elif now <= last_arrival or self.waiting or any(u.running for u in self.units):
+                self._tick(now)
+                self._push(now + self.prof.tick_s, 2, None)
+        return self._result()
+
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.bs)
+
+    def _arrive(self, now: float, r: KunRequest) -> None:
+        self.waiting.append(r)
+        self._admit(now)
+
+    def _need(self, r: KunRequest) -> int:
+        if self.policy == "queue":
+            return self._blocks(r.prompt + r.output)
+        return self._blocks(r.tokens + 1)
+
+    def _kick(self, now: float, unit: _Unit) -> None:
+        if not unit.busy and unit.alive:
+            self._start(now, unit)
+
+    def _admit(self, now: float) -> None:
+        """Reserve blocks for queued requests, FCFS with the head never skipped, on the unit
+        with the most free blocks (Llumnix freeness); each is prefilled (again, after a
+        preemption) and joins that unit's batch once its KV is in place."""
+        for u in self.units:
+            self._swap_in(u)
+        while self.waiting:
+            r = self.waiting[0]
+            open_units = [u for u in self.units
+                          if not u.swapped and len(u.running) < self.prof.max_batch * len(u.members)]
+            if not open_units:
+                return
+            u = max(open_units, key=lambda x: (x.capacity - x.used, -x.members[0]))
+            need = self._need(r)
+            if need > u.capacity - u.used:
+                return
+            self.waiting.popleft()
+            if len(u.members) == 1 and r.home < 0:
+                r.home = u.members[0]
+            r.blocks = need
+            u.used += need
+            u.running.append(r)
+            r.unit = u
+            ready = now + r.tokens * self.prof.prefill_s_per_token
+            r.stalled_until = ready
+            if math.isnan(r.first_token):
+                r.first_token = ready     # the prefill samples the first token
+                r.generated = 1
+                if r.generated >= r.output:
+                    self._finish(u, r, ready)
+            self._kick(now, u)
+
+    def _swap_in(self, u: _Unit) -> None:
+        while u.swapped and u.capacity - u.used >= self._blocks(u.swapped[0].tokens + 1):
+            r = u.swapped.popleft()
+            r.blocks = self._blocks(r.tokens)
+            u.used += r.blocks
+            u.running.append(r)
+            r.unit = u
+            u.pending_s += r.blocks * self.mem.block_bytes / self.prof.pcie_bytes_per_s
+
+    # -- one iteration ----------------------------------------------------------------------
+    def _start(self, now: float, u: _Unit) -> None:
+        self._grow(now, u)
+        batch = [r for r in u.running if r.stalled_until <= now]
+        u.epoch += 1
+        if not batch:
+            stalled = [r.stalled_until for r in u.running]
+            u.busy = bool(stalled)
+            if stalled:      # wake when the first request's KV is in place
+                self._push(min(stalled), 0, (u, None, u.epoch))
+            return
+        ctx = sum(r.tokens for r in batch)
+        dur = self._iteration(len(u.members), len(batch), ctx) + u.pending_s
+        u.pending_s = 0.0
+        u.busy, u.step_end = True, now + dur
+        self._push(now + dur, 0, (u, batch, u.epoch))
+
+    def _iteration(self, g: int, b: int, ctx: int) -> float:
+        p, m = self.prof, self.mem
+        kv_tok = m.block_bytes / m.block_size
+
+        def t(bb, cc):
+            return m.param_bytes / p.hbm_bytes_per_s + bb * p.per_seq_s \
+                + cc * kv_tok / p.hbm_bytes_per_s
+        if g == 1:
+            return t(b, ctx)
+        act = b / g * p.activation_bytes_per_token / p.link_bytes_per_s
+        return t(b / g, ctx / g) * (1 + p.bubble) + g * act
+
+    def _grow(self, now: float, u: _Unit) -> None:
+        """Decodes whose next token opens a block take one; preempt the newest when none."""
+        if self.policy == "queue":
+            return
+        i = 0
+        while i < len(u.running):
+            r = u.running[i]
+            if r.stalled_until > now or self._blocks(r.tokens + 1) <= r.blocks:
+                i += 1
+                continue
+            if u.used < u.capacity:
+                r.blocks += 1
+                u.used += 1
+                i += 1
+                continue
+            victim = u.running.pop()
+            victim.unit = None
+            u.used -= victim.blocks
+            self.preemptions += 1
+            if self.policy == "swap":
+                u.pending_s += victim.blocks * self.mem.block_bytes / self.prof.pcie_bytes_per_s
+                u.swapped.appendleft(victim)
+            else:
+                self.waiting.appendleft(victim)
+            victim.blocks = 0
+
+    def _finish(self, u: _Unit, r: KunRequest, t: float) -> None:
+        r.finish = t
+        u.running.remove(r)
+        u.used -= r.blocks
+        r.blocks = 0
+        r.unit = None
+
+    def _step_end(self, now: float, payload) -> None:
+        u, batch, epoch = payload
+        if batch is not None:
+            for r in batch:
+                if r.blocks and r.unit is not None:   # still running (not preempted meanwhile)
+                    r.generated += 1
+                    if r.generated >= r.output:
+                        self._finish(r.unit, r, now)
+        if epoch != u.epoch or not u.alive:
+            return
+        u.busy = False
+        self._admit(now)
+        self._kick(now, u)
+
+    # -- KunServe ---------------------------------------------------------------------------
+    def _tick(self, now: float) -> None:
+        if self.control is None:
+            return
+        loads = {}
+        queued = sum(self._need(r) for r in self.waiting)
+        total = sum(u.capacity for u in self.units)
+        for u in self.units:    # the dispatcher's queue, shared out by capacity
+            growth = sum(1 for r in u.running if self._blocks(r.tokens + 1) > r.blocks)
+            loads[u.members[0]] = InstanceLoad(u.capacity, u.used, growth,
+                                               queued * u.capacity // total)
+        decision = self.control.decide(loads)
+        if decision is None:
+            return
+        self._regroup(now, [g.members for g in self.control.groups])
+
+    def _regroup(self, now: float, member_sets: list[tuple[int, ...]]) -> None:
+        by_members = {u.members: u for u in self.units}
+        fresh = []
+        for members in member_sets:
+            if members not in by_members:
+                held = [e - s for s, e in self.control.group_of(members[0]).layer_ranges]
+                fresh.append(_Unit(members, self.mem.group_kv_blocks(held)
+                                   if len(members) > 1 else self.mem.kv_blocks))
+        kept = [by_members[m] for m in member_sets if m in by_members]
+        old = [u for u in self.units if u.members not in member_sets]
+        for u in old:
+            u.alive = False
+        self._place(now, old, fresh)
+        self.units = sorted(kept + fresh, key=lambda u: u.members[0])
+        self.kv_capacity_log.append((now, sum(u.capacity for u in self.units)))
+        self._admit(now)
+        for u in fresh:
+            self._kick(now, u)
+
+    def _place(self, now: float, old: list[_Unit], fresh: list[_Unit]) -> None:
+        """Old units' requests go to the new units holding their home instance (or the one
+        with most room); running ones stall for the KV exchange,
+        ``T_ex = bytes * (g - 1) / g / link`` (§4.2), and at least until the old unit's
+        iteration in flight ends."""
+        def target(r):
+            homes = [u for u in fresh if r.home in u.members]
+            if homes and homes[0].capacity - homes[0].used >= r.blocks:
+                return homes[0]
+            return max(fresh, key=lambda x: (x.capacity - x.used, -x.members[0]))
+        for o in old:
+            g = max(len(o.members), *(len(u.members) for u in fresh))
+            for r in o.running:
+                u = target(r)
+                nbytes = r.blocks * self.mem.block_bytes * (g - 1) / g
+                self.exchange_bytes += nbytes
+                r.stalled_until = max(now + nbytes / self.prof.link_bytes_per_s, o.step_end)
+                u.running.append(r)
+                r.unit = u
+                u.used += r.blocks
+            for r in o.swapped:
+                target(r).swapped.append(r)
+
+    # -- results ----------------------------------------------------------------------------
+    def _result(self) -> dict:
+        ttft = np.array([r.first_token - r.arrival for r in self.reqs])
+        tpot = np.array([(r.finish - r.first_token) / (r.output - 1)
+                         for r in self.reqs if r.output > 1])
+        return {"policy": self.policy, "requests": len(self.reqs),
+                "unfinished": int(sum(math.isnan(r.finish) for r in self.reqs)),
+                "p50_ttft": float(np.nanpercentile(ttft, 50)),
+                "p99_ttft": float(np.nanpercentile(ttft, 99)),
+                "p50_tpot": float(np.nanpercentile(tpot, 50)),
+                "p99_tpot": float(np.nanpercentile(tpot, 99)),
+                "preemptions": self.preemptions,
+                "drops": self.control.drops if self.control else 0,
+                "restores": self.control.restores if self.control else 0,
+                "refusals": len(self.control.refusals) if self.control else 0,
+                "exchange_gb": self.exchange_bytes / 1e9}
