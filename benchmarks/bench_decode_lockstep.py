@@ -56,7 +56,7 @@ async def _rounds(concurrency: int, prompt_tokens: int, max_tokens: int) -> dict
         async def one(i: int) -> int:
             prompt = [(j * 31 + i) % 500 + 3 for j in range(prompt_tokens)]
             await inst.add(f"r{i}", prompt, params)
-            return sum(len(o.new_token_ids) async for o in inst.stream(f"r{i}"))
+            return len([t async for o in inst.stream(f"r{i}") for t in o.new_token_ids])
 
         await asyncio.gather(*[one(i) for i in range(2)])   # warm up
         inst.round_times.clear()

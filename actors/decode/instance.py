@@ -77,7 +77,7 @@ class DecodeInstance:
         self.placement: Placement | None = None
         self.seed = seed
         self.timeout_s = timeout_s
-        # the TP ranks' lockstep group (idle followers get a keepalive a quarter of it apart)
+        # how long rank 0 waits for the other ranks' replies to a round (lockstep.py)
         self.lockstep_timeout_s = timeout_s if lockstep_timeout_s is None else lockstep_timeout_s
         self.poll_interval_s = poll_interval_s
         self.ranks: list = []

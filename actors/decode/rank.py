@@ -11,7 +11,7 @@ Lifecycle of a rank (driven by ``DecodeInstance``):
 3. ``round(commands)`` every round, on rank 0 only: ``step`` (apply the driver's commands,
    run one engine step, report outputs (rank 0), the requests whose KV completed or failed
    here, and the engine's stats) on every rank; rank 0 hands the commands to the other ranks
-   and gathers their replies over a gloo group of the TP ranks (``lockstep.py``), so a round
+   and collects their replies over a socket to each (``lockstep.py``), so a round
    is one Ray call whatever the TP size.
 
 Every rank applies the same commands in the same order, so all engine replicas make the same
@@ -36,7 +36,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from tetris.actors.decode.lockstep import Follower, Leader, new_lockstep_group
+from tetris.actors.decode.lockstep import Follower, Leader
 from tetris.actors.decode.messages import (Abort, Add, Command, Commit, Failed, RankHeld, Rejected,
                                            Reserve, StepReply)
 from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
@@ -114,20 +114,20 @@ class DecodeRank:
 
     def init_group(self, host: str, port: int, timeout_s: float,
                    lockstep_timeout_s: float | None = None) -> int:
-        """Form the instance's gloo world and lockstep group (all ranks at once) and load the
-        sharded model."""
+        """Form the instance's gloo world (all ranks at once), load the sharded model and
+        connect the lockstep (``lockstep.py``; rank 0 waits ``lockstep_timeout_s`` for a
+        follower's reply)."""
         from tetris.model.loader import load_model
 
         if self.deployment.decode.executor == "emulated":
             return self._init_emulated()
-        group = lockstep = None
+        group = None
         if self.tp_size > 1:
             if dist.is_initialized():
                 dist.destroy_process_group()
             dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=self.tp_rank,
                                     world_size=self.tp_size, timeout=timedelta(seconds=timeout_s))
             group = dist.group.WORLD
-            lockstep = new_lockstep_group(lockstep_timeout_s or timeout_s)
         model, tokenizer = load_model(self.deployment.model, tp_group=group)
         dc = self.deployment.decode
         # CUDA graphs capture only single-rank decode for now: capturing the TP all-reduce
@@ -137,11 +137,11 @@ class DecodeRank:
                                 cuda_graphs=None if group is None else False)
         if group is not None:
             dist.barrier()
+            wait_s = lockstep_timeout_s or timeout_s
             if self.tp_rank == 0:
-                self._leader = Leader(lockstep, self.tp_size, self.step,
-                                      lockstep_timeout_s or timeout_s)
+                self._leader = Leader.open(host, self.tp_size, self.step, wait_s)
             else:
-                self._follower = Follower(lockstep, self.tp_rank, self.step)
+                self._follower = Follower.open(self.tp_rank, self.step, wait_s)
         return model.local_num_kv_heads
 
     def _init_emulated(self) -> int:
@@ -320,6 +320,7 @@ class DecodeRank:
             # rank 0's shutdown (called beside this one) stops the loop; a dead rank 0 ends it
             if not self._follower.join(10.0):
                 log.warning("TP rank %d: lockstep loop still waiting at shutdown", self.tp_rank)
+            self._follower.close()
             self._follower = None
         if self.pump is not None:
             self.pump.stop()

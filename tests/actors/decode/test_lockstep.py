@@ -1,6 +1,6 @@
-"""A TP-2 decode instance's rounds go to rank 0 only; rank 0 runs them on rank 1 over the
-lockstep group. Rank 1 gets no Ray call per round, stays in step through idle periods longer
-than the group's timeout, and a rank killed mid-stream fails the instance's requests with
+"""A TP-2 decode instance's rounds go to rank 0 only; rank 0 runs them on rank 1 over their
+lockstep socket. Rank 1 gets no Ray call per round, stays in step through idle periods longer
+than the lockstep's timeout, and a rank killed mid-stream fails the instance's requests with
 ``DecodeInstanceLost`` (which the dispatcher resumes elsewhere) at once, not at a timeout."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ MODEL = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_la
 DEPLOYMENT = DeploymentConfig(model=MODEL, decode=DecodeConfig(
     tp_size=2, max_batch_size=4, block_size=4, kv_blocks=64))
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-LOCKSTEP_TIMEOUT_S = 3.0   # an idle follower would time out after this without keepalives
+LOCKSTEP_TIMEOUT_S = 3.0   # rank 0's wait for replies; an idle follower's wait has none
 TIMEOUT_S = 60.0           # the model's collectives: a death must surface well before
 
 
@@ -87,8 +87,8 @@ def test_followers_step_without_ray_calls_and_match_the_single_engine(inst, loop
 
 
 def test_an_idle_instance_outlives_the_lockstep_timeout(inst, loop, reference):
-    """Idle longer than the lockstep group's timeout: no rounds meanwhile, rank 1 still in
-    step afterwards (rank 0's keepalives kept its receive from timing out)."""
+    """Idle longer than the lockstep's timeout: no rounds meanwhile, rank 1 still in step
+    afterwards (its receive has no timeout to run out, unlike a gloo receive's)."""
     prompt = _prompt(9, 4)
     loop.run_until_complete(_generate(inst, "warm", prompt))
     rounds, steps = inst.rounds, _counts(inst)[1]["steps"]
