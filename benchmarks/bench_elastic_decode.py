@@ -45,6 +45,9 @@ def _decode_side(model: str, args) -> dict:
     for name, cfg in (("whole", WHOLE), ("elastic", ELASTIC)):
         rate, _, probes = decode_capacity(model, "long", cfg, tol=args.tol, **kw)
         caps[name] = {"capacity_rps": rate, "probes": probes}
+    # whole placement's limit on the requests it can serve at all (the tail refused)
+    rate, _, probes = decode_capacity(model, "long", WHOLE, tol=args.tol, allow_refused=True, **kw)
+    caps["whole_refusing_tail"] = {"capacity_rps": rate, "probes": probes}
     top = max(c["capacity_rps"] for c in caps.values())
     rates = sorted({round(f * top, 2) for f in (0.25, 0.5, 0.9)} - {0.0})
     rows = []
@@ -134,16 +137,18 @@ def main() -> None:
         caps = result[m]["capacity"]
         print(f"SIMULATION {m} decode side, Long + every {args.every}th prompt {args.tail} tokens, "
               f"{args.requests} requests")
-        print(f"  max sustainable rate: whole {caps['whole']['capacity_rps']:.2f} req/s, "
+        print(f"  max sustainable rate: whole {caps['whole']['capacity_rps']:.2f} req/s "
+              f"(refusing what fits no instance: "
+              f"{caps['whole_refusing_tail']['capacity_rps']:.2f}), "
               f"elastic {caps['elastic']['capacity_rps']:.2f} req/s")
         print("  rate  | whole: TBT P50/P99 ms, wait P99 s, tok/s/GPU, refused | "
-              "elastic: same, sharded")
+              "elastic: same, sharded, consolidated")
         for row in result[m]["rows"]:
             w, e = row["whole"], row["elastic"]
             print(f"  {row['rate']:5.2f} | {w['tbt_p50'] * 1e3:5.1f}/{w['tbt_p99'] * 1e3:5.1f} "
                   f"{w['wait_p99']:7.2f} {w['tokens_per_s_per_gpu']:6.1f} {w['refused']:3d} | "
                   f"{e['tbt_p50'] * 1e3:5.1f}/{e['tbt_p99'] * 1e3:5.1f} {e['wait_p99']:7.2f} "
-                  f"{e['tokens_per_s_per_gpu']:6.1f} {e['sharded']:3d}")
+                  f"{e['tokens_per_s_per_gpu']:6.1f} {e['sharded']:3d} {e['consolidations']:2d}")
     c = result["cluster_8b"]
     print(f"SIMULATION 8b whole cluster at {args.cluster_rate} req/s "
           f"({args.cluster_requests} requests, same tail):")

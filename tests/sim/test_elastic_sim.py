@@ -15,6 +15,7 @@ from tetris.sim.cluster import cluster_by_name
 from tetris.sim.elastic import ShardedDecodeRequest, ShardedDecodeSim
 from tetris.sim.elastic_runs import _DecodeSide, _placer, run_elastic, with_tail
 from tetris.sim.experiments import RunSpec, _profile, make_requests, run_one
+from tetris.sim.workload import SimRequest
 
 STEP = DecodeLatencyModel(LLAMA3_8B).step_time
 EXCHANGE = ExchangeModel(num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128)
@@ -79,3 +80,33 @@ def test_a_1m_tail_on_the_70b_cluster(enabled):
     assert all(r.finish_time == r.finish_time for r in served)   # every one finished (not NaN)
     assert all(d.used_tokens == 0 and d.context_tokens == 0 and not d.held for d in sim.decoders)
     assert placer.router.virtual == [0] * 8 and placer.groups == {}
+
+
+def _decode_side(model, requests, config):
+    cluster = cluster_by_name(model)
+    placer, step = _placer(cluster, config)
+    policy = make_policy("fixed-sp-8", _profile(cluster), sp_candidates=cluster.sp_candidates)
+    control = ControlPlane(policy, PrefillQueue(cluster.node_of()), placer.router,
+                           improvement_rate=0.0)
+    sim = _DecodeSide(requests, placer=placer, cluster=cluster, control=control,
+                      latency=_profile(cluster), decode_step=step)
+    sim.run()
+    return sim, placer
+
+
+def test_a_range_moves_onto_its_master_once_others_finish():
+    reqs = [SimRequest("a", 0.0, 3_500_000, 2),        # instance 0, done after one step
+            SimRequest("b", 0.001, 3_500_000, 2_000),  # instance 1
+            SimRequest("c", 0.002, 1_200_000, 3_000)]  # fits neither: 0 (master) and 1
+    sim, placer = _decode_side("8b", reqs, ElasticConfig(enabled=True, spread_for_time=False))
+    c = sim.decode_reqs[2]
+    assert sim.consolidations == 1 and c.remote == [] and c.finish_time > 0
+    # a's step, then c's first with 1's range: c's next step pays the copy of that range
+    held = sim.groups["c"].tokens_on(1)                  # the range placed on instance 1
+    assert sim.groups["c"].master == 0 and 500_000 < held < 700_000
+    assert c.kv_tokens == 1_203_000                      # all of c's KV on the master at the end
+    copy = placer.exchange.kv_move_time(held)            # 128 KiB a token at 200 GB/s
+    assert copy == pytest.approx(held * 131_072 / 200e9)
+    assert max(sim.decoders[0].step_durations) > copy    # the step that paid for it
+    assert all(d.used_tokens == 0 and not d.held for d in sim.decoders)
+    assert placer.router.virtual == [0, 0] and placer.groups == {}

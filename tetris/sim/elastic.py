@@ -64,6 +64,7 @@ class ShardedDecodeSim(DecodeInstanceSim):
         self.held: dict[str, int] = {}      # request mastered elsewhere -> tokens held here
         self.pending_hold = 0               # held tokens of requests not yet admitted
         self._now = 0.0
+        self.stall = 0.0                    # a consolidation's KV copy, paid by the next step
 
     def can_admit(self, req: DecodeRequest) -> bool:
         if getattr(req, "holds_reserved", True):
@@ -116,7 +117,8 @@ class ShardedDecodeSim(DecodeInstanceSim):
         holders = {h.index: h for _, _, r in self.running for h, _ in getattr(r, "remote", ())}
         widest = max((getattr(r, "group_size", 1) for _, _, r in self.running), default=1)
         dur = max([own] + [h.partial_time() for _, h in sorted(holders.items())])
-        dur += self.exchange_time(widest)
+        dur += self.exchange_time(widest) + self.stall
+        self.stall = 0.0
         self.stepping = True
         self.step_durations.append(dur)
         self.step_batches.append(len(self.running))
@@ -133,6 +135,19 @@ class ShardedDecodeSim(DecodeInstanceSim):
                 holder.used_tokens -= tokens
                 holder.context_tokens -= tokens
         return done
+
+    def take_range(self, req: ShardedDecodeRequest, holder: ShardedDecodeSim, tokens: int,
+                   copy_time: float) -> None:
+        """Consolidation: the range ``holder`` kept of ``req`` (mastered here) moves here. The
+        copy stalls this instance's next step (conservative: a live copy could overlap it)."""
+        req.remote = [(h, t) for h, t in req.remote if h is not holder]
+        del holder.held[req.request_id]
+        holder.used_tokens -= tokens
+        holder.context_tokens -= tokens
+        req.kv_tokens += tokens
+        self.used_tokens += tokens
+        self.context_tokens += tokens
+        self.stall += copy_time
 
     def reported_free(self) -> int:
         """Free slots for the router: minus what waiting requests here and elsewhere claim."""
@@ -155,6 +170,7 @@ class ElasticSimulation(Simulation):
                              cluster.decode_max_batch, step, exchange)
             for d in range(cluster.decode_instances)] if step is not None else []
         self.groups: dict[str, DecodeGroup] = {}
+        self.consolidations = 0
 
     def _on_arrival(self, now: float, i: int) -> None:
         r = self.requests[i]
@@ -195,7 +211,25 @@ class ElasticSimulation(Simulation):
     def _step_done(self, now: float, inst: DecodeInstanceSim) -> None:
         for req in inst.finish_step(now):
             self.placer.finished(req.request_id)
+        self._consolidate(inst)
         self._kick(now, skip=inst)
+
+    def _consolidate(self, inst: ShardedDecodeSim) -> None:
+        """LoongServe §1.5 through the control plane: a sharded request's range moves onto
+        its master when the placer finds the copy cheaper than the exchanges left."""
+        for _, _, req in sorted(inst.running, key=lambda e: e[1]):
+            if not getattr(req, "remote", None):
+                continue
+            moved = self.placer.consolidation(req.request_id, req.remaining)
+            if moved is None or inst.free_tokens < moved.tokens:
+                continue
+            holder = self.decoders[moved.instance]
+            inst.take_range(req, holder, moved.tokens,
+                            self.placer.exchange.kv_move_time(moved.tokens))
+            self.placer.moved(req.request_id, moved)
+            self.consolidations += 1
+            self._refresh_router(holder)
+            self._refresh_router(inst)
 
     def _kick(self, now: float, skip: DecodeInstanceSim | None = None) -> None:
         """Start idle instances that may now admit (room freed on a holder counts)."""
