@@ -1,0 +1,142 @@
+"""Prefix caching in the whole served system over HTTP (Ray Serve, the SP pool, KV streaming to
+a TP-2 decode instance): requests sharing prefixes are planned from the cache, and their greedy
+outputs equal the single engine's (which computes every prompt whole); once the cache is
+cleared nothing is held.
+
+One app for the module; the deployment is test_app_e2e's with ``[prefix_cache] enabled``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from tetris.config import load_deployment
+from tetris.engine.engine import LLMEngine
+from tetris.sampling_params import SamplingParams
+from tetris.scheduler.latency import load_profile
+
+MODEL = "tetris-tiny-llama"
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+
+
+def _write_deployment(tmp) -> str:
+    profile = load_profile("a100-llama3-8b-tp1").scaled(name="cpu-test", linear=100.0,
+                                                        attention=1000.0, overhead=10.0)
+    profile.save(tmp / "cpu-test.json")
+    path = tmp / "deployment.toml"
+    path.write_text(f"""
+[model]
+name = "{MODEL}"
+source = "dummy"
+seed = 0
+vocab_size = 512
+hidden_size = 256
+intermediate_size = 688
+num_layers = 4
+num_heads = 8
+num_kv_heads = 2
+max_position_embeddings = 4096
+
+[prefill]
+num_instances = 4
+node_size = 2
+kv_blocks_per_instance = 256
+
+[decode]
+num_instances = 1
+tp_size = 2
+kv_blocks = 512
+max_batch_size = 32
+
+[scheduler]
+policy = "tetris"
+sp_candidates = [1, 2, 4]
+profile = "{tmp / 'cpu-test.json'}"
+improvement_rate = 0.0
+min_chunk_tokens = 64
+
+[transfer]
+backend = "nixl"
+timeout_s = 30.0
+
+[prefix_cache]
+enabled = true
+block_tokens = 16
+capacity_blocks = 512
+""")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def app(serve_http, tmp_path_factory):
+    from ray import serve
+
+    from tetris.serve.app import APP_NAME, build_app
+
+    cfg = load_deployment(_write_deployment(tmp_path_factory.mktemp("prefix")))
+    serve.run(build_app(cfg, max_pending=8), name=APP_NAME, route_prefix="/")
+    yield cfg, serve_http
+    serve.delete(APP_NAME)
+
+
+def _tokens(n: int, salt: int) -> list[int]:
+    return [(i * 37 + salt * 11) % 500 + 3 for i in range(n)]
+
+
+def _held_idle(base) -> tuple[bool, dict]:
+    held = httpx.get(f"{base}/admin/held", timeout=60).json()
+    d = held["dispatcher"]
+    idle = (d["inflight"] == d["queue_bookings"] == d["virtual_usage"] == d["prefix_refs"] == 0
+            and d["cleanups"] == 0 and not any(held["prefill"].values())
+            and all(rank["empty"] for inst in held["decode"] for rank in inst["ranks"]))
+    return idle, held
+
+
+def test_shared_prefixes_are_served_from_the_cache_token_for_token(app):
+    cfg, base = app
+    engine = LLMEngine.from_deployment(cfg, num_blocks=256)
+    doc = _tokens(600, 1)                       # 37 whole blocks and 8 tokens
+    q1 = doc + _tokens(40, 2)
+    q2 = doc + _tokens(60, 3)                   # shares 600 tokens: 592 can hit
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ref = {k: engine.generate([p], params)[0] for k, p in (("q1", q1), ("q2", q2))}
+    turn2 = q1 + list(ref["q1"].token_ids) + _tokens(30, 4)
+    ref["turn2"] = engine.generate([turn2], params)[0]
+    prompts = {"q1": q1, "q2": q2, "again": q1, "turn2": turn2}
+    ref["again"] = ref["q1"]
+
+    async def run():
+        out = {}
+        async with httpx.AsyncClient(timeout=120) as c:
+            for name, prompt in prompts.items():   # one after another: each finds the last
+                r = await c.post(f"{base}/v1/completions", json={
+                    "model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                    "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                out[name] = r.json()["choices"][0]["text"]
+            plans = (await c.get(f"{base}/admin/plans")).json()
+            cache = (await c.get(f"{base}/admin/prefix_cache")).json()
+        return out, plans, cache
+
+    out, plans, cache = asyncio.run(run())
+    assert out == {k: ref[k].text for k in prompts}
+    cached = [p["cached_tokens"] for p in plans[-4:]]
+    # q1 cold; q2 hits the document's whole blocks; q1 again hits all but its last token;
+    # the second turn hits q1's 640 tokens (its answer's tokens were never prefilled).
+    assert cached == [0, 592, len(q1) - 1, 640], cached
+    assert cache["enabled"] and cache["hits"] == 3 and cache["queries"] == 4
+    metrics = httpx.get(f"{base}/metrics", timeout=60).text
+    assert "tetris:prefix_cache_hits_total" in metrics
+    cleared = httpx.delete(f"{base}/admin/prefix_cache", timeout=60).json()
+    assert cleared["blocks"] == 0 and cleared["sources"] == 0
+    deadline = time.monotonic() + 20
+    idle, held = _held_idle(base)
+    while not idle and time.monotonic() < deadline:   # cleanups finish asynchronously
+        time.sleep(0.2)
+        idle, held = _held_idle(base)
+    assert idle, json.dumps(held, indent=1)
