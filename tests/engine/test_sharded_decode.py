@@ -132,3 +132,16 @@ def test_ranges_must_tile_the_prompt_and_fit(tiny_model):
     with pytest.raises(Exception, match="no room"):
         dec.place_prefilled("x", list(range(12)), [(0, 0, 12)], 2)
     assert [h.blocks.num_free_blocks for h in dec.holders] == [2, 8]
+
+
+def test_a_prompt_larger_than_every_holder_is_served_by_their_sum(tiny_model):
+    model, tok = tiny_model
+    prompt = _prompts([50], seed=13)[0]
+    expected = _engine_tokens(model, tok, [prompt], 20)
+    dec = _decoder(model, [8, 8, 8])            # 32 slots each: the 50-token prompt fits none
+    assert not any(h.can_hold(50) for h in dec.holders)
+    dec.place_prefilled("big", prompt, [(0, 0, 25), (1, 25, 50)], 20)
+    assert _run(dec, ["big"], model) == expected
+    # 50 + 19 appended = 69 tokens: holder 1 fills its 32 slots, then the freest (2) takes over
+    assert [(s.holder, s.start, s.end) for s in dec.requests["big"].shards] == [
+        (0, 0, 25), (1, 25, 57), (2, 57, 69)]
