@@ -1,0 +1,46 @@
+"""KunServe's control plane driving real in-process engines: overload -> drop -> restore."""
+
+from tests.engine.test_pipeline import CFG
+from tetris.engine.engine import LLMEngine
+from tetris.model.loader import load_model
+from tetris.sampling_params import SamplingParams
+from tetris.serve.kunserve_local import LocalKunServe, engine_memory
+
+PROMPTS = [list(range(10 + i, 16 + 2 * i)) for i in range(8)]
+
+
+def _engine(blocks):
+    model, _ = load_model(CFG)
+    return LLMEngine(model, num_blocks=blocks, block_size=4, max_num_seqs=8)
+
+
+def _params():
+    return SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
+
+
+def test_overload_drops_into_a_pipeline_then_restores_with_the_same_tokens():
+    ref = _engine(200)
+    expected = {}
+    for i, p in enumerate(PROMPTS):
+        ref.add_request(f"r{i}", p, _params())
+    while ref.has_unfinished():
+        for out in ref.step():
+            expected[out.request_id] = list(out.token_ids)
+
+    engines = [_engine(10), _engine(10)]          # 40 KV slots each: the batch needs ~130
+    ks = LocalKunServe(engines)
+    mem = engine_memory(engines[0])
+    assert ks.controller.mem == mem
+    for i, p in enumerate(PROMPTS):
+        engines[i % 2].add_request(f"r{i}", p, _params())
+    tokens, actions = {}, []
+    while any(e.has_unfinished() for e in ks.serving()):
+        for e in ks.serving():
+            for out in e.step():
+                tokens[out.request_id] = list(out.token_ids)
+        action = ks.tick()
+        if action:
+            actions.append(action)
+    assert actions == ["drop", "restore"]
+    assert not ks.groups and ks.controller.dropped_layers() == {0: 0, 1: 0}
+    assert tokens == expected
