@@ -125,3 +125,15 @@ def test_without_hashes_the_plane_plans_as_before(prof):
     a = cp.admit("r", 9000, 10, 0.0)
     b = plain.admit("r", 9000, 10, 0.0)
     assert a == b
+
+
+def test_a_recompute_faster_by_less_than_theta_keeps_the_cache(prof):
+    """θ = 0.3 keeps the cached suffix on one instance (SP 2 gains too little for 408 tokens)
+    while the whole 680-token prompt goes to SP 2: that is sooner, but by less than θ of the
+    cached plan's TTFT, and it would compute the prefix again."""
+    policy = make_policy("tetris", prof, improvement_rate=0.3)
+    pool = PoolState.uniform(4, 2)
+    opt = plan_from_prefix(policy, "r", 680, 0.0, pool, cached_tokens=272, holders=(0,),
+                           source="s")
+    assert opt.decision == "extend" and opt.plan.chunks[0].instances == (0,)
+    assert opt.other_ttft < opt.plan.ttft_estimate < opt.other_ttft / (1 - 0.3)

@@ -10,7 +10,9 @@ as that ring left it. Two options, and the latency model picks the earlier TTFT:
   1-3 over the pool without ``H``, with every SP size offset by ``|H|`` (size 0 is ``H``
   alone) and the first chunk starting no earlier than ``H`` is free.
 - ``recompute``: the cache is ignored and the whole prompt planned as usual, when ``H`` is
-  busy long enough that computing the prefix again elsewhere ends sooner.
+  busy long enough that computing the prefix again elsewhere ends sooner by more than θ of
+  the cached plan's TTFT (the θ test of Algorithm 2: the option that costs the pool more work
+  must gain more than θ).
 
 Simplification: the instances added to ``H`` follow rule 1 of ``extend`` over the rest of the
 pool (rule 2's preference for ``H``'s own nodes is not applied to ``H``).
@@ -92,7 +94,9 @@ def plan_from_prefix(policy, request_id: str, prompt_tokens: int, now: float, po
         return PrefixOption(plain, "recompute", math.inf)
     theta = policy._theta(improvement_rate)
     res = _extend_search(policy, prompt_tokens, cached, holders, now, pool, theta)
-    if res is None or res.ttft >= plain.ttft_estimate:
+    # Recomputing the prefix costs the pool its whole work again: like a larger SP size in
+    # Algorithm 2, it must gain more than θ of the cached plan's TTFT (SPEC §3's θ test).
+    if res is None or res.ttft - plain.ttft_estimate > theta * res.ttft:
         return PrefixOption(plain, "recompute", math.inf if res is None else res.ttft)
     chunks, pos = [], cached
     for tokens, members, start, end in res.chunks:

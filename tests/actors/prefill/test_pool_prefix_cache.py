@@ -143,3 +143,39 @@ def test_the_index_drives_what_the_pool_keeps(pool, model, deployment):
     index.check()
     assert sorted(released) == sorted(prompts)
     assert not any(pool.held_requests().values())
+
+
+def test_interleaved_runs_stay_exact_while_the_cache_evicts(pool, model, deployment):
+    """An index of 48 blocks (768 tokens) for prompts of 500-700 tokens: runs interleave
+    with their sources' evictions, hits shrink to what is left of a prefix (the deepest
+    blocks go first), and every run equals single-instance prefill; nothing leaks."""
+    index = PrefixIndex(BLOCK, capacity_blocks=48)
+    cp = ControlPlane(policy_from_config(deployment.scheduler), PrefillQueue(pool.node_of), None,
+                      improvement_rate=0.3, prefix_index=index)
+    docs = [_ids(480, seed=40 + d) for d in range(2)]
+    order = [(0, 20), (1, 30), (0, 200), (1, 25), (0, 35)]   # (document, question tokens)
+    hits, released = [], []
+    for k, (d, q) in enumerate(order):
+        run, ids = f"ev{k}", docs[d] + _ids(q, seed=60 + k)
+        plan = cp.plan(run, len(ids), float(k), block_hashes=index.hashes(ids))
+        cp.commit(plan)
+        res = pool.run(plan, ids, return_logits=True)
+        _same_as_reference(pool, model, res, run, ids)
+        cp.prefill_done(run, k + 0.5)
+        cp.prefix_cached(run)
+        cp.finished(run, k + 0.9)
+        hits.append(plan.cached_tokens)
+        for gone in cp.prefix_released():
+            pool.release(gone)
+            released.append(gone)
+        index.check()
+    # Each run's blocks evict the least recent chains' deepest blocks: every later run hits
+    # only what is left of its document (whole blocks, less than the 480 shared tokens).
+    assert hits[:2] == [0, 0]
+    assert all(0 < h < 480 and h % BLOCK == 0 for h in hits[2:]), hits
+    assert released   # evictions let sources go while later runs went on
+    for gone in index.clear():
+        pool.release(gone)
+        released.append(gone)
+    assert sorted(released) == sorted(f"ev{k}" for k in range(len(order)))
+    assert not any(pool.held_requests().values())
