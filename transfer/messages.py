@@ -22,6 +22,7 @@ __all__ = [
     "LayersReady",
     "Abort",
     "TransferError",
+    "FirstToken",
     "ControlMessage",
     "Envelope",
     "encode",
@@ -143,7 +144,19 @@ class TransferError(msgspec.Struct, frozen=True, tag=True):
     receiver_id: int = -1   # the rejecting receiver; -1: every receiver of the chunk
 
 
-ControlMessage = Handshake | LayersReady | Grant | Abort | TransferError
+class FirstToken(msgspec.Struct, frozen=True, tag=True):
+    """Sender -> every receiver of the request: the first output token, sampled by the member
+    holding the prompt's last token, so that decoding starts once the KV and this are in,
+    without a hop through the dispatcher. ``logprob``: the msgpack of the engine's
+    ``TokenLogprob`` when the request asked for logprobs (opaque to the transfer), else empty."""
+
+    request_id: str
+    sender_id: int
+    token: int
+    logprob: bytes = b""
+
+
+ControlMessage = Handshake | LayersReady | Grant | Abort | TransferError | FirstToken
 
 
 class Envelope(msgspec.Struct, frozen=True):

@@ -22,11 +22,11 @@ import torch
 from tetris.config import TransferConfig
 from tetris.kernels.kv_pack import packed_bytes_per_token, scatter_kv
 from tetris.transfer.backends.base import TransferAgent
-from tetris.transfer.messages import (Abort, ControlMessage, Envelope, Grant, Handshake, LayersReady, PieceNotice,
+from tetris.transfer.messages import (Abort, FirstToken, ControlMessage, Envelope, Grant, Handshake, LayersReady, PieceNotice,
                                       TransferError, decode_notice)
 from tetris.transfer.protocol import (IncomingRequest, IncomingShard, ReceiveBackend, assign_backends,
                                       shard_positions)
-from tetris.transfer.states import (ChunkArrived, MessageRejected, RequestReady, TransferEvent,
+from tetris.transfer.states import (ChunkArrived, FirstTokenIn, MessageRejected, RequestReady, TransferEvent,
                                     TransferFailed, TransferState)
 
 __all__ = ["ReceiveManager", "BlockAllocator", "SimpleBlockAllocator"]
@@ -120,6 +120,12 @@ class ReceiveManager:
             req = self.requests.get(msg.request_id)
             if req is not None:
                 self._fail(req, f"aborted by {msg.origin} {msg.origin_id}: {msg.reason}", now, notify=msg.origin_id)
+        elif isinstance(msg, FirstToken):
+            # It may overtake the last pieces or follow them (the request is then closed as
+            # done); a failed or unknown request's owner has no use for it.
+            if msg.request_id in self.requests or self._closed.get(msg.request_id) == "done":
+                self._emit(FirstTokenIn(request_id=msg.request_id, token=msg.token,
+                                        logprob=msg.logprob))
         else:
             raise TypeError(f"a receive manager does not take {type(msg).__name__}")
 

@@ -26,7 +26,7 @@ import torch
 from tetris.config import TransferConfig
 from tetris.kernels.kv_pack import packed_bytes_per_token
 from tetris.transfer.backends.base import TransferAgent
-from tetris.transfer.messages import (Abort, ControlMessage, Envelope, Grant, Handshake, LayersReady, PieceNotice,
+from tetris.transfer.messages import (Abort, ControlMessage, Envelope, FirstToken, Grant, Handshake, LayersReady, PieceNotice,
                                       TokenRange, TransferError, encode_notice)
 from tetris.transfer.states import ActivationGo, ShardSent, TransferEvent, TransferFailed, TransferState
 from tetris.transfer.traffic import LinkChunk, LinkScheduler, TrafficClass
@@ -116,6 +116,13 @@ class SendManager:
             shard.ready_layers = ready
             self._send(hs.receiver_id, LayersReady(request_id=request_id, sender_id=self.sender_id,
                                                    chunk_index=chunk_index, ready_layers=ready))
+
+    def first_token(self, request_id: str, receivers, token: int, logprob: bytes = b"") -> None:
+        """The request's first output token, sampled here: to each of ``receivers`` (the
+        request's decode ranks), after this sender's handshakes to them."""
+        for r in sorted(receivers):
+            self._send(r, FirstToken(request_id=request_id, sender_id=self.sender_id,
+                                     token=int(token), logprob=logprob))
 
     def deliver(self, msg: ControlMessage, now: float) -> None:
         if isinstance(msg, Grant):

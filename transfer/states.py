@@ -19,6 +19,7 @@ __all__ = [
     "TransferFailed",
     "MessageRejected",
     "ActivationGo",
+    "FirstTokenIn",
     "TransferEvent",
 ]
 
@@ -80,4 +81,13 @@ class ActivationGo(msgspec.Struct, frozen=True, tag=True):
     tag: str
 
 
-TransferEvent = RequestReady | ChunkArrived | ShardSent | TransferFailed | MessageRejected | ActivationGo
+class FirstTokenIn(msgspec.Struct, frozen=True, tag=True):
+    """Receiver: the request's first token came with its KV (``messages.FirstToken``)."""
+
+    request_id: str
+    token: int
+    logprob: bytes = b""
+
+
+TransferEvent = (RequestReady | ChunkArrived | ShardSent | TransferFailed | MessageRejected
+                 | ActivationGo | FirstTokenIn)

@@ -214,10 +214,14 @@ class DecodeInstance:
     def commit(self, request_id: str, first_token: int,
                logprob: TokenLogprob | None = None) -> None:
         """The prefill's first token (and its logprobs, when the request asked for them);
-        decoding starts once every rank also has the KV."""
+        decoding starts once every rank also has the KV. A prefill member that streams KV
+        sends the token with it (``FirstToken``): then this is not needed, and a call with
+        the same token is a no-op."""
         req = self._book.requests.get(request_id)
         if req is None or req.aborting:
             return   # aborted or failed meanwhile: its stream already says so
+        if req.first_token is not None and req.first_token == int(first_token):
+            return   # it came with the KV
         if not req.receiving or req.first_token is not None:
             raise ValueError(f"request {request_id!r} is not reserved or was already committed")
         req.first_token = int(first_token)

@@ -16,7 +16,7 @@ from tetris.errors import InstanceLost
 from tetris.sampling_params import SamplingParams
 from tetris.token_ids import TokenIds
 
-__all__ = ["Reserve", "Commit", "Add", "Abort", "Command", "Rejected", "Failed", "StepReply",
+__all__ = ["Reserve", "Commit", "Add", "Abort", "Command", "Rejected", "Failed", "FirstTokenArrived", "StepReply",
            "RankHeld", "DecodeFull", "DecodeError", "DecodeInstanceLost", "KVTransferFailed"]
 
 
@@ -74,6 +74,15 @@ class Failed(msgspec.Struct, frozen=True):
     reason: str
 
 
+class FirstTokenArrived(msgspec.Struct, frozen=True):
+    """The request's first token reached this rank with its KV (the prefill member that
+    sampled it sent it over the transfer): the driver commits without the dispatcher's."""
+
+    request_id: str
+    token: int
+    logprob: TokenLogprob | None = None
+
+
 class StepReply(msgspec.Struct, frozen=True):
     """One rank's answer to one round.
 
@@ -88,6 +97,7 @@ class StepReply(msgspec.Struct, frozen=True):
     rejected: list[Rejected]
     stats: EngineStats
     step_s: float = 0.0     # this rank's engine.step() time this round (0 without a model call)
+    first_tokens: list[FirstTokenArrived] = []   # this rank's since its previous reply
 
 
 class RankHeld(msgspec.Struct, frozen=True):

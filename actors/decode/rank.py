@@ -32,19 +32,21 @@ import threading
 import time
 from datetime import timedelta
 
+import msgspec
 import ray
 import torch
 import torch.distributed as dist
 
 from tetris.actors.decode.lockstep import Follower, Leader
-from tetris.actors.decode.messages import (Abort, Add, Command, Commit, Failed, RankHeld, Rejected,
-                                           Reserve, StepReply)
+from tetris.actors.decode.messages import (Abort, Add, Command, Commit, Failed, FirstTokenArrived,
+                                           RankHeld, Rejected, Reserve, StepReply)
 from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
 from tetris.config import DeploymentConfig, TransferConfig
 from tetris.engine.engine import EngineStats, LLMEngine
-from tetris.engine.request import OutputDelta
+from tetris.engine.request import OutputDelta, TokenLogprob
 from tetris.transfer.messages import AgentInfo, ControlMessage
-from tetris.transfer.states import MessageRejected, RequestReady, TransferEvent, TransferFailed
+from tetris.transfer.states import (FirstTokenIn, MessageRejected, RequestReady, TransferEvent,
+                                   TransferFailed)
 
 __all__ = ["DecodeRank", "DecodeRankActor", "EngineBlocks"]
 
@@ -97,6 +99,7 @@ class DecodeRank:
         self._events_lock = threading.Lock()
         self._ready: list[str] = []
         self._failed: list[Failed] = []
+        self._first: list[FirstTokenArrived] = []
         self._counts = _ControlCounts()
         # a rank > 0 steps on a thread of its own (``Follower``) while Ray calls (``held``,
         # ``stats``) come on the actor's: one step or read at a time
@@ -193,6 +196,10 @@ class DecodeRank:
                     self._ready.append(e.request_id)
                 elif isinstance(e, TransferFailed):
                     self._failed.append(Failed(e.request_id, e.reason))
+                elif isinstance(e, FirstTokenIn):
+                    logprob = (msgspec.msgpack.decode(e.logprob, type=TokenLogprob)
+                               if e.logprob else None)
+                    self._first.append(FirstTokenArrived(e.request_id, e.token, logprob))
                 elif isinstance(e, MessageRejected):
                     # the sender fails that shard: worth seeing in the actor's log
                     log.warning("decode-%d: rejected a message of %s from prefill %d: %s",
@@ -229,11 +236,12 @@ class DecodeRank:
         with self._events_lock:
             ready, self._ready = self._ready, []
             failed, self._failed = self._failed, []
+            first, self._first = self._first, []
         # deltas, not the engine's cumulative outputs: O(new tokens) per step on the wire
         deltas = [OutputDelta.of(o) for o in outputs] if self.tp_rank == 0 else []
         return StepReply(rank=self.tp_rank, outputs=deltas,
                          ready=ready, failed=failed, rejected=rejected, stats=engine.stats(),
-                         step_s=step_s)
+                         step_s=step_s, first_tokens=first)
 
     def _apply(self, cmd: Command) -> Rejected | None:
         engine = self._engine()

@@ -68,8 +68,9 @@ class RequestBook:
         return cmds
 
     def receiving(self) -> bool:
-        """Some rank still receives KV for a request."""
-        return any(r.receiving and len(r.ready_ranks) < self.tp_size
+        """Some rank still receives KV, or the first token (it comes with the KV), for a
+        request."""
+        return any(r.receiving and (len(r.ready_ranks) < self.tp_size or r.first_token is None)
                    for r in self.requests.values())
 
     def maybe_commit(self, request_id: str, req: RequestState) -> None:
@@ -123,6 +124,11 @@ class RequestBook:
                 if req is not None and req.receiving:
                     req.ready_ranks.add(reply.rank)
                     self.maybe_commit(request_id, req)
+            for first in reply.first_tokens:
+                req = self.requests.get(first.request_id)
+                if req is not None and req.receiving and req.first_token is None:
+                    req.first_token, req.first_logprob = first.token, first.logprob
+                    self.maybe_commit(first.request_id, req)
 
     @staticmethod
     def _output(req: RequestState, delta: OutputDelta) -> OutputDelta:

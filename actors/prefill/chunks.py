@@ -113,6 +113,7 @@ def prefill_result(plan: PrefillPlan, results: list[list[ChunkResult]], final: d
         first_token=first.first_token if first else None,
         logits=first.logits if first else None,
         first_logprob=first.first_logprob if first else None,
+        first_token_streamed=any(r.first_token_streamed for r in results[-1]),
         elapsed_s=elapsed,
         chunk_elapsed_s=tuple(max(r.elapsed_s for r in rs) for rs in results),
         balance_wait_s=sum(max(r.balance_wait_s for r in rs) for rs in results),

@@ -13,6 +13,7 @@ import time
 from array import array
 from typing import Protocol
 
+import msgspec
 import torch
 
 from tetris.actors.decode.emulated import PLACEHOLDER_TOKEN, WIRE_HEAD_DIM, torch_dtype
@@ -142,12 +143,14 @@ class ModelExecutor:
         sent = normalize_ranges([p for m in balancer.sends for p in m.positions])
         store.release(req, sent)
         token, logits, logprob = self._first_token(task, hidden, q_pos)
+        streamed = token is not None and bool(heads) and stream_first_token(
+            self.pump, task, token, logprob)
         return ChunkResult(
             request_id=req, chunk_index=task.chunk_index, instance=task.instance,
             rank=task.rank, elapsed_s=time.perf_counter() - t0,
             balance_wait_s=balancer.wait_s, balance_sent_tokens=balancer.sent_tokens,
             balance_recv_tokens=balancer.recv_tokens, first_token=token, logits=logits,
-            first_logprob=logprob,
+            first_logprob=logprob, first_token_streamed=streamed,
         )
 
     def _open_shards(self, task: ChunkTask) -> list[tuple[int, slice]]:
@@ -249,10 +252,12 @@ class EmulatedExecutor:
         last = task.prompt_tokens - 1
         holds_last = task.chunk_index == task.num_chunks - 1 and any(
             lo <= last < hi for lo, hi in mine)
+        streamed = holds_last and bool(wire) and stream_first_token(
+            self.pump, task, PLACEHOLDER_TOKEN, None)
         return ChunkResult(
             request_id=task.request_id, chunk_index=task.chunk_index, instance=task.instance,
             rank=task.rank, elapsed_s=self.clock() - t0, emulated=True,
-            first_token=PLACEHOLDER_TOKEN if holds_last else None,
+            first_token=PLACEHOLDER_TOKEN if holds_last else None, first_token_streamed=streamed,
         )
 
     def _open_shards(self, task: ChunkTask) -> list[tuple[int, torch.Tensor]]:
@@ -274,6 +279,15 @@ class EmulatedExecutor:
 
     def abort(self, request_id: str) -> None:
         return None
+
+
+def stream_first_token(pump, task: ChunkTask, token: int, logprob) -> bool:
+    """Send the first token to the request's decode ranks after this member's KV handshakes
+    (transfer ``FirstToken``), so decoding starts without a hop through the dispatcher."""
+    data = b"" if logprob is None else msgspec.msgpack.encode(logprob)
+    with pump.locked() as mgr:
+        mgr.first_token(task.request_id, task.kv_receivers, int(token), data)
+    return True
 
 
 def _group_attention(task: ChunkTask, blocks, link: PeerLink | None):

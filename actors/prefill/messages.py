@@ -113,6 +113,8 @@ class ChunkResult(msgspec.Struct, frozen=True):
     logits: list[float] | None = None
     emulated: bool = False
     first_logprob: TokenLogprob | None = None   # when ``sampling.logprobs`` asks for it
+    # the first token went to the decode ranks with the KV (transfer ``FirstToken``)
+    first_token_streamed: bool = False
 
 
 class PrefillResult(msgspec.Struct, frozen=True):
@@ -133,3 +135,6 @@ class PrefillResult(msgspec.Struct, frozen=True):
     # the first token's logprobs, when the request asked for them (the decode engines report
     # the later tokens'): ``LLMEngine.commit_prefilled`` takes them with the token
     first_logprob: TokenLogprob | None = None
+    # the member that sampled the first token sent it to the decode ranks with the KV: the
+    # decode instance starts without the dispatcher's ``commit``
+    first_token_streamed: bool = False

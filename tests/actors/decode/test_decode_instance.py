@@ -91,6 +91,11 @@ class TestSender:
         with self.pump.locked() as mgr:
             return sorted(mgr.shards)
 
+    def first_token(self, request_id: str, receivers, token: int) -> None:
+        """The first token, sent with the KV as the prefill member that sampled it does."""
+        with self.pump.locked() as mgr:
+            mgr.first_token(request_id, receivers, token)
+
 
 # Ray workers cannot import test modules: ship the test sender's class by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -265,6 +270,31 @@ def test_kv_fed_by_transfer_continues_like_single_engine(cluster, loop, referenc
     assert _tokens(outs_t1) == want["t1"]
     assert _tokens(outs_t2) == want["t2"]
     assert outs_t1[0].new_token_ids[0] == want["t1"][0]   # the stream starts with the first token
+    loop.run_until_complete(_wait_empty(inst, senders))
+
+
+def test_first_token_with_the_kv_starts_decoding_without_a_commit(cluster, loop, reference):
+    """The member that sampled the first token sends it with the KV (``FirstToken``; here
+    sender 1 to rank 1 only, before the KV: any rank's copy will do): the request decodes
+    like the single engine with no ``commit``; the dispatcher's commit of the same token
+    afterwards changes nothing, and a different token is refused."""
+    inst, senders = cluster
+    prompt = _prompt(11, 12)
+    want, kv = reference.generate(prompt), reference.prompt_kv(prompt)
+
+    async def body():
+        await inst.reserve("ft", prompt, GREEDY)
+        await senders[1].first_token.remote("ft", [inst.receiver_ids[1]], want[0])
+        await _send_kv(senders, "ft", kv, [(0, 5), (5, 11)])
+        stream = inst.stream("ft")
+        first = await asyncio.wait_for(anext(stream), 60)   # no commit: it must start alone
+        inst.commit("ft", want[0])                        # late, same token: a no-op
+        with pytest.raises(ValueError, match="already committed"):
+            inst.commit("ft", want[0] + 1)
+        return [first] + [out async for out in stream]
+
+    outs = loop.run_until_complete(body())
+    assert _tokens(outs) == want and outs[-1].finished
     loop.run_until_complete(_wait_empty(inst, senders))
 
 
