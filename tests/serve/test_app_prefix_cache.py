@@ -111,20 +111,34 @@ def test_shared_prefixes_are_served_from_the_cache_token_for_token(app):
     ref["again"] = ref["q1"]
 
     async def run():
-        out = {}
+        out, usage = {}, {}
         async with httpx.AsyncClient(timeout=120) as c:
             for name, prompt in prompts.items():   # one after another: each finds the last
-                r = await c.post(f"{base}/v1/completions", json={
-                    "model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
-                    "ignore_eos": True})
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                        "ignore_eos": True}
+                if name == "again":   # streamed: the usage comes in the last event
+                    body |= {"stream": True, "stream_options": {"include_usage": True}}
+                r = await c.post(f"{base}/v1/completions", json=body)
                 assert r.status_code == 200, r.text
-                out[name] = r.json()["choices"][0]["text"]
+                if name == "again":
+                    events = [json.loads(line[6:]) for line in r.text.splitlines()
+                              if line.startswith("data: {")]
+                    out[name] = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+                    usage[name] = events[-1]["usage"]
+                else:
+                    out[name] = r.json()["choices"][0]["text"]
+                    usage[name] = r.json()["usage"]
             plans = (await c.get(f"{base}/admin/plans")).json()
             cache = (await c.get(f"{base}/admin/prefix_cache")).json()
-        return out, plans, cache
+        return out, usage, plans, cache
 
-    out, plans, cache = asyncio.run(run())
+    out, usage, plans, cache = asyncio.run(run())
     assert out == {k: ref[k].text for k in prompts}
+    details = {k: u.get("prompt_tokens_details") for k, u in usage.items()}
+    assert details == {"q1": None, "q2": {"cached_tokens": 592},
+                       "again": {"cached_tokens": len(q1) - 1},
+                       "turn2": {"cached_tokens": 640}}
+    assert usage["turn2"]["prompt_tokens"] == len(turn2)
     cached = [p["cached_tokens"] for p in plans[-4:]]
     # q1 cold; q2 hits the document's whole blocks; q1 again hits all but its last token;
     # the second turn hits q1's 640 tokens (its answer's tokens were never prefilled).

@@ -101,11 +101,13 @@ def test_second_question_plans_from_the_first_and_the_cache_keeps_its_kv():
     d = _dispatcher(prefill, decode)
 
     async def scenario():
-        await _run(d, _req("q1", Q1))
-        await _run(d, _req("q2", Q2))
-        return await d.prefix_cache(), await d.prefix_cache(clear=True)
+        outs = [await _run(d, _req("q1", Q1)), await _run(d, _req("q2", Q2))]
+        return outs, await d.prefix_cache(), await d.prefix_cache(clear=True)
 
-    before, after = asyncio.run(scenario())
+    (o1, o2), before, after = asyncio.run(scenario())
+    # The hit is told once, on the client's first output.
+    assert [o.cached_tokens for o in o1] == [0, 0]
+    assert [o.cached_tokens for o in o2] == [512, 0]
     first, second = prefill.plans["q1"], prefill.plans["q2"]
     assert first.cached_tokens == 0
     assert second.cached_tokens == 512 and second.cached_source == "q1"

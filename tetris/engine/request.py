@@ -164,6 +164,9 @@ class OutputDelta(msgspec.Struct, frozen=True, array_like=True):
     finish_reason: str | None = None
     new_logprobs: tuple[TokenLogprob, ...] = ()
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    # Prompt tokens whose KV came from a prefix cache (set on a request's first delta by the
+    # served system's dispatcher; usage.prompt_tokens_details.cached_tokens)
+    cached_tokens: int = 0
 
     @classmethod
     def of(cls, out: RequestOutput) -> OutputDelta:
@@ -178,7 +181,8 @@ class OutputDelta(msgspec.Struct, frozen=True, array_like=True):
         prompt = self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs
         return OutputDelta(self.request_id, self.new_token_ids + later.new_token_ids,
                            self.new_text + later.new_text, later.num_tokens, later.finished,
-                           later.finish_reason, self.new_logprobs + later.new_logprobs, prompt)
+                           later.finish_reason, self.new_logprobs + later.new_logprobs, prompt,
+                           self.cached_tokens or later.cached_tokens)
 
 
 class Transcript:

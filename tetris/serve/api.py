@@ -283,6 +283,7 @@ async def _respond(backend, metrics: ServingMetrics, prepared: Prepared, text_of
                 if k >= len(started):   # the first outputs were tracked at the start
                     trackers[i].on_output(out)
                 wholes[i].add(out)
+                views[i].note(out)
     finally:
         for stream, _ in started:
             await stream.aclose()
@@ -293,7 +294,8 @@ async def _respond(backend, metrics: ServingMetrics, prepared: Prepared, text_of
 
 
 def _total_usage(prepared: Prepared, views: list[ChoiceView]) -> dict:
-    return usage(sum(prepared.prompt_tokens), sum(v.completion_tokens for v in views))
+    return usage(sum(prepared.prompt_tokens), sum(v.completion_tokens for v in views),
+                 sum(v.cached_tokens for v in views))
 
 
 async def enumerate_async(items):

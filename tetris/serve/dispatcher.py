@@ -254,6 +254,8 @@ class Dispatcher(DispatcherAdmin):
         await prefix_cache.index_run(self.control, self.prefill, aid)
         sent.stage = "decode"
         first_logprob = getattr(result, "first_logprob", None)   # when logprobs were asked for
+        # a prefix-cache hit is told once, on the client's first output
+        cached = 0 if resumed or sent.token_ids else plan.cached_tokens
         cursor: StreamCursor | None = None
         if resumed:
             cursor = StreamCursor(len(resumed), sent.chars)
@@ -261,13 +263,17 @@ class Dispatcher(DispatcherAdmin):
             cursor = self.first_token.open(req, int(result.first_token), first_logprob)
             if cursor is not None:
                 tl.first_token = self.clock()
-                yield cursor.first
+                first, cached = prefix_cache.told(cursor.first, cached)
+                yield first
         # the logprob goes along only when asked for (clients without logprobs need not take it)
         extra = () if first_logprob is None else (first_logprob,)
-        await self.decode.commit(instance, aid, int(result.first_token), *extra)
+        if not getattr(result, "first_token_streamed", False):
+            # else the sampling member sent the token with the KV: the instance has it
+            await self.decode.commit(instance, aid, int(result.first_token), *extra)
         if self.relay:   # the ingress streams the decode outputs itself (tetris.serve.relay)
             self._relay.open(aid)
-            yield DecodeHandoff(rid, aid, instance, *(cursor.sent if cursor else (0, 0)))
+            yield DecodeHandoff(rid, aid, instance, *(cursor.sent if cursor else (0, 0)),
+                                cached_tokens=cached)
             yield await self._relay_end(aid, tl, sent)
             return
         kv_arrived = False
@@ -281,6 +287,7 @@ class Dispatcher(DispatcherAdmin):
                     continue
                 if out.request_id != rid:   # under the client's id, whichever run made it
                     out = msgspec.structs.replace(out, request_id=rid)
+                out, cached = prefix_cache.told(out, cached)
                 yield out
                 if out.finished:
                     return

@@ -7,18 +7,22 @@
 3. ``index_run`` after a successful prefill: the run's blocks are indexed where its KV lies,
    and the runs the index lets go are released on the prefill pool;
 4. ``retained``: an indexed run's prefill KV is the cache's: it is not released when the KV
-   reached decode, nor aborted with the run; the index releases it (3, or ``clear``).
+   reached decode, nor aborted with the run; the index releases it (3, or ``clear``);
+5. ``told``: the client's first output carries the run's cached prompt tokens
+   (``usage.prompt_tokens_details.cached_tokens``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
+
 from tetris.config import PrefixCacheConfig
 from tetris.control import ControlPlane
 from tetris.control.prefix_index import PrefixIndex
 
-__all__ = ["block_hashes", "clear", "index_run", "make_index", "retained", "view"]
+__all__ = ["block_hashes", "clear", "index_run", "make_index", "retained", "told", "view"]
 
 
 def make_index(config: PrefixCacheConfig) -> PrefixIndex | None:
@@ -44,6 +48,13 @@ async def index_run(control: ControlPlane, prefill, run_id: str) -> None:
 async def release(runs: list[str], prefill) -> None:
     for run in runs:
         await prefill.release(run)
+
+
+def told(out, cached_tokens: int):
+    """``out`` carrying the run's cached prompt tokens if not told yet; (out, still to tell)."""
+    if not cached_tokens:
+        return out, 0
+    return msgspec.structs.replace(out, cached_tokens=cached_tokens), 0
 
 
 def retained(control: ControlPlane, run_id: str) -> bool:

@@ -41,6 +41,7 @@ class DecodeHandoff(msgspec.Struct, frozen=True):
     instance: int
     ids_sent: int = 0
     chars_sent: int = 0
+    cached_tokens: int = 0   # prefix-cache hit, told on the first output (dispatcher's note)
 
 
 class RelayReport(msgspec.Struct, frozen=True):
@@ -122,6 +123,8 @@ async def _relay(h: DecodeHandoff, stream, report: Report,
                     continue
                 if out.request_id != h.request_id:   # under the client's id, whichever run
                     out = msgspec.structs.replace(out, request_id=h.request_id)
+                if h.cached_tokens and not ids and not chars:
+                    out = msgspec.structs.replace(out, cached_tokens=h.cached_tokens)
                 ids.extend(out.new_token_ids)
                 chars += len(out.new_text)
                 yield out

@@ -58,9 +58,12 @@ class Prepared:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens:   # as OpenAI and vLLM report a prefix-cache hit
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 class ChoiceView:
@@ -70,6 +73,7 @@ class ChoiceView:
         self.p, self.c, self.text_of = prepared, choice, text_of
         self.started = False
         self.tokens = 0                 # output tokens reported so far
+        self.cached_tokens = 0          # prompt tokens from a prefix cache (first output says)
         self.finish_reason: str | None = None
         self.completion_lp = CompletionLogprobs(text_of)
 
@@ -79,7 +83,11 @@ class ChoiceView:
 
     @property
     def usage(self) -> dict:
-        return usage(len(self.c.gen.prompt_token_ids), self.completion_tokens)
+        return usage(len(self.c.gen.prompt_token_ids), self.completion_tokens, self.cached_tokens)
+
+    def note(self, out: OutputDelta) -> None:
+        """Keep what an output says beside its tokens (a prefix-cache hit)."""
+        self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
 
     # -- pieces -----------------------------------------------------------------------------
     def _echo(self, prompt_logprobs) -> tuple[str, dict | None]:
@@ -131,6 +139,7 @@ class ChoiceView:
         """The choice object of one streamed delta; None when it says nothing new."""
         first = not self.started
         self.tokens = out.num_tokens
+        self.note(out)
         finish = out.finish_reason if out.finished else None
         if self.p.prompt_only:
             if not first:
