@@ -85,8 +85,8 @@ def _member(rank, n, port, cases, repeats, queue):
         kv = torch.randn(blocks[rank].numel(), 2, g.num_kv_heads, g.head_dim)
         ring = RingAttention(group, rank, blocks, tag=1, timeout_s=120.0, link=world)
         a2a = AllToAllAttention(group, rank, q_pos, blocks, tag=2, timeout_s=120.0, link=world)
-        for name, layer in (("ring", lambda: _ring_layer(ring, kv)),
-                            ("a2a", lambda: _a2a_layer(a2a, q, kv, g))):
+        for name, layer in (("ring", lambda ring=ring, kv=kv: _ring_layer(ring, kv)),
+                            ("a2a", lambda a2a=a2a, q=q, kv=kv: _a2a_layer(a2a, q, kv, g))):
             times = []
             for _ in range(repeats + 1):          # the first is a warm-up
                 _barrier(world, rank, n)

@@ -302,6 +302,9 @@ class SpLayoutConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     inter_node_gbps: float = 25.0
     message_latency_s: float = 10e-6
     bytes_per_element: int = 2
+    # The ring's transfers hide behind its attention steps (Eq. 1's γ·h·l + δ·l²); False
+    # charges them in full: an upper bound on what another layout saves.
+    ring_overlap: bool = True
 
     def __post_init__(self) -> None:
         if "ring" not in self.layouts or any(x not in ("ring", "a2a") for x in self.layouts):

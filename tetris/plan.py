@@ -46,6 +46,9 @@ class Chunk(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     expected_end: float = 0.0
     sp_layout: str = "ring"        # one of SP_LAYOUTS
     sp_layout_reason: str = ""     # why this layout (the chooser's or the fallback's words)
+    # The layout's communication time minus the ring's, in the prediction (sp_comm.py); the
+    # simulator executes it too (a ring chunk: 0, Eq. 1 alone)
+    sp_layout_delta_s: float = 0.0
 
     @property
     def tokens(self) -> int:

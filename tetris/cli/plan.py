@@ -16,7 +16,7 @@ from tetris.scheduler.latency import ProfileError, load_profile
 from tetris.scheduler.layout_policy import assign_layouts
 from tetris.scheduler.policies import DEFAULT_MIN_CHUNK_TOKENS, CdspPolicy, PolicyError, make_policy
 from tetris.scheduler.pool import PoolError, PoolState
-from tetris.scheduler.sp_comm import LLAMA3_8B, CommLinks, LayoutChooser
+from tetris.scheduler.sp_comm import LLAMA3_8B, LayoutChooser
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -115,7 +115,7 @@ def _chooser(args: argparse.Namespace) -> LayoutChooser:
     LLaMA3 on A100; the 70B one at TP 4 has 8 KV heads / 4 = 2 per instance)."""
     cfg = SpLayoutConfig(layouts=tuple(x.strip() for x in args.sp_layouts.split(",")),
                          intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps)
-    return LayoutChooser(cfg.layouts, LLAMA3_8B, CommLinks.from_config(cfg))
+    return LayoutChooser.from_config(cfg, LLAMA3_8B)
 
 
 def _print_table(out: dict) -> None:

@@ -40,7 +40,8 @@ def assign_layouts(plan: PrefillPlan, chooser: LayoutChooser, pool: PoolState, n
         start = max(t_prev, busy)
         end = start + profile.predict(c.sp_size, c.start, c.tokens) + pick.delta_s
         chunks.append(msgspec.structs.replace(c, expected_start=start, expected_end=end,
-                                              sp_layout=pick.layout, sp_layout_reason=pick.reason))
+                                              sp_layout=pick.layout, sp_layout_reason=pick.reason,
+                                              sp_layout_delta_s=pick.delta_s))
         t_prev = end
     ttft = chunks[-1].expected_end - now if changed else plan.ttft_estimate
     return msgspec.structs.replace(plan, chunks=tuple(chunks), ttft_estimate=ttft)

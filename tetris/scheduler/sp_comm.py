@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 __all__ = [
     "LLAMA3_8B",
+    "LLAMA3_70B",
     "CommLinks",
     "LayoutChoice",
     "LayoutChooser",
@@ -57,6 +58,11 @@ class ModelGeometry(NamedTuple):
     def hidden(self) -> int:
         return self.num_heads * self.head_dim
 
+    def per_instance(self, tp_size: int) -> ModelGeometry:
+        """An instance of ``tp_size`` GPUs holds 1/tp of the heads (its own all-to-all)."""
+        return self._replace(num_heads=self.num_heads // tp_size,
+                             num_kv_heads=self.num_kv_heads // tp_size)
+
     @classmethod
     def from_model_config(cls, model, tp_size: int = 1) -> ModelGeometry:
         head_dim = model.head_dim or model.hidden_size // model.num_heads
@@ -64,8 +70,10 @@ class ModelGeometry(NamedTuple):
                    model.num_kv_heads // tp_size, head_dim)
 
 
-# The paper's 8B model (Tetris §7.1, CSPS §3.1): the simulator's cluster runs it at TP 1.
+# The paper's models (Tetris §7.1, CSPS §3.1); the simulator's clusters run 8B at TP 1 and
+# 70B at TP 4 (``per_instance``).
 LLAMA3_8B = ModelGeometry(num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128)
+LLAMA3_70B = ModelGeometry(num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128)
 
 
 class CommLinks(NamedTuple):
@@ -141,10 +149,17 @@ class LayoutChoice(NamedTuple):
 class LayoutChooser:
     """Picks each chunk's cheapest executable layout among ``layouts`` (ring on ties)."""
 
-    def __init__(self, layouts: Sequence[str], geometry: ModelGeometry, links: CommLinks):
+    def __init__(self, layouts: Sequence[str], geometry: ModelGeometry, links: CommLinks,
+                 ring_overlap: bool = True):
         self.layouts = tuple(layouts)
         self.geometry = geometry
         self.links = links
+        self.ring_overlap = ring_overlap   # False: attention hides no ring transfer
+
+    @classmethod
+    def from_config(cls, cfg, geometry: ModelGeometry) -> LayoutChooser:
+        """From a ``SpLayoutConfig``."""
+        return cls(cfg.layouts, geometry, CommLinks.from_config(cfg), cfg.ring_overlap)
 
     @property
     def ring_only(self) -> bool:
@@ -159,6 +174,7 @@ class LayoutChooser:
     def choose(self, members: Sequence[int], node_of: Sequence[int], history: int,
                tokens: int, attention_s: float = 0.0) -> LayoutChoice:
         counts = node_counts(members, node_of)
+        attention_s = attention_s if self.ring_overlap else 0.0
         times = {x: layout_time(x, self.geometry, self.links, counts, history, tokens,
                                 attention_s) for x in self.layouts}
         best, notes = "ring", []

@@ -20,6 +20,7 @@ from typing import Any, Iterable, Sequence
 import msgspec
 import numpy as np
 
+from tetris.config import SpLayoutConfig
 from tetris.scheduler.execution import LatencyFn, execution_latency
 from tetris.scheduler.latency import PrefillLatencyModel, load_profile
 from tetris.scheduler.policies import make_policy
@@ -60,6 +61,7 @@ class RunSpec(msgspec.Struct, frozen=True):
     rate_min_arrivals: int = 100       # RateMonitor.min_arrivals: a sparse window (70B) stretches
     output_mean: float = OUTPUT_LENGTHS.mean_tokens   # mean output tokens (named workloads only)
     execution: str = "profile"         # chunk times on the simulated hardware: profile | measured
+    sp_layout: SpLayoutConfig = SpLayoutConfig()   # per-chunk layout choice (scheduler/sp_comm.py)
 
 
 def rate_table_path(model: str, workload: str) -> Path:
@@ -127,6 +129,8 @@ def run_one(spec: RunSpec, requests: list[SimRequest] | None = None,
     policy = make_policy(spec.policy, lat, sp_candidates=cluster.sp_candidates,
                          min_chunk_tokens=spec.min_chunk_tokens,
                          improvement_rate=0.3 if theta is None else theta)
+    if spec.sp_layout.layouts != ("ring",):
+        policy = _layout_policy(policy, spec.sp_layout, cluster, lat)
     step, router = _decode_side(cluster) if spec.decode else (None, None)
     control = ControlPlane(policy, PrefillQueue(cluster.node_of()), router,
                            improvement_rate=theta, monitor=monitor)
@@ -134,6 +138,17 @@ def run_one(spec: RunSpec, requests: list[SimRequest] | None = None,
                      record=spec.record, workload=spec.workload, seed=spec.seed, rate=spec.rate,
                      execution=execution_fn(spec.model, spec.execution), **simulation)
     return sim.run(), sim
+
+
+def _layout_policy(policy, cfg: SpLayoutConfig, cluster: ClusterSpec, lat: PrefillLatencyModel):
+    """Plans with each chunk's cheapest SP layout (CSPS Appendix A costs over ``cfg``'s links);
+    the simulated chunk then takes Eq. 1 plus that layout's delta."""
+    from tetris.scheduler.layout_policy import LayoutPolicy
+    from tetris.scheduler.sp_comm import LLAMA3_8B, LLAMA3_70B, LayoutChooser
+
+    full = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}[cluster.model]
+    return LayoutPolicy(policy, LayoutChooser.from_config(
+        cfg, full.per_instance(cluster.prefill_tp)), lat)
 
 
 def sweep(base: RunSpec, policies: Sequence[str], rates: Sequence[float],
