@@ -133,3 +133,19 @@ def test_no_spread_when_the_batches_involved_lose_more_than_the_request_gains():
     # ... but instance 1's 60 requests read 500K more tokens and instance 0's wait for them
     touched = (0, 1)
     assert placer.mean_step_time(group, touched) > placer.mean_step_time(whole, touched)
+
+
+def test_losing_a_holder_names_every_run_with_a_range_there():
+    placer = _placer(n=3, spread_for_time=False)
+    placer.router.update(0, 700_000, 0)
+    placer.router.update(1, 600_000, 0)
+    placer.router.update(2, 100_000, 0)
+    split = placer.place("split", 1_000_000)          # 1 holds a range, 0 is master
+    whole = placer.place("small", 50_000)
+    assert split.instances == (0, 1) and whole.instances == (0,)
+    assert placer.runs_on(1) == ["split"]             # a holder's loss takes the request down
+    assert placer.runs_on(0) == ["small", "split"]
+    assert placer.runs_on(2) == []
+    for run in placer.runs_on(1):                     # resume path: everything it held goes
+        placer.finished(run)
+    assert placer.router.virtual == [50_000, 0, 0]

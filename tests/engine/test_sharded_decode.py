@@ -145,3 +145,18 @@ def test_a_prompt_larger_than_every_holder_is_served_by_their_sum(tiny_model):
     # 50 + 19 appended = 69 tokens: holder 1 fills its 32 slots, then the freest (2) takes over
     assert [(s.holder, s.start, s.end) for s in dec.requests["big"].shards] == [
         (0, 0, 25), (1, 25, 57), (2, 57, 69)]
+
+
+def test_abort_mid_decode_frees_every_range_and_the_others_go_on(tiny_model):
+    model, tok = tiny_model
+    prompts = _prompts([30, 11], seed=17)
+    expected = _engine_tokens(model, tok, prompts[1:], 8)
+    dec = _decoder(model, [16, 16, 16])
+    dec.place_prefilled("gone", prompts[0], [(0, 0, 10), (1, 10, 20), (2, 20, 30)], 8)
+    dec.place_prefilled("kept", prompts[1], [(1, 0, 11)], 8)
+    dec.step()
+    dec.step()
+    dec.free("gone")
+    assert [h.blocks.num_free_blocks for h in dec.holders] == [16, 12, 16]   # kept: 13 tokens, 4 blocks
+    assert _run(dec, ["kept"], model) == expected
+    assert dec.traffic == []                              # kept is on one holder: nothing moves

@@ -12,7 +12,8 @@ Lifecycle of one run here (beside the ``ControlPlane``'s, on the same ``DecodeRo
 2. ``arrived(run_id)``: every range's KV is on its holder; the virtual usage goes;
 3. ``consolidation(run_id, remaining_steps)``: a range worth moving onto its master now
    that others finished (LoongServe §1.5), by ``ExchangeModel.choose``; ``moved`` records it;
-4. ``finished(run_id)``: whatever is still booked goes (idempotent).
+4. ``finished(run_id)``: whatever is still booked goes (idempotent); ``runs_on(instance)``
+   names the runs a lost instance takes down (a holder's loss too).
 
 When a group is chosen (``ElasticConfig``, off by default: placement is then the router's
 whole-request choice, bit for bit):
@@ -257,6 +258,11 @@ class ElasticPlacer:
     def finished(self, run_id: str) -> None:
         self.arrived(run_id)
         self.groups.pop(run_id, None)
+
+    def runs_on(self, instance: int) -> list[str]:
+        """Runs with any range on ``instance``, sorted: losing it loses each of them (every
+        one goes down the resume path, not only those it masters)."""
+        return sorted(run for run, g in self.groups.items() if instance in g.instances)
 
     # -- consolidation (LoongServe §1.5) -----------------------------------------------------
     def consolidation(self, run_id: str, remaining_steps: int) -> ShardRange | None:
