@@ -160,3 +160,25 @@ def test_abort_mid_decode_frees_every_range_and_the_others_go_on(tiny_model):
     assert [h.blocks.num_free_blocks for h in dec.holders] == [16, 12, 16]   # kept: 13 tokens, 4 blocks
     assert _run(dec, ["kept"], model) == expected
     assert dec.traffic == []                              # kept is on one holder: nothing moves
+
+
+def test_an_engine_holds_a_range_beside_its_own_batch(tiny_model):
+    model, tok = tiny_model
+    prompts = _prompts([26, 9], seed=19)
+    expected = _engine_tokens(model, tok, prompts, 10)
+    engine = LLMEngine(model, tok, num_blocks=32, block_size=BS)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    engine.add_request("own", prompts[1], params)
+    dec = ShardedDecoder(model, [ShardHolder(0, model, 32, BS), ShardHolder.of_engine(1, engine)])
+    dec.place_prefilled("split", prompts[0], [(1, 0, 13), (0, 13, 26)], 10)
+    assert engine.num_free_blocks == 32 - 4             # the engine's pool holds the range
+    own = None
+    while engine.has_unfinished() or not dec.requests["split"].finished:
+        dec.step()                                       # the engine's cache answers q ...
+        for out in engine.step():                        # ... and runs its own request
+            if out.finished:
+                own = list(out.token_ids)
+    assert dec.requests["split"].output_token_ids == expected[0]
+    assert own == expected[1]
+    dec.free("split")
+    assert engine.num_free_blocks == 32

@@ -61,6 +61,19 @@ class ShardHolder:
         self.blocks = BlockManager(num_blocks, block_size)
         self.cache = KVCache.for_model(model, num_blocks, block_size)
 
+    @classmethod
+    def of_engine(cls, index: int, engine) -> ShardHolder:
+        """A holder on an ``LLMEngine``'s own cache and block manager: its ranges take blocks
+        from the pool the engine's sequences use (a decode instance holding ranges for
+        masters elsewhere beside its own batch; ``engine.num_free_blocks`` counts them)."""
+        holder = cls.__new__(cls)
+        holder.index = index
+        holder.model = engine.model
+        holder.blocks = engine.blocks
+        holder.block_size = engine.blocks.block_size
+        holder.cache = engine.cache
+        return holder
+
     @property
     def free_tokens(self) -> int:
         return self.blocks.num_free_blocks * self.block_size
