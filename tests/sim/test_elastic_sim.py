@@ -110,3 +110,18 @@ def test_a_range_moves_onto_its_master_once_others_finish():
     assert max(sim.decoders[0].step_durations) > copy    # the step that paid for it
     assert all(d.used_tokens == 0 and not d.held for d in sim.decoders)
     assert placer.router.virtual == [0, 0] and placer.groups == {}
+
+
+def test_on_the_cluster_run_spreads_the_tail_and_frees_everything():
+    spec = RunSpec(model="8b", workload="long", rate=0.5, requests=40, improvement_rate=0.3)
+    reqs = with_tail(make_requests("long", 0.5, 40, 0), 10, 1_000_000)
+    res, sim = run_elastic(spec, ElasticConfig(enabled=True), reqs)
+    sharded = {r.request_id for r in sim.decode_reqs if r.remote}
+    tails = {r.request_id for r in reqs if r.prompt_tokens == 1_000_000}
+    assert sharded and sharded <= tails                  # the long ones spread, onto idle instances
+    assert all(sim.groups[rid].sharded for rid in sharded)
+    assert all(r.finish_time == r.finish_time for r in sim.decode_reqs)
+    assert all(d.used_tokens == 0 and not d.held for d in sim.decoders)
+    assert sim.control.held()["virtual_usage"] == 0 and sim.placer.groups == {}
+    plain, _ = run_one(spec, reqs)
+    assert res.ttft_s == plain.ttft_s                    # the prefill side is untouched
