@@ -17,7 +17,7 @@ request's retries.
 
 from __future__ import annotations
 
-__all__ = ["InstanceLost", "InstanceReplacing", "PlanOutdated"]
+__all__ = ["InstanceLost", "InstanceReplacing", "PlanOutdated", "PrefixMissing"]
 
 
 class InstanceLost(RuntimeError):
@@ -27,6 +27,19 @@ class InstanceLost(RuntimeError):
 class PlanOutdated(InstanceLost):
     """The run's plan was made before one of its instances' worker was found dead and its
     chunk there had not started: plan the request again (it lost no work on that worker)."""
+
+
+class PrefixMissing(PlanOutdated):
+    """The run's plan read a cached prefix (prefix caching) whose KV is no longer whole where
+    the index said (its worker was replaced, say): forget ``source`` and plan the request
+    again; nothing was computed yet."""
+
+    def __init__(self, message: str, source: str = "") -> None:
+        super().__init__(message)
+        self.source = source
+
+    def __reduce__(self):   # keeps ``source`` across processes
+        return (type(self), (str(self), self.source))
 
 
 class InstanceReplacing(RuntimeError):

@@ -5,7 +5,8 @@ cached_tokens``) runs only its chunks; the prefix is history its source run left
 1. Before the first chunk, every holder copies the source run's KV below ``cached_tokens`` that
    it holds under the new run's id (``PagedKVStore.copy_prefix``), so that the source may be
    freed (the control plane's index decides when) while the new run goes on.
-2. The copies together must be exactly ``[0, cached_tokens)``; they are the layout's history
+2. The copies together must be exactly ``[0, cached_tokens)`` (else ``PrefillPrefixMissing``:
+   the dispatcher forgets the source and plans again); they are the layout's history
    before chunk 0 (``plan_layout(..., cached)``), and cache balancing spreads them to the
    members chunk 0 adds, as between chunks.
 3. With ``kv_receivers``, every holder streams its copy to each decode rank (its head slice)
@@ -24,9 +25,18 @@ import torch
 from tetris.actors.prefill.messages import PrefillError
 from tetris.actors.prefill.zigzag import Ranges, normalize_ranges, ranges_len
 
+from tetris.errors import PrefixMissing
 from tetris.plan import PrefillPlan
 
-__all__ = ["PREFIX_CHUNK", "adopt_prefix", "stream_prefix"]
+__all__ = ["PREFIX_CHUNK", "PrefillPrefixMissing", "adopt_prefix", "stream_prefix"]
+
+
+class PrefillPrefixMissing(PrefillError, PrefixMissing):
+    """The cached prefix a plan reads is not whole on its holders: the dispatcher forgets the
+    source and plans the request again (``PrefixMissing``)."""
+
+    def __init__(self, message: str, source: str = "") -> None:
+        PrefixMissing.__init__(self, message, source)
 
 # The chunk index of a cached prefix's shards: before every chunk of the plan (0, 1, ...).
 PREFIX_CHUNK = -1
@@ -49,9 +59,10 @@ def adopt_prefix(pool, plan: PrefillPlan, opts) -> dict[int, Ranges]:
     except ValueError:   # overlapping copies
         ok = False
     if not ok:
-        raise PrefillError(f"request {plan.request_id}: the cached prefix [0, "
-                           f"{plan.cached_tokens}) of {plan.cached_source!r} is not whole on "
-                           f"prefill instances {holders} (they hold {held})")
+        raise PrefillPrefixMissing(
+            f"request {plan.request_id}: the cached prefix [0, {plan.cached_tokens}) of "
+            f"{plan.cached_source!r} is not whole on prefill instances {holders} (they hold "
+            f"{held})", plan.cached_source)
     return held
 
 

@@ -133,7 +133,9 @@ def test_no_leak_after_a_random_mixed_run():
     inserted: set[str] = set()
     released: set[str] = set()
     for i in range(300):
-        if running and rng.random() < 0.45:
+        if inserted and rng.random() < 0.05:   # a worker replaced: a source's KV is gone
+            idx.forget(rng.choice(sorted(inserted)))
+        elif running and rng.random() < 0.45:
             run = running.pop(rng.randrange(len(running)))
             idx.release(run)
             if rng.random() < 0.7:   # finished (not aborted): its prompt is cached
@@ -164,3 +166,22 @@ def test_config_section_defaults_and_validation():
                                                  capacity_blocks=4096)
     with pytest.raises(ValueError):
         PrefixCacheConfig(block_tokens=0)
+
+
+def test_a_forgotten_source_stops_matching_and_leaves_once_unreferenced():
+    idx = PrefixIndex(B, capacity_blocks=16)
+    a = idx.hashes(list(range(12)))
+    idx.insert("a", a, LOC_A)
+    idx.acquire("r", idx.match(a[:2]))     # a running run reads two of a's blocks
+    idx.forget("a")
+    assert idx.match(a).blocks == 0        # the KV is gone: no new run may read it
+    assert len(idx) == 2 and idx.drain_released() == []
+    idx.check()
+    idx.release("r")                       # the reader is over: the rest goes, "a" with it
+    assert len(idx) == 0 and idx.drain_released() == ["a"]
+    idx.check()
+    # A newer run re-inserting the same prefix makes it match again.
+    idx.insert("b", a, LOC_B)
+    assert idx.match(a).source == "b"
+    idx.forget("nobody")
+    idx.check()

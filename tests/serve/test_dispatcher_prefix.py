@@ -11,6 +11,7 @@ import pytest
 
 from tetris.config import PrefixCacheConfig, load_deployment
 from tetris.engine.request import OutputDelta
+from tetris.errors import PrefixMissing
 from tetris.sampling_params import SamplingParams
 from tetris.serve.dispatcher import Dispatcher
 from tetris.serve.metrics import ServingMetrics
@@ -24,10 +25,11 @@ class _Result(msgspec.Struct):
 
 
 class Prefill:
-    def __init__(self) -> None:
+    def __init__(self, lost_sources=()) -> None:
         self.plans: dict[str, object] = {}
         self.released: list[str] = []
         self.aborted: list[str] = []
+        self.lost_sources = set(lost_sources)   # their KV is gone (a worker was replaced)
 
     async def commit(self, plan, wait_replacing=False):
         return None
@@ -37,6 +39,8 @@ class Prefill:
 
     async def run(self, plan, token_ids, sampling, kv_receivers):
         self.plans[plan.request_id] = plan
+        if plan.cached_source in self.lost_sources:
+            raise PrefixMissing(f"{plan.cached_source} is gone", plan.cached_source)
         return _Result(first_token=int(token_ids[-1]) % 7, elapsed_s=0.01)
 
     async def release(self, request_id):
@@ -154,3 +158,22 @@ def test_disabled_cache_plans_and_frees_as_before():
     assert prefill.plans["q2"].cached_tokens == 0
     assert prefill.released == ["q1", "q2"]
     assert "prefix_refs" not in d.held()
+
+
+def test_a_prefix_gone_from_the_pool_is_forgotten_and_the_request_planned_again():
+    prefill, decode = Prefill(lost_sources={"q1"}), Decode()
+    d = _dispatcher(prefill, decode)
+
+    async def scenario():
+        await _run(d, _req("q1", Q1))
+        outs = await _run(d, _req("q2", Q2))
+        return outs, await d.prefix_cache()
+
+    outs, cache = asyncio.run(scenario())
+    # q2's first run read q1's prefix and found it gone; its run again computed it whole.
+    assert prefill.plans["q2"].cached_tokens == 512 and prefill.aborted == ["q2"]
+    again = [p for rid, p in prefill.plans.items() if rid.startswith("q2") and rid != "q2"]
+    assert len(again) == 1 and again[0].cached_tokens == 0
+    assert outs[-1].finished and [o.cached_tokens for o in outs] == [0, 0]
+    assert "q1" in prefill.released   # forgotten, and released once nothing read it
+    assert cache["hits"] == 1 and d.held()["prefix_refs"] == 0

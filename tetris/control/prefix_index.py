@@ -22,7 +22,9 @@ Lifecycle of a run that uses the cache:
    evicting the least recently used unreferenced blocks (deepest first on ties) past
    ``capacity_blocks``;
 5. ``drain_released()``: sources none of whose blocks is indexed and none pinned: their KV
-   may be freed by whoever holds it.
+   may be freed by whoever holds it;
+6. ``forget(source)``: the source's KV is gone (a worker replaced): its blocks stop matching at
+   once and leave the index as soon as no run references them.
 
 Pure: no Ray, no torch, no clock (recency is an insertion order).
 """
@@ -100,6 +102,7 @@ class PrefixIndex:
         self._source_blocks: dict[str, int] = {}
         self._source_pins: dict[str, int] = {}
         self._released: list[str] = []
+        self._dead: set[str] = set()            # forgotten sources still referenced
         self.queries = 0
         self.hits = 0
         self.hit_tokens = 0
@@ -113,7 +116,8 @@ class PrefixIndex:
         but the hit counters)."""
         n = 0
         for h in hashes:
-            if h not in self._blocks:
+            b = self._blocks.get(h)
+            if b is None or b.source in self._dead:
                 break
             n += 1
         self.queries += 1
@@ -156,7 +160,10 @@ class PrefixIndex:
             b = self._blocks[h]
             b.refs -= 1
             if b.refs == 0:
-                self._free[h] = None
+                if b.source in self._dead:   # its KV is gone: out of the index now
+                    self._drop(h)
+                else:
+                    self._free[h] = None
         pins = self._source_pins[hit.source] - 1
         if pins:
             self._source_pins[hit.source] = pins
@@ -215,7 +222,25 @@ class PrefixIndex:
                 and source in self._sources:
             del self._sources[source]
             self._source_blocks.pop(source, None)
+            self._dead.discard(source)
             self._released.append(source)
+
+    def _drop(self, h: int) -> None:
+        """Take an unreferenced block out (not in the free list)."""
+        source = self._blocks.pop(h).source
+        self._source_blocks[source] -= 1
+        self._maybe_release(source)
+
+    def forget(self, source: str) -> None:
+        """``source``'s KV is gone: its blocks match no more and leave the index (at once, or
+        when the last run referencing them lets go); released as usual once none is left."""
+        if source not in self._sources:
+            return
+        self._dead.add(source)
+        for h in [h for h, b in self._blocks.items() if b.source == source and not b.refs]:
+            del self._free[h]
+            self._drop(h)
+        self._maybe_release(source)
 
     def drain_released(self) -> list[str]:
         """Sources whose KV nothing needs any longer, in the order they were let go."""
@@ -260,4 +285,7 @@ class PrefixIndex:
         assert kept == per_source, "per-source block counts disagree"
         for s in self._sources:
             assert per_source.get(s) or pins.get(s), f"source {s!r} kept for nothing"
+        assert self._dead <= set(self._sources), "a forgotten source outlived its release"
+        for h, b in self._blocks.items():
+            assert b.source not in self._dead or b.refs, f"block {h:x} of a forgotten source"
         assert set(self._sources) >= set(per_source) | set(pins), "a block names a lost source"

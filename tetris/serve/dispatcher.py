@@ -180,6 +180,7 @@ class Dispatcher(DispatcherAdmin):
                     if tl.retries - sent.outdated >= self.retries and not outdated:
                         raise
                     sent.outdated += outdated
+                    prefix_cache.forget_missing(self.control, e)
                     log.warning("request %s lost its instance during %s (%s); running it again "
                                 "from its %d output tokens", rid, sent.stage, e, len(sent.token_ids))
                     await self._free(attempt_id(rid, tl.retries), tl.decode_instance, completed=False)

@@ -9,7 +9,9 @@
 4. ``retained``: an indexed run's prefill KV is the cache's: it is not released when the KV
    reached decode, nor aborted with the run; the index releases it (3, or ``clear``);
 5. ``told``: the client's first output carries the run's cached prompt tokens
-   (``usage.prompt_tokens_details.cached_tokens``).
+   (``usage.prompt_tokens_details.cached_tokens``);
+6. ``forget_missing``: a run whose cached prefix was gone on the pool (``PrefixMissing``, a
+   ``PlanOutdated``: run again, not charged as a retry) makes the index forget its source.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import msgspec
 from tetris.config import PrefixCacheConfig
 from tetris.control import ControlPlane
 from tetris.control.prefix_index import PrefixIndex
+from tetris.errors import PrefixMissing
 
-__all__ = ["block_hashes", "clear", "index_run", "make_index", "retained", "told", "view"]
+__all__ = ["block_hashes", "clear", "forget_missing", "index_run", "make_index", "retained",
+           "told", "view"]
 
 
 def make_index(config: PrefixCacheConfig) -> PrefixIndex | None:
@@ -55,6 +59,13 @@ def told(out, cached_tokens: int):
     if not cached_tokens:
         return out, 0
     return msgspec.structs.replace(out, cached_tokens=cached_tokens), 0
+
+
+def forget_missing(control: ControlPlane, error: BaseException) -> None:
+    """A run found its cached prefix gone (``PrefixMissing``): the index forgets that source,
+    so the run's next plan, and every later one, computes the prefix again."""
+    if isinstance(error, PrefixMissing) and control.prefix_index is not None and error.source:
+        control.prefix_index.forget(error.source)
 
 
 def retained(control: ControlPlane, run_id: str) -> bool:

@@ -179,3 +179,18 @@ def test_interleaved_runs_stay_exact_while_the_cache_evicts(pool, model, deploym
         released.append(gone)
     assert sorted(released) == sorted(f"ev{k}" for k in range(len(order)))
     assert not any(pool.held_requests().values())
+
+
+def test_a_prefix_gone_from_its_holders_fails_the_run_as_plan_again(pool):
+    from tetris.errors import PlanOutdated, PrefixMissing
+
+    ids = _ids(300, seed=9)
+    source = forced_plan("gone-src", 300, "restx2", pool.node_of)
+    pool.run(source, ids)
+    pool.release(source.request_id)          # e.g. its worker was replaced: the KV is gone
+    plan = PrefillPlan("gone", 300, (Chunk(256, 300, source.instances),), cached_tokens=256,
+                       cached_instances=source.instances, cached_source="gone-src")
+    with pytest.raises(PrefixMissing) as err:
+        pool.run(plan, ids)
+    assert isinstance(err.value, PlanOutdated) and err.value.source == "gone-src"
+    assert not any(pool.held_requests().values())
