@@ -144,3 +144,52 @@ def test_a_drop_that_loses_a_layer_is_refused_and_changes_nothing():
             drop(engines, ranges)
         assert [(e.runner, e.blocks, e.cache, len(list(e.model.layers.parameters())))
                 for e in engines] == before
+
+
+def _run_tokens(engines, tokens, steps=None):
+    """``_run`` keeping each request's cumulative token ids (no logprobs asked)."""
+    n = 0
+    while any(e.has_unfinished() for e in engines) and (steps is None or n < steps):
+        for e in engines:
+            for out in e.step():
+                tokens[out.request_id] = list(out.token_ids)
+        n += 1
+
+
+@pytest.mark.parametrize("dead", [0, 1])
+def test_a_member_lost_mid_pipeline_resumes_its_requests_on_rebuilt_survivors(dead):
+    import torch
+    from tetris.actors.prefill.executor import sample_first_token
+    from tetris.kernels.paged_decode import write_kv
+
+    from tests.engine.test_engine import _prefill_kv
+    from tetris.engine.pipeline_group import lose_member
+
+    params = [msgspec.structs.replace(p, logprobs=None) for p in _params(True)]
+    ref, expected = _engine(), {}
+    for i, p in enumerate(PROMPTS):
+        ref.add_request(f"r{i}", p, params[i])
+    _run_tokens([ref], expected)
+    engines, tokens = [_engine() for _ in range(3)], {}
+    for i, p in enumerate(PROMPTS):
+        engines[0].add_request(f"r{i}", p, params[i])
+    _run_tokens([engines[0]], tokens, steps=3)
+    group = drop(engines, [(0, 2), (2, 4), (4, 6)])
+    _run_tokens([engines[0]], tokens, steps=3)
+    host, _ = load_model(CFG)                  # the host/checkpoint copy of the weights
+    survivors, resumes = lose_member(group, dead, lambda i: host.layers[i].state_dict())
+    assert len(survivors) == 2 and engines[dead] not in survivors
+    unfinished = [f"r{i}" for i, n in enumerate(MAX_TOKENS) if len(tokens[f"r{i}"]) < n]
+    assert sorted(r.request_id for r in resumes) == unfinished
+    home = survivors[0]
+    for r in resumes:                          # the resume path: prefill elsewhere, reserve
+        assert list(r.generated) == tokens[r.request_id]
+        full = list(r.prompt_token_ids) + list(r.generated)
+        slots = torch.tensor(home.reserve(r.request_id, r.prompt_token_ids, r.params,
+                                          r.generated))
+        kv, _, logits = _prefill_kv(host, full)
+        for i, (k, v) in enumerate(kv):
+            write_kv(home.cache.k[i], home.cache.v[i], k, v, slots)
+        home.commit_prefilled(r.request_id, sample_first_token(logits, r.params, len(full)))
+    _run_tokens(survivors, tokens)
+    assert tokens == expected

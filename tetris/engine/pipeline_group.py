@@ -21,6 +21,9 @@ is the engine package's own mechanism); the decode actors can wrap it per member
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import msgspec
 import torch
 
 from tetris.engine.block_manager import BlockManager
@@ -35,8 +38,9 @@ from tetris.engine.pipeline import (
     layer_bytes,
 )
 from tetris.engine.request import SequenceStatus
+from tetris.sampling_params import SamplingParams
 
-__all__ = ["PipelineGroup", "drop", "layer_block_bytes"]
+__all__ = ["PipelineGroup", "Resume", "drop", "layer_block_bytes", "lose_member"]
 
 
 def layer_block_bytes(engine: LLMEngine) -> int:
@@ -187,12 +191,12 @@ class PipelineGroup:
         self._split_requests(homes, new_blocks)
         self.runner = None
 
-    def _pull_layers(self, j: int) -> None:
+    def _pull_layers(self, j: int, skip: int | None = None) -> None:
         engine = self.engines[j]
         start = self.ranges[j][0]
         model = engine.model
         for k, (s, e) in enumerate(self.ranges):
-            if k == j:
+            if k in (j, skip):
                 continue
             src = self.engines[k].model
             for i in range(s, e):
@@ -232,6 +236,59 @@ class PipelineGroup:
             b.waiting.extend(s for s in queues[1] if homes[s.request_id] == j)
             b.ready.extend(s for s in queues[2] if homes[s.request_id] == j)
             engine._seqs.update({r: s for r, s in seqs.items() if homes[r] == j})
+
+
+class Resume(msgspec.Struct, frozen=True):
+    """A request to run again on the resume path (``LLMEngine.reserve(..., generated)``)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    generated: tuple[int, ...]     # output tokens the client already has
+    params: SamplingParams
+
+
+def lose_member(group: PipelineGroup, dead: int,
+                layer_source: Callable[[int], dict]) -> tuple[list[LLMEngine], list[Resume]]:
+    """Member ``dead`` failed mid-pipeline (KunServe §4.4 fault tolerance).
+
+    Its layers' KV is gone, so every request of the group leaves with the tokens it has
+    streamed, for the resume path; each survivor becomes an undropped engine again, pulling
+    the layers a survivor kept from it and the dead member's layers from ``layer_source``
+    (layer -> state dict: a host-memory or checkpoint copy). Returns (survivors, resumes).
+    """
+    leader = group.leader
+    resumes = []
+    for rid, seq in list(leader._seqs.items()):
+        n = len(seq.prompt_token_ids)
+        resumes.append(Resume(rid, tuple(seq.prompt_token_ids), tuple(seq.tokens[n:]),
+                              seq.params))
+        leader.abort_request(rid)
+    gone = {r.request_id for r in resumes}
+    leader._pending = [o for o in leader._pending if o.request_id not in gone]
+    start, end = group.ranges[dead]
+    bs = leader.blocks.block_size
+    survivors = []
+    for j, e in enumerate(group.engines):
+        if j == dead:
+            continue
+        for i in range(start, end):
+            layer = _empty_layer(e.model)
+            layer.load_state_dict(layer_source(i))
+            e.model.layers[i] = layer
+        group._pull_layers(j, skip=dead)
+        e.cache = KVCache.for_model(e.model, group._base_blocks[j], bs)
+        e.blocks = e.batcher.blocks = BlockManager(group._base_blocks[j], bs)
+        e.runner = ModelRunner(e.model, e.cache, cuda_graphs=False)
+        e._usable_blocks = group._base_blocks[j]
+        survivors.append(e)
+    group.runner = None
+    return survivors, resumes
+
+
+def _empty_layer(model):
+    """A decoder layer shaped for ``model``, weights to be loaded (the class of its own)."""
+    kept = next(layer for layer in model.layers if hasattr(layer, "self_attn"))
+    return type(kept)(model.cfg, model.tp_group, model.dtype, model.device)
 
 
 def drop(engines: list[LLMEngine], ranges: list[tuple[int, int]]) -> PipelineGroup:
