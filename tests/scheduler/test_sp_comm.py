@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 
 from tetris.cli.main import main
@@ -127,3 +128,23 @@ def test_tetris_plan_shows_each_chunk_s_layout_and_why(capsys):
                "--policy", "fixed-sp-8"])
     text = capsys.readouterr().out
     assert rc == 0 and "layout" not in text   # ring only: the plan as before
+
+
+def test_a_deployment_s_sp_layout_table_wraps_its_policy():
+    from tetris.config import load_deployment
+    from tetris.scheduler.layout_policy import with_layout_choice
+
+    prof = load_profile("a100-llama3-8b-tp1")
+    dep = load_deployment("tiny-cpu.toml")
+    policy = make_policy("fixed-sp-2", prof)
+    assert with_layout_choice(policy, dep) is policy
+    wrapped = with_layout_choice(policy, msgspec.structs.replace(
+        dep, sp_layout=SpLayoutConfig(layouts=("ring", "a2a"), ring_overlap=False)))
+    plan = wrapped.plan("r", 4096, 0.0, PoolState([0.0] * 4, [0, 0, 1, 1]))
+    assert wrapped.chooser.geometry == ModelGeometry(4, 8, 2, 32)   # the tiny model's
+    # at h = 0 on 2 instances SP-NTP moves (2·Hq + 2·Hkv)/2 / (2·Hkv) = 2.5x the ring's bytes
+    (c,) = plan.chunks
+    assert c.sp_layout == "ring" and c.sp_layout_reason.startswith("comm ring ")
+    t = wrapped.chooser.choose(c.instances, (0, 0, 1, 1), 0, 4096).times
+    lat = 4 * 1e-5   # a message's latency per layer: one ring step, two all-to-alls
+    assert t["a2a"] - 2 * lat == pytest.approx(2.5 * (t["ring"] - lat), rel=1e-9)

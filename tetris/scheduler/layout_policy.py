@@ -7,7 +7,8 @@ has ended and its group is free (Eq. 2 on the same snapshot the search used). Ch
 are not searched again under the new costs: a faster layout only ends chunks earlier.
 
 A ring-only chooser returns the plan object it was given, so the default deployment plans
-bit for bit as before. ``LayoutPolicy`` wraps any policy with it.
+bit for bit as before. ``LayoutPolicy`` wraps any policy with it; ``with_layout_choice`` does
+so from a deployment (the live dispatcher's policy).
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import msgspec
 from tetris.plan import PrefillPlan
 from tetris.scheduler.latency import PrefillLatencyModel
 from tetris.scheduler.pool import PoolState
-from tetris.scheduler.sp_comm import LayoutChooser
+from tetris.scheduler.sp_comm import LayoutChooser, ModelGeometry
 
-__all__ = ["LayoutPolicy", "assign_layouts", "attention_seconds"]
+__all__ = ["LayoutPolicy", "assign_layouts", "attention_seconds", "with_layout_choice"]
 
 
 def assign_layouts(plan: PrefillPlan, chooser: LayoutChooser, pool: PoolState, now: float,
@@ -51,6 +52,16 @@ def attention_seconds(profile: PrefillLatencyModel, sp: int, history: int, token
     """Eq. 1's attention terms, γ·h·l + δ·l²: what a ring step's transfer can hide behind."""
     _, _, g, d = profile.table[sp]
     return tokens * (g * history + d * tokens)
+
+
+def with_layout_choice(policy, deployment):
+    """``policy`` as the deployment's ``[sp_layout]`` says: itself for the ring only, else a
+    ``LayoutPolicy`` over the model's per-instance geometry and the policy's own profile."""
+    cfg = deployment.sp_layout
+    if cfg.layouts == ("ring",):
+        return policy
+    geometry = ModelGeometry.from_model_config(deployment.model, deployment.prefill.tp_size)
+    return LayoutPolicy(policy, LayoutChooser.from_config(cfg, geometry), policy.profile)
 
 
 class LayoutPolicy:

@@ -54,6 +54,7 @@ from tetris.engine.request import OutputDelta
 from tetris.errors import InstanceLost, InstanceReplacing, PlanOutdated
 from tetris.plan import PrefillPlan
 from tetris.scheduler.latency import PrefillLatencyModel, load_profile
+from tetris.scheduler.layout_policy import with_layout_choice
 from tetris.scheduler.policies import policy_from_config
 from tetris.scheduler.rate import ImprovementRateTable, RateMonitor
 from tetris.scheduler.router import DecodeRouter, NoInstanceUp
@@ -125,7 +126,8 @@ class Dispatcher(DispatcherAdmin):
 
     # -- configuration ----------------------------------------------------------------------
     def _make_policy(self, profile: PrefillLatencyModel):
-        return policy_from_config(self.deployment.scheduler, profile=profile)
+        return with_layout_choice(policy_from_config(self.deployment.scheduler, profile=profile),
+                                  self.deployment)
 
     def _make_monitor(self, table: ImprovementRateTable | None) -> RateMonitor | None:
         sc = self.deployment.scheduler
