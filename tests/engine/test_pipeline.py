@@ -144,6 +144,10 @@ def test_a_drop_that_loses_a_layer_is_refused_and_changes_nothing():
             drop(engines, ranges)
         assert [(e.runner, e.blocks, e.cache, len(list(e.model.layers.parameters())))
                 for e in engines] == before
+    group = drop(engines, [(0, 3), (3, 6)])
+    with pytest.raises(ValueError, match="undropped engine"):      # a member again
+        drop([engines[1], _engine()], [(0, 3), (3, 6)])
+    assert engines[1].cache is None and group.runner is engines[0].runner
 
 
 def _run_tokens(engines, tokens, steps=None):

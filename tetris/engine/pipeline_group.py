@@ -96,7 +96,8 @@ class PipelineGroup:
             raise ValueError("a group needs at least two engines, each with its own model copy")
         _check_ranges(self.ranges, self.leader.model.num_layers)
         for e in self.engines:
-            if e.runner.graphs is not None or not isinstance(e.runner, ModelRunner):
+            if (e.cache is None or not isinstance(e.runner, ModelRunner)
+                    or e.runner.graphs is not None):
                 raise ValueError("only an undropped engine without CUDA graphs can join a group")
             if any(s.status is SequenceStatus.RECEIVING for s in e._seqs.values()):
                 raise ValueError("an engine is receiving a prefilled prompt's KV; drop after it")
