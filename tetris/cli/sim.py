@@ -152,6 +152,9 @@ def _run(args) -> int:
     t = res.ttft
     lines = [f"{res.policy} {res.model} {res.workload} @ {res.rate} req/s, {res.requests} requests",
              f"TTFT mean {t.mean:.3f}s  P50 {t.p50:.3f}s  P90 {t.p90:.3f}s  P99 {t.p99:.3f}s"]
+    if res.refused:
+        lines.append(f"refused {res.refused} of {res.requests} requests: larger than a decode "
+                     f"instance's KV (the live system's 429)")
     if res.tbt is not None:
         lines.append(f"TBT  P50 {res.tbt.p50 * 1e3:.1f}ms  P99 {res.tbt.p99 * 1e3:.1f}ms  "
                      f"throughput {res.throughput_rps:.2f} req/s")

@@ -141,6 +141,7 @@ class Simulation:
         self.ttft = np.full(n, np.nan)
         self.prefill_end = np.full(n, np.nan)
         self.decode_reqs: list[DecodeRequest | None] = [None] * n
+        self.refused: list[int] = []      # indices of requests no decode instance could hold
         self.chunks = 0
         self.sp_tokens = 0.0
         self.thetas: list[float] = []
@@ -167,6 +168,9 @@ class Simulation:
             control.commit(plan)
         if not self.thetas or self.thetas[-1] != control.improvement_rate:
             self.thetas.append(control.improvement_rate)
+        if self.decoders and not self.decoders[d].can_hold(r.prompt_tokens + r.output_tokens):
+            self._refuse(now, i)
+            return
         end, runs = self._execute(now, i, plan)
         if self.decoders:
             ready = self.transfer.ready_time(runs, self.link_free[d])
@@ -175,6 +179,13 @@ class Simulation:
             req.ready_time = ready
             self.decode_reqs[i] = req
             self.events.push(ready, EventKind.KV_READY, (d, req))
+
+    def _refuse(self, now: float, i: int) -> None:
+        """A request larger than its decode instance's whole KV: the live instance's reservation
+        refuses it (DecodeFull, a 429) before any prefill; the plan made meanwhile is given up
+        (``finished`` frees its bookings and routing). Counted in ``SimResult.refused``."""
+        self.control.finished(self.requests[i].request_id, now)
+        self.refused.append(i)
 
     def _execute(self, now: float, i: int, plan: Any) -> tuple[float, list[Any]]:
         """Run a committed plan on the simulated pool; its end is the control plane's
@@ -258,26 +269,31 @@ class Simulation:
         vals, w = np.concatenate([durs, gaps]), np.concatenate([weights, np.ones(gaps.size)])
         p50, p90, p99 = weighted_percentiles(vals, w, [50, 90, 99])
         mean = float((vals * w).sum() / w.sum()) if w.sum() > 0 else float("nan")
-        finish = max(r.finish_time for r in self.decode_reqs if r is not None)
         t0 = self.requests[0].arrival_time
-        util = sum(d.busy_s for d in self.decoders) / (len(self.decoders) * (finish - t0))
+        finish = max((r.finish_time for r in self.decode_reqs if r is not None), default=t0)
+        busy = sum(d.busy_s for d in self.decoders)
+        util = busy / (len(self.decoders) * (finish - t0)) if finish > t0 else float("nan")
         return LatencySummary(mean, p50, p90, p99), util, finish
 
     def _result(self, wall: float) -> SimResult:
         n = len(self.requests)
+        served = n - len(self.refused)      # throughput and per-request means: served ones
         t0 = self.requests[0].arrival_time
-        last_prefill = float(np.nanmax(self.prefill_end))
+        last_prefill = float(np.nanmax(self.prefill_end)) if served else t0
         tbt, dutil, finish = self._tbt()
-        prompt = sum(r.prompt_tokens for r in self.requests)
+        refused = set(self.refused)
+        prompt = sum(r.prompt_tokens for i, r in enumerate(self.requests) if i not in refused)
+        nan = float("nan")
         workload, seed, rate = self.meta
         return SimResult(
             policy=getattr(self.policy, "name", "?"), workload=workload, model=self.cluster.model,
             rate=rate, requests=n, seed=seed, ttft=summarise(self.ttft), tbt=tbt,
-            throughput_rps=n / (finish - t0) if finish > t0 else float("nan"),
-            prefill_tokens_per_s=prompt / (last_prefill - t0) if last_prefill > t0 else float("nan"),
-            prefill_utilisation=self.prefill.utilisation(t0, last_prefill),
-            decode_utilisation=dutil, mean_chunks=self.chunks / n,
-            mean_sp=self.sp_tokens / prompt, max_plan_deviation_s=self.prefill.max_plan_deviation,
+            throughput_rps=served / (finish - t0) if finish > t0 else nan,
+            prefill_tokens_per_s=prompt / (last_prefill - t0) if last_prefill > t0 else nan,
+            prefill_utilisation=self.prefill.utilisation(t0, last_prefill) if served else nan,
+            decode_utilisation=dutil, mean_chunks=self.chunks / served if served else nan,
+            mean_sp=self.sp_tokens / prompt if served else nan,
+            max_plan_deviation_s=self.prefill.max_plan_deviation,
             sim_wall_s=wall, sim_requests_per_s=n / wall if wall > 0 else float("inf"),
             improvement_rates=[float(t) for t in self.thetas if t is not None],
-            ttft_s=[float(x) for x in self.ttft])
+            ttft_s=[float(x) for x in self.ttft], refused=len(self.refused))

@@ -71,8 +71,14 @@ class DecodeInstanceSim:
     def can_admit(self, req: DecodeRequest) -> bool:
         return len(self.running) < self.max_batch and req.kv_tokens <= self.free_tokens
 
+    def can_hold(self, kv_tokens: int) -> bool:
+        """Whether a request of ``kv_tokens`` (prompt + output) could ever run here: one that
+        cannot is refused at arrival (``Simulation``), as the live decode instance's
+        reservation refuses it (DecodeFull, a 429), and never enqueued."""
+        return kv_tokens <= self.capacity
+
     def enqueue(self, req: DecodeRequest) -> None:
-        if req.kv_tokens > self.capacity:
+        if not self.can_hold(req.kv_tokens):
             raise ValueError(f"request {req.request_id} needs {req.kv_tokens} KV tokens; decode "
                              f"instance {self.index} holds {self.capacity}")
         self.waiting.append(req)

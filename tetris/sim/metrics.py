@@ -58,6 +58,9 @@ class SimResult(msgspec.Struct):
     sim_requests_per_s: float
     improvement_rates: list[float] = []   # θ values the run used, in order of change
     ttft_s: list[float] = []
+    # Requests refused at arrival: larger than a decode instance's whole KV (the live system's
+    # 429 DecodeFull). They have no TTFT (NaN in ttft_s) and count in no throughput or mean.
+    refused: int = 0
 
     def brief(self) -> dict:
         d = msgspec.to_builtins(self)
