@@ -188,13 +188,16 @@ class PrefillPool:
         touched: list[int] = sorted(plan.cached_instances)
         results: list[list[ChunkResult]] = []
         try:
-            cached = adopt_prefix(self, plan, opts) if plan.cached_tokens else None
+            cached = None
+            if plan.cached_tokens:
+                # The prefix's run may still be running on its holders (it is readable from
+                # its commit): its chunks there come first, so the copy waits for our turn.
+                self._turn(plan, 0, waits)
+                cached = adopt_prefix(self, plan, opts)
             layouts, final = plan_layout(plan, opts.balance, cached)
             for k, lay in enumerate(layouts):
-                w0 = time.perf_counter()
-                self._await_replacements(plan, k, wait=False)
-                self._tickets.wait_turn(plan.request_id, k, self.chunk_timeout_s)
-                waits.append(time.perf_counter() - w0)
+                if k or cached is None:
+                    self._turn(plan, k, waits)
                 if k == 0:
                     t0 = time.perf_counter()
                 touched = sorted(set(touched) | set(lay.group))
@@ -208,6 +211,13 @@ class PrefillPool:
             raise
         return prefill_result(plan, results, final, time.perf_counter() - t0, waits,
                               emulated=self.emulated)
+
+    def _turn(self, plan: PrefillPlan, k: int, waits: list[float]) -> None:
+        """Wait for chunk ``k``'s turn on its members; the wait is appended to ``waits``."""
+        w0 = time.perf_counter()
+        self._await_replacements(plan, k, wait=False)
+        self._tickets.wait_turn(plan.request_id, k, self.chunk_timeout_s)
+        waits.append(time.perf_counter() - w0)
 
     def _run_chunk(self, plan, k, lay, token_ids, opts: RunOptions) -> list[ChunkResult]:
         with self._lock:

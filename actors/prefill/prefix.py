@@ -2,9 +2,11 @@
 cached_tokens``) runs only its chunks; the prefix is history its source run left on the plan's
 ``cached_instances``.
 
-1. Before the first chunk, every holder copies the source run's KV below ``cached_tokens`` that
-   it holds under the new run's id (``PagedKVStore.copy_prefix``), so that the source may be
-   freed (the control plane's index decides when) while the new run goes on.
+1. When the first chunk's turn has come (the source run, committed earlier, may have been
+   running on the holders until then), every holder copies the source run's KV below
+   ``cached_tokens`` that it holds under the new run's id (``PagedKVStore.copy_prefix``), so
+   that the source may be freed (the control plane's index decides when) while the new run
+   goes on.
 2. The copies together must be exactly ``[0, cached_tokens)`` (else ``PrefillPrefixMissing``:
    the dispatcher forgets the source and plans again); they are the layout's history
    before chunk 0 (``plan_layout(..., cached)``), and cache balancing spreads them to the

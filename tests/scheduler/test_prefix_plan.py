@@ -107,16 +107,33 @@ def test_control_plane_plans_from_the_index_and_frees_what_it_holds(prof):
     assert second.plan.cached_instances == first.plan.instances
     assert second.plan.cached_source == "q1"
     assert cp.held()["prefix_refs"] == 1
+    cp.prefill_done("q2", second.plan.ttft_estimate + 10.0)
+    assert cp.prefix_cached("q2") == 32
+    assert cp.prefix_released() == ["q1"]     # q2's KV holds the document now
     cp.finished("q2", 20.0)
     cp.finished("q1", 20.0)
     assert cp.held() == {"queue_bookings": 0, "virtual_usage": 0, "virtual_requests": 0,
                          "prefix_refs": 0}
-    assert index.clear() == ["q1"]
+    assert index.clear() == ["q2"]
     index.check()
-    # A failed run (no prefix_cached) is never indexed.
+    # A run is readable from its commit; one that ends without a prefill is forgotten.
     cp.admit("q3", 16384 + 200, 100, 30.0, block_hashes=doc)
+    assert index.match(doc).source == "q3"
     cp.finished("q3", 31.0)
-    assert len(index) == 0 and cp.prefix_released() == []
+    assert len(index) == 0 and cp.prefix_released() == ["q3"]
+    index.check()
+
+
+def test_a_run_may_plan_from_a_prefix_still_being_prefilled(prof):
+    """Indexed at commit: the second question plans from the first before its prefill ended,
+    on its instances, starting when they are done (Eq. 2)."""
+    index = PrefixIndex(block_tokens=512, capacity_blocks=256)
+    cp = _plane(prof, index)
+    doc = index.hashes(list(range(65536)))
+    first = cp.admit("q1", 65536 + 100, 100, 0.0, block_hashes=doc).plan
+    second = cp.admit("q2", 65536 + 300, 100, 0.1, block_hashes=doc).plan
+    assert second.cached_source == "q1" and second.cached_tokens == 65536
+    assert second.chunks[0].expected_start >= first.chunks[-1].expected_end
 
 
 def test_without_hashes_the_plane_plans_as_before(prof):

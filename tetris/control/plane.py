@@ -20,9 +20,11 @@ order, so the simulator predicts the decisions of the live system:
 
 With a ``PrefixIndex`` (prefix caching, docs/prefix_cache.md), ``plan`` and ``admit`` take the
 prompt's block hashes: a cached prefix is planned as history (``plan_from_prefix``) and its
-blocks referenced until ``finished``; ``prefix_cached(run_id)`` after a successful prefill
-indexes the run's blocks where its KV lies, and ``prefix_released()`` names the runs whose
-cached KV nothing needs any more.
+blocks referenced until ``finished``. ``commit`` indexes the run's new blocks where its KV will lie
+(its plan's last group): a later run may plan from them at once, and runs after it on those
+instances (commit order, Eq. 2's queue). ``prefix_cached(run_id)`` after a successful prefill
+moves the run's blocks to it and drops its own reference; a run that ends without it is
+forgotten by the index (``finished``); ``prefix_released()`` names the runs whose cached KV nothing needs any more.
 
 Pure: no Ray, no torch, no asyncio, no wall clock.
 """
@@ -72,6 +74,7 @@ class ControlPlane:
         # run -> (its prompt's block hashes, its plan's last group, its decode instance)
         self._prefix_runs: dict[str, tuple[Sequence[int], tuple[int, ...], int | None]] = {}
         self.last_prefix: PrefixOption | None = None
+        self._prefix_cached: set[str] = set()   # runs whose prefill succeeded
 
     # -- decisions --------------------------------------------------------------------------
     def route(self, run_id: str, kv_tokens: int,
@@ -117,6 +120,12 @@ class ControlPlane:
 
     def commit(self, plan: PrefillPlan) -> None:
         self.queue.commit(plan)
+        entry = self._prefix_runs.get(plan.request_id)
+        if self.prefix_index is not None and entry is not None:
+            # Readable from now on: a run planned from it starts after it on its instances.
+            # Blocks cached already stay with their source, whose KV is there now or sooner.
+            self.prefix_index.insert(plan.request_id, entry[0],
+                                     KvLocation(plan.instances, entry[2]), rebind=False)
 
     def admit(self, run_id: str, prompt_tokens: int, kv_tokens: int, now: float, *,
               block_hashes: Sequence[int] | None = None) -> Admission:
@@ -154,16 +163,23 @@ class ControlPlane:
         self.kv_arrived(run_id)
         if self.prefix_index is not None:
             self.prefix_index.release(run_id)
-            self._prefix_runs.pop(run_id, None)
+            if self._prefix_runs.pop(run_id, None) is not None \
+                    and run_id not in self._prefix_cached:
+                self.prefix_index.forget(run_id)   # committed, never prefilled: no KV to read
+            self._prefix_cached.discard(run_id)
 
     # -- prefix caching ---------------------------------------------------------------------
     def prefix_cached(self, run_id: str) -> int:
-        """The run's prefill succeeded: index its prompt's blocks where its KV lies (its plan's
-        last group; its decode instance). Returns the blocks indexed."""
+        """The run's prefill succeeded: its blocks are the most recently used (indexed at
+        commit, where its KV lies: its plan's last group; its decode instance). Returns the
+        blocks indexed."""
         entry = self._prefix_runs.get(run_id)
         if self.prefix_index is None or entry is None:
             return 0
         hashes, instances, decode = entry
+        self._prefix_cached.add(run_id)
+        # Its KV is the newest copy of its whole prompt: its blocks move to it, older sources
+        # may go.
         n = self.prefix_index.insert(run_id, hashes, KvLocation(instances, decode))
         # Its own KV now holds the prefix it read: the source it planned from may go.
         self.prefix_index.release(run_id)

@@ -175,9 +175,13 @@ class PrefixIndex:
         return self._held.get(run_id)
 
     # -- insertion and eviction ---------------------------------------------------------------
-    def insert(self, run_id: str, hashes: Sequence[int], location: KvLocation) -> int:
+    def insert(self, run_id: str, hashes: Sequence[int], location: KvLocation, *,
+               rebind: bool = True) -> int:
         """Index the blocks of ``run_id``'s prompt, whose KV is at ``location``; returns how
-        many blocks are indexed for it (fewer than ``hashes`` when the rest cannot fit)."""
+        many blocks are indexed for it (fewer than ``hashes`` when the rest cannot fit).
+        ``rebind=False`` (a run announced at commit, its KV still to come) leaves blocks another
+        source holds with it (only recency changes), and a run given no block of its own is
+        not a source at all (nothing of it is released)."""
         self._sources[run_id] = location
         self._source_blocks.setdefault(run_id, 0)
         n = 0
@@ -189,7 +193,7 @@ class PrefixIndex:
                     break
                 b = self._blocks[h] = _Block(run_id)
                 self._source_blocks[run_id] += 1
-            elif b.source != run_id:
+            elif b.source != run_id and rebind:
                 old, b.source = b.source, run_id
                 self._source_blocks[run_id] += 1
                 self._source_blocks[old] -= 1
@@ -201,7 +205,12 @@ class PrefixIndex:
             if self._blocks[h].refs == 0:
                 self._free.pop(h, None)
                 self._free[h] = None
-        self._maybe_release(run_id)
+        if rebind:
+            self._maybe_release(run_id)   # its KV exists: free it if nothing is indexed there
+        elif not self._source_blocks.get(run_id) and run_id not in self._source_pins:
+            # Announced before its KV exists, with nothing new: not a source, nothing to free.
+            del self._sources[run_id]
+            self._source_blocks.pop(run_id, None)
         return n
 
     def _evict_one(self, keep: list[int]) -> bool:

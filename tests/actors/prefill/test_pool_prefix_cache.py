@@ -194,3 +194,30 @@ def test_a_prefix_gone_from_its_holders_fails_the_run_as_plan_again(pool):
         pool.run(plan, ids)
     assert isinstance(err.value, PlanOutdated) and err.value.source == "gone-src"
     assert not any(pool.held_requests().values())
+
+
+def test_a_run_from_a_prefix_still_being_prefilled_waits_for_it(pool, model):
+    """The source is committed first; the run reading its prefix is committed and started
+    before the source runs at all: its copy waits for its turn on the holders, after the
+    source's chunks, and the result equals single-instance prefill."""
+    import threading
+
+    src_ids = _ids(700, seed=21)
+    ids = src_ids[:640] + _ids(90, seed=22)
+    source = forced_plan("pending-src", 700, "300x1,restx2", pool.node_of)
+    group = source.instances + tuple(i for i in range(4) if i not in source.instances)
+    plan = PrefillPlan("pending-run", len(ids), (Chunk(640, len(ids), group),), cached_tokens=640,
+                       cached_instances=source.instances, cached_source=source.request_id)
+    pool.commit(source)
+    pool.commit(plan)
+    got = {}
+    reader = threading.Thread(target=lambda: got.update(res=pool.run(plan, ids,
+                                                                      return_logits=True)))
+    reader.start()
+    pool.run(source, src_ids)
+    reader.join(timeout=120)
+    assert not reader.is_alive() and "res" in got
+    _same_as_reference(pool, model, got["res"], plan.request_id, ids)
+    for r in (source.request_id, plan.request_id):
+        pool.release(r)
+    assert not any(pool.held_requests().values())
