@@ -197,3 +197,48 @@ def test_a_member_lost_mid_pipeline_resumes_its_requests_on_rebuilt_survivors(de
         home.commit_prefilled(r.request_id, sample_first_token(logits, r.params, len(full)))
     _run_tokens(survivors, tokens)
     assert tokens == expected
+
+
+def test_a_prefilled_request_streams_each_layer_to_its_member_and_decodes_in_the_pipeline():
+    import torch
+    from tetris.kernels.paged_decode import write_kv
+
+    from tests.engine.test_engine import _prefill_kv
+
+    params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.0, logprobs=2)
+    prompt = list(range(30, 51))
+    host, _ = load_model(CFG)
+    kv, first, logits = _prefill_kv(host, prompt)
+    first_lp = _first_logprob(logits, first)
+
+    def serve(engine, write):
+        slots = torch.tensor(engine.reserve("p", prompt, params))
+        for layer, (k, v) in enumerate(kv):
+            write(layer, k, v, slots)
+        engine.commit_prefilled("p", first, first_lp)
+        tokens = {}
+        _run([engine], tokens)
+        return tokens["p"]
+
+    single = _engine()
+    expected = serve(single, lambda i, k, v, s: write_kv(single.cache.k[i], single.cache.v[i],
+                                                         k, v, s))
+    engines = [_engine() for _ in range(3)]
+    group = drop(engines, [(0, 2), (2, 5), (5, 6)])
+    # layer l reaches only the cache of the member that runs it
+    got = serve(engines[0], lambda i, k, v, s: write_kv(*group.layer_cache(i), k, v, s))
+    assert got == expected and len(got) == 10
+    assert group.runner.prefill_tokens == 0
+
+
+def _first_logprob(logits, token):
+    """The first token's logprob as a prefill reports it (same for both engines compared)."""
+    import torch
+
+    from tetris.engine.request import TokenLogprob
+
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top = lp.topk(2)
+    return TokenLogprob(token, float(lp[token]),
+                        tuple((int(i), float(v)) for v, i in zip(top.values, top.indices,
+                                                                 strict=True)))

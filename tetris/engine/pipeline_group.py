@@ -157,6 +157,16 @@ class PipelineGroup:
             leader._pending.extend(f._pending)
             f._pending.clear()
 
+    # -- while dropped: prefill -> decode hand-off, layer-sliced ---------------------------
+    def layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where layer ``layer``'s K and V go for a request reserved on the leader: the cache
+        of the member that runs that layer ([NB, BS, Hkv, D] each; slots as ``reserve``
+        returns them). A prefill streams each layer to its member only."""
+        for stage in self.runner.stages:
+            if stage.start <= layer < stage.end:
+                return stage.cache.k[layer], stage.cache.v[layer]
+        raise ValueError(f"layer {layer} is outside the model")
+
     # -- 3. restore ------------------------------------------------------------------------
     def _homes(self) -> dict[str, int]:
         """Each request's home; a request admitted during the drop goes where most room is."""
