@@ -177,3 +177,27 @@ def test_a_prefix_gone_from_the_pool_is_forgotten_and_the_request_planned_again(
     assert outs[-1].finished and [o.cached_tokens for o in outs] == [0, 0]
     assert "q1" in prefill.released   # forgotten, and released once nothing read it
     assert cache["hits"] == 1 and d.held()["prefix_refs"] == 0
+
+
+def test_a_run_failing_in_prefill_is_forgotten_and_its_partial_kv_aborted():
+    class FailingPrefill(Prefill):
+        async def run(self, plan, token_ids, sampling, kv_receivers):
+            if plan.request_id == "q2":
+                raise RuntimeError("prefill failed")
+            return await super().run(plan, token_ids, sampling, kv_receivers)
+
+    prefill, decode = FailingPrefill(), Decode()
+    d = _dispatcher(prefill, decode)
+
+    async def scenario():
+        await _run(d, _req("q1", Q1))
+        with pytest.raises(RuntimeError):
+            await _run(d, _req("q2", Q2))    # read q1's prefix, announced its own blocks
+        return await d.prefix_cache()
+
+    cache = asyncio.run(scenario())
+    assert prefill.aborted == ["q2"]          # not the cache's: its partial KV is freed
+    assert cache["sources"] == 1 and d.held()["prefix_refs"] == 0
+    index = d.control.prefix_index
+    index.check()
+    assert index.match(index.hashes(Q2)).source == "q1"   # q2's blocks are gone

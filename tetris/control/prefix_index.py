@@ -132,6 +132,10 @@ class PrefixIndex:
     def location(self, source: str) -> KvLocation | None:
         return self._sources.get(source)
 
+    def holds(self, source: str) -> bool:
+        """``source``'s KV is the index's (indexed, not forgotten): its owner must keep it."""
+        return source in self._sources and source not in self._dead
+
     def __len__(self) -> int:
         return len(self._blocks)
 

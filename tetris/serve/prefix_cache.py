@@ -71,7 +71,7 @@ def forget_missing(control: ControlPlane, error: BaseException) -> None:
 def retained(control: ControlPlane, run_id: str) -> bool:
     """The run's prefill KV belongs to the cache now."""
     index = control.prefix_index
-    return index is not None and index.location(run_id) is not None
+    return index is not None and index.holds(run_id)
 
 
 async def clear(control: ControlPlane, prefill) -> dict:
