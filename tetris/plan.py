@@ -49,6 +49,8 @@ class Chunk(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The layout's communication time minus the ring's, in the prediction (sp_comm.py); the
     # simulator executes it too (a ring chunk: 0, Eq. 1 alone)
     sp_layout_delta_s: float = 0.0
+    # "a2a" only: three-phase pipelining over this many micro-partitions (1: none)
+    sp_micro_partitions: int = 1
 
     @property
     def tokens(self) -> int:
@@ -108,6 +110,9 @@ class PrefillPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                     f"plan {self.request_id}: chunk {k} group {c.instances} must start with "
                     f"the previous group {prev} (groups only grow)"
                 )
+            if c.sp_micro_partitions < 1:
+                raise PlanError(f"plan {self.request_id}: chunk {k} needs at least one "
+                                f"micro-partition, got {c.sp_micro_partitions}")
             if c.sp_layout not in SP_LAYOUTS:
                 raise PlanError(f"plan {self.request_id}: chunk {k} layout {c.sp_layout!r} "
                                 f"is not one of {SP_LAYOUTS}")

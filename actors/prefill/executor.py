@@ -18,6 +18,7 @@ import torch
 
 from tetris.actors.decode.emulated import PLACEHOLDER_TOKEN, WIRE_HEAD_DIM, torch_dtype
 from tetris.actors.prefill.alltoall import AllToAllAttention
+from tetris.actors.prefill.alltoall_pipeline import PipelinedAllToAll
 from tetris.actors.prefill.balance import BALANCE_TAG_KIND, LayerBalancer
 from tetris.actors.prefill.kv_store import PagedKVStore, ranges_tensor
 from tetris.actors.prefill.messages import ChunkResult, ChunkTask
@@ -295,6 +296,11 @@ def _group_attention(task: ChunkTask, blocks, link: PeerLink | None):
     all-to-all (one chunk's traffic is one kind or the other, so both use the ring's tag)."""
     tag = message_tag(task.seq, RING_TAG_KIND)
     block_pos = [ranges_tensor(b) for b in blocks]
+    if task.sp_layout == "a2a" and task.sp_micro_partitions > 1:
+        return PipelinedAllToAll(task.group, task.rank,
+                                 [ranges_tensor(c) for c in task.chunk_positions], block_pos,
+                                 tag, task.timeout_s, link,
+                                 micro_partitions=task.sp_micro_partitions)
     if task.sp_layout == "a2a":
         return AllToAllAttention(task.group, task.rank,
                                  [ranges_tensor(c) for c in task.chunk_positions], block_pos,

@@ -57,13 +57,14 @@ def plan_layout(plan: PrefillPlan, balance: BalanceMode = "overlap",
     return layouts, held
 
 
-_SPEC_ITEM = re.compile(r"^\s*(\d+|rest)\s*x\s*(\d+)\s*(?::\s*(\w+)\s*)?$")
+_SPEC_ITEM = re.compile(r"^\s*(\d+|rest)\s*x\s*(\d+)\s*(?::\s*([a-z0-9]+)\s*(?:/\s*(\d+)\s*)?)?$")
 
 
 def parse_plan_spec(spec: str) -> list[tuple[int | None, int]]:
     """``"1500x1,2500x2,restx4"`` -> ``[(1500, 1), (2500, 2), (None, 4)]`` (None: the rest).
 
-    An item may name its chunk's SP layout after a colon (``2500x2:a2a``); see
+    An item may name its chunk's SP layout after a colon (``2500x2:a2a``), and the number of
+    micro-partitions of its three-phase pipelining after a slash (``2500x2:a2a/4``); see
     ``parse_plan_layouts``."""
     items = []
     for part in spec.split(","):
@@ -77,14 +78,20 @@ def parse_plan_spec(spec: str) -> list[tuple[int | None, int]]:
     return items
 
 
-def parse_plan_layouts(spec: str) -> list[str]:
-    """Each item's SP layout: ``"300x1,restx2:a2a"`` -> ``["ring", "a2a"]`` (default "ring")."""
+def parse_plan_layouts(spec: str) -> list[tuple[str, int]]:
+    """Each item's SP layout and micro-partitions: ``"300x1,restx2:a2a/4"`` ->
+    ``[("ring", 1), ("a2a", 4)]`` (default ``("ring", 1)``)."""
     parse_plan_spec(spec)
-    layouts = [_SPEC_ITEM.match(part).group(3) or "ring" for part in spec.split(",")]
-    for lay in layouts:
+    out = []
+    for part in spec.split(","):
+        m = _SPEC_ITEM.match(part)
+        lay, micro = m.group(3) or "ring", int(m.group(4) or 1)
         if lay not in SP_LAYOUTS:
             raise PlanError(f"--plan layout {lay!r}: expected one of {', '.join(SP_LAYOUTS)}")
-    return layouts
+        if micro < 1 or (micro > 1 and lay != "a2a"):
+            raise PlanError(f"--plan {part.strip()!r}: micro-partitions (/M, M >= 1) are for a2a")
+        out.append((lay, micro))
+    return out
 
 
 def forced_plan(request_id: str, prompt_tokens: int, spec: str, node_of: tuple[int, ...],
@@ -107,11 +114,11 @@ def forced_plan(request_id: str, prompt_tokens: int, spec: str, node_of: tuple[i
             group = builder.group(chain).members
         except ValueError as e:
             raise PlanError(f"--plan chunk {k}: {e}") from None
-        lay, why = layouts[k], ""
+        (lay, micro), why = layouts[k], ""
         if num_kv_heads is not None:
             lay, why = resolve_sp_layout(lay, len(group), num_kv_heads)
         chunks.append(Chunk(start=pos, end=end, instances=group, sp_layout=lay,
-                            sp_layout_reason=why))
+                            sp_layout_reason=why, sp_micro_partitions=micro if lay == "a2a" else 1))
         pos = end
     plan = PrefillPlan(request_id=request_id, prompt_tokens=prompt_tokens, chunks=tuple(chunks),
                        policy="forced")

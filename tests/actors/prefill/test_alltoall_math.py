@@ -112,10 +112,48 @@ def test_a_group_that_does_not_divide_the_kv_heads_falls_back_to_the_ring():
 
 
 def test_forced_plan_spec_names_layouts_and_the_fallback():
-    assert parse_plan_layouts("300x1,500x2:a2a,restx4") == ["ring", "a2a", "ring"]
+    assert parse_plan_layouts("300x1,500x2:a2a,restx4:a2a/3") == [("ring", 1), ("a2a", 1),
+                                                                   ("a2a", 3)]
+    with pytest.raises(PlanError, match="micro-partitions"):
+        parse_plan_layouts("300x1:ring/2,restx2")
     with pytest.raises(PlanError, match="layout 'tree'"):
         parse_plan_layouts("300x1:tree,restx2")
-    plan = forced_plan("p", 1500, "300x1,500x2:a2a,restx4:a2a", (0, 0, 1, 1), num_kv_heads=2)
+    plan = forced_plan("p", 1500, "300x1,500x2:a2a/4,restx4:a2a/2", (0, 0, 1, 1), num_kv_heads=2)
     assert [c.sp_layout for c in plan.chunks] == ["ring", "a2a", "ring"]
+    assert [c.sp_micro_partitions for c in plan.chunks] == [1, 4, 1]
     assert plan.chunks[1].sp_layout_reason == ""
     assert "does not divide 2 KV heads" in plan.chunks[2].sp_layout_reason
+
+
+@pytest.mark.parametrize("s,micro", [(2, 3), (4, 5), (2, 1)])
+def test_pipelined_all_to_all_over_gloo_matches_causal_attention(s, micro):
+    """Three-phase SP-NTP (micro-partitions of the chunk) over one world, with history balanced
+    from one member; micro-partitions may leave members without queries in a range."""
+    from tetris.actors.prefill.alltoall_pipeline import PipelinedAllToAll
+
+    hist, end = 29, 29 + 41
+    q, k, v = _full(5, end)
+    _, after = plan_balance(list(zigzag_layout(0, hist, 1)), tuple(range(s)))
+    q_pos, blocks = _shares(list(after), hist, end, s)
+    port = free_port()
+    outs: list = [None] * s
+    errors: list = []
+
+    def member(r):
+        try:
+            world = World(0, "127.0.0.1", port, r, s, timeout_s=20.0)
+            a2a = PipelinedAllToAll(tuple(range(s)), r, q_pos, blocks, tag=7, timeout_s=20.0,
+                                    link=world, micro_partitions=micro)
+            outs[r] = [a2a(q[q_pos[r]] * (1 + i), q_pos[r], k[blocks[r]], v[blocks[r]], layer=i)
+                       for i in range(2)]
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(s)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    for i in range(2):
+        _check([o[i] for o in outs], q * (1 + i), k, v, q_pos, end)

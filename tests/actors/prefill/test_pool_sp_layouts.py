@@ -1,6 +1,6 @@
-"""SP-NTP (all-to-all) chunks and plans that mix layouts on a pool of 4 Ray actors over 2 nodes
-(gloo), against single-instance prefill of the tiny model (8 heads, 2 KV heads: groups of 1 and
-2 run all-to-all, a group of 4 falls back to the ring)."""
+"""SP-NTP (all-to-all) chunks, pipelined or not, and plans that mix layouts on a pool of 4 Ray
+actors over 2 nodes (gloo), against single-instance prefill of the tiny model (8 heads, 2 KV
+heads: groups of 1 and 2 run all-to-all, a group of 4 falls back to the ring)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,9 @@ def _reference(model, ids):
     (1100, "300x1,400x2:a2a,restx4", ["ring", "a2a", "ring"]),      # mixed, balanced history
     (1000, "300x2,restx2:a2a", ["ring", "a2a"]),                    # a2a over a ring's history
     (800, "300x1:a2a,restx4:a2a", ["a2a", "ring"]),                 # group of 4: the ring
+    # three-phase pipelining: pipelined a2a with history, mixed with the ring and plain a2a
+    (900, "300x2:a2a/3,restx2:a2a/4", ["a2a", "a2a"]),
+    (1100, "300x1,400x2:a2a/5,restx4", ["ring", "a2a", "ring"]),
 ])
 def test_sp_ntp_and_mixed_plans_match_single_instance(pool, model, n, spec, layouts):
     ids = torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist()
