@@ -2,7 +2,8 @@
 ranks in two processes, each rank holding its KV-head slice of every holder's cache), and rank
 r of a master exchanges its q-head slice with rank r of each holder. Requests split over 3 and
 2 holders beside an unsplit one give the single (TP-1) engine's greedy tokens on both ranks,
-and each rank's step moves exactly its head slice of q and of the partials."""
+every decoded token's logprobs close to the engine's (tokens alone miss a dropped partial), and
+each rank's step moves exactly its head slice of q and of the partials."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from engine_helpers import TINY
 from engine_helpers import tiny_model as _load_tiny
+from exactness import TOP, assert_same_run, engine_runs, logprobs_of_logits
 
 from tetris.engine.engine import LLMEngine
 from tetris.engine.kv_shards import ShardHolder
+from tetris.engine.request import TokenLogprob
 from tetris.engine.sharded_decode import ShardedDecoder
 from tetris.model.loader import load_model
 from tetris.sampling_params import SamplingParams
@@ -43,10 +46,15 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
         for (rid, ranges), prompt in zip(PLACEMENTS.items(), _prompts(), strict=True):
             dec.place_prefilled(rid, prompt, ranges, MAX_TOKENS)
         step_bytes = []
+        logprobs = {rid: [] for rid in PLACEMENTS}   # of the tokens the sharded steps decode
         while any(not r.finished for r in dec.requests.values()):
             dec.step()
             step_bytes.append(sum(m.nbytes for m in dec.traffic))
+            for rid, row in sorted(dec.logits.items()):
+                (lp,) = logprobs_of_logits([row], [dec.requests[rid].tokens[-1]])
+                logprobs[rid].append([lp.token_id, lp.logprob, [list(t) for t in lp.top]])
         out = {"tokens": {rid: r.output_token_ids for rid, r in dec.requests.items()},
+               "logprobs": logprobs,
                "first_step_bytes": step_bytes[0],
                "cache_heads": dec.holders[0].cache.buffer.shape[-2]}
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -59,8 +67,10 @@ def test_tp2_holders_exchange_head_slices_and_keep_the_tokens(tmp_path):
     mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
     model, tok = _load_tiny()
     engine = LLMEngine(model, tok, num_blocks=64, block_size=4)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    expected = [list(o.token_ids) for o in engine.generate(_prompts(), params)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                            logprobs=TOP)
+    runs = engine_runs(engine, _prompts(), params)
+    expected = [tokens for tokens, _ in runs]
     d = TINY.hidden_size // TINY.num_heads
     local_q = (TINY.num_heads // 2) * d * 4                      # fp32 head slice of q
     # a: 2 other holders, b: 1, c: 0; each: q out, (out, LSE) back, per layer
@@ -68,5 +78,11 @@ def test_tp2_holders_exchange_head_slices_and_keep_the_tokens(tmp_path):
     for rank in range(2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert [got["tokens"][rid] for rid in PLACEMENTS] == expected
+        for rid, (tokens, entries) in zip(PLACEMENTS, runs, strict=True):
+            # the first token is the (local) prefill's; the sharded steps decode the rest
+            decoded = [TokenLogprob(t, v, tuple(map(tuple, top)))
+                       for t, v, top in got["logprobs"][rid]]
+            assert_same_run([e.token_id for e in decoded], decoded, (tokens[1:], entries[1:]),
+                            f"rank {rank} {rid}")
         assert got["first_step_bytes"] == want_bytes
         assert got["cache_heads"] == 1                          # one of the two KV heads
