@@ -13,6 +13,10 @@ with ``layout_time`` and measured. All processes share this machine's cores, so 
 "per-instance bandwidth" is an idealisation; the table shows how far it holds.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_sp_layouts.py [--repeats 5]
+
+``--attention`` times the whole attention call instead (transfers and attention, per layer as
+the executor runs it): the ring, SP-NTP, and SP-NTP pipelined over ``--micro`` micro-partitions,
+side by side in one run, with the wall time each member spent waiting on transfers.
 """
 
 from __future__ import annotations
@@ -98,6 +102,65 @@ def _member(rank, n, port, cases, repeats, queue):
     queue.put((rank, results))
 
 
+def _attention_member(rank, n, port, cases, repeats, micro, queue):
+    """Whole attention calls per layout: (median seconds, median transfer wait) per case."""
+    from tetris.actors.prefill.alltoall_pipeline import PipelinedAllToAll
+
+    torch.set_num_threads(1)
+    world = World(0, "127.0.0.1", port, rank, n, timeout_s=120.0)
+    g, group = TINY, tuple(range(n))
+    results = {}
+    for h, l in cases:
+        q_pos, blocks = _positions(n, h, l)
+        q = torch.randn(q_pos[rank].numel(), g.num_heads, g.head_dim)
+        k = torch.randn(blocks[rank].numel(), g.num_kv_heads, g.head_dim)
+        v = torch.randn_like(k)
+        layouts = {
+            "ring": RingAttention(group, rank, blocks, 1, 120.0, world),
+            "a2a": AllToAllAttention(group, rank, q_pos, blocks, 2, 120.0, world),
+            f"a2a/{micro}": PipelinedAllToAll(group, rank, q_pos, blocks, 4, 120.0, world,
+                                              micro_partitions=micro),
+        }
+        for name, attn in layouts.items():
+            times, waits = [], []
+            for _ in range(repeats + 1):
+                _barrier(world, rank, n)
+                attn.comm_wait_s = 0.0
+                t0 = time.perf_counter()
+                attn(q, q_pos[rank], k, v)
+                times.append(time.perf_counter() - t0)
+                waits.append(attn.comm_wait_s)
+            results[(name, h, l)] = (statistics.median(times[1:]), statistics.median(waits[1:]))
+    queue.put((rank, results))
+
+
+def measure_attention(n: int, cases, repeats: int, micro: int) -> dict:
+    """Per (layout, h, l): the slowest member's (median time, its median transfer wait)."""
+    got = _spawn(n, _attention_member, (cases, repeats, micro))
+    return {key: max(res[key] for _, res in got) for key in got[0][1]}
+
+
+def _spawn(n: int, target, args) -> list:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, n, port, *args, queue)) for r in range(n)]
+    for p in procs:
+        p.start()
+    got = []
+    while len(got) < n:
+        try:
+            got.append(queue.get(timeout=5))
+        except Exception:  # noqa: BLE001 - queue.Empty: see whether a member died
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"a member of the N = {n} run failed") from None
+    for p in procs:
+        p.join()
+    return got
+
+
 def measure(n: int, cases, repeats: int) -> dict:
     """Per (layout, h, l) the slowest member's median time over ``repeats``."""
     ctx = mp.get_context("spawn")
@@ -136,7 +199,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--sizes", default="2,4")
+    ap.add_argument("--attention", action="store_true", help="time whole attention calls")
+    ap.add_argument("--micro", type=int, default=4)
     args = ap.parse_args()
+    if args.attention:
+        cases = [(8192, 2048), (0, 8192)]
+        print("whole attention call per layer, ms (transfer wait ms); slowest member's median")
+        for n in map(int, args.sizes.split(",")):
+            res = measure_attention(n, cases, args.repeats, args.micro)
+            for h, l in cases:
+                cells = "  ".join(f"{name} {res[(name, h, l)][0] * 1e3:7.1f} "
+                                  f"({res[(name, h, l)][1] * 1e3:5.1f})"
+                                  for name in ("ring", "a2a", f"a2a/{args.micro}"))
+                print(f"N {n} h {h:>5} l {l:>5}: {cells}")
+        return
     measured = {n: measure(n, CASES, args.repeats) for n in map(int, args.sizes.split(","))}
     links = fit_links(measured[2]) if 2 in measured else fit_links(measure(2, CASES, args.repeats))
     print(f"loopback gloo fit (ring, N = 2): {links.intra_node / 1e9:.2f} GB/s, "
