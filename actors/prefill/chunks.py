@@ -61,7 +61,7 @@ def chunk_task(plan: PrefillPlan, k: int, r: int, lay, token_ids: TokenIds, seq:
         token_ids=member_tokens(token_ids, mine, emulated), balance=balance,
         sampling=opts.sampling, return_logits=opts.return_logits, timeout_s=timeout_s,
         kv_receivers=opts.kv_receivers, world=world, sp_layout=c.sp_layout,
-        sp_micro_partitions=c.sp_micro_partitions,
+        sp_micro_partitions=c.sp_micro_partitions, sp_layout_delta_s=c.sp_layout_delta_s,
     )
 
 

@@ -236,8 +236,11 @@ class EmulatedExecutor:
         if self.fault is not None and self.fault[:2] == (task.request_id, task.chunk_index):
             self.fault = None
             raise FaultInjected("injected fault (emulated)")
-        seconds = max(0.0, float(self.profile.predict(len(task.group), task.chunk_start,
-                                                      task.chunk_end - task.chunk_start)))
+        seconds = float(self.profile.predict(len(task.group), task.chunk_start,
+                                             task.chunk_end - task.chunk_start))
+        if task.sp_layout != "ring":   # as the simulator runs it: Eq. 1 + the layout's delta
+            seconds += task.sp_layout_delta_s
+        seconds = max(0.0, seconds)
         mine = task.chunk_positions[task.rank]
         wire = self._open_shards(task) if task.kv_receivers and ranges_len(mine) else []
         if wire:

@@ -95,6 +95,7 @@ class ChunkTask(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     world: int = 0                # the generation of the pool's world its rings use (world.py)
     sp_layout: str = "ring"       # the chunk's attention across the group (tetris/plan.py)
     sp_micro_partitions: int = 1  # "a2a": three-phase pipelining (alltoall_pipeline.py)
+    sp_layout_delta_s: float = 0.0   # the plan's layout delta; the emulated body waits it too
 
     @property
     def instance(self) -> int:
