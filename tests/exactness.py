@@ -5,8 +5,13 @@ Greedy tokens alone are too coarse on the seeded tiny models: their next token d
 on the current one, so a path that drops remote attention partials entirely, or attends to a
 wrong piece of history, can still give the engine's greedy tokens. A token's logprob is read
 off the whole logits row (``tetris.engine.logprobs``), so a wrong attention term moves it far
-past fp32 rounding; tolerance: 1e-4 relative (absolute below 1), as the project's fp32 logits
-checks use.
+past fp32 rounding.
+
+Tolerance: the project's fp32 bound is 1e-4 relative to the logits. A logprob moves as much as
+the logits do, but the tiny models' logits are small (|logit| < 0.7) beside their nearly
+uniform logprobs (about -ln V = -5.7), so the bound here is 1e-5 relative to the logprob (5e-5
+absolute at -5.4). Measured on the TP-2 sharded decode: 5e-7 apart when right; 8e-4 to 1.6e-3
+apart with every remote attention partial dropped (while the greedy tokens stayed the same).
 
 ``engine_runs`` gives the single engine's (tokens, logprobs); a path that returns logprobs
 (the decode engine and instances, the cluster's token path) is checked with
@@ -23,7 +28,7 @@ import torch
 from tetris.engine.logprobs import logprobs_of_rows
 from tetris.engine.request import TokenLogprob
 
-RTOL = 1e-4
+RTOL = 1e-5       # relative to the logprob; absolute below 1
 TOP = 5            # top logprobs asked for: the logits row beyond the token's own entry
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from engine_helpers import causal_op
 from engine_helpers import tiny_model as _load_tiny
+from exactness import TOP, assert_same_run, engine_runs, logprobs_of_logits
 
 from tetris.engine.engine import LLMEngine
 from tetris.engine.kv_shards import ShardHolder
@@ -165,20 +166,24 @@ def test_abort_mid_decode_frees_every_range_and_the_others_go_on(tiny_model):
 def test_an_engine_holds_a_range_beside_its_own_batch(tiny_model):
     model, tok = tiny_model
     prompts = _prompts([26, 9], seed=19)
-    expected = _engine_tokens(model, tok, prompts, 10)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=TOP)
+    expected = engine_runs(LLMEngine(model, tok, num_blocks=128, block_size=BS), prompts, params)
     engine = LLMEngine(model, tok, num_blocks=32, block_size=BS)
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     engine.add_request("own", prompts[1], params)
     dec = ShardedDecoder(model, [ShardHolder(0, model, 32, BS), ShardHolder.of_engine(1, engine)])
     dec.place_prefilled("split", prompts[0], [(1, 0, 13), (0, 13, 26)], 10)
     assert engine.num_free_blocks == 32 - 4             # the engine's pool holds the range
-    own = None
+    own, split = ([], []), []
     while engine.has_unfinished() or not dec.requests["split"].finished:
-        dec.step()                                       # the engine's cache answers q ...
+        if dec.step():                                   # the engine's cache answers q ...
+            split += logprobs_of_logits([dec.logits["split"]], dec.requests["split"].tokens[-1:])
         for out in engine.step():                        # ... and runs its own request
-            if out.finished:
-                own = list(out.token_ids)
-    assert dec.requests["split"].output_token_ids == expected[0]
-    assert own == expected[1]
+            own[0].extend(out.new_token_ids)
+            own[1].extend(out.new_logprobs)
+    tokens = dec.requests["split"].output_token_ids
+    # the first token is the (local) prefill's; the sharded steps decode the rest
+    assert tokens[:1] == expected[0][0][:1]
+    assert_same_run(tokens[1:], split, (expected[0][0][1:], expected[0][1][1:]), "split")
+    assert_same_run(*own, expected[1], "the engine's own")
     dec.free("split")
     assert engine.num_free_blocks == 32
