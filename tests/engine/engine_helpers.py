@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tetris.config import ModelConfig
+from tetris.engine.logprobs import logprobs_of_rows
 from tetris.kernels.attention import attention_with_lse_ref
 from tetris.model.loader import load_model
 
@@ -35,3 +36,13 @@ def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
         hidden = model.forward(ids, torch.arange(len(tokens)), causal_op)
         tokens.append(int(model.logits(hidden[-1:]).argmax(-1)))
     return tokens[len(prompt):]
+
+
+@torch.inference_mode()
+def reference_logprobs(model, prompt: list[int], outputs: list[int], top: int) -> list:
+    """``TokenLogprob`` of each output token from one cache-free forward of the whole sequence:
+    position p's logits give the logprob of token p + 1."""
+    tokens = list(prompt) + list(outputs)
+    hidden = model.forward(torch.tensor(tokens), torch.arange(len(tokens)), causal_op)
+    rows = model.logits(hidden[len(prompt) - 1:-1])
+    return logprobs_of_rows(rows, outputs, top)

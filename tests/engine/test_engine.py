@@ -11,7 +11,8 @@ from tetris.engine.engine import LLMEngine
 from tetris.kernels.paged_decode import write_kv
 from tetris.sampling_params import SamplingParams
 
-from engine_helpers import TINY, causal_op, greedy_reference
+from engine_helpers import TINY, causal_op, greedy_reference, reference_logprobs
+from exactness import TOP, assert_same_run
 from engine_helpers import tiny_model as _load_tiny
 
 
@@ -53,17 +54,20 @@ def test_chunked_prefill_and_preemption_keep_the_tokens(tiny_model, reference):
     # sequences (at most 45 tokens each), so decodes preempt and recompute the newest.
     engine = LLMEngine(model, tok, num_blocks=16, block_size=4, max_num_batched_tokens=8)
     preempted = []
-    outs = {}
+    outs = {f"r{i}": ([], []) for i in range(4)}
+    params = msgspec.structs.replace(GREEDY, logprobs=TOP)
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, GREEDY)
+        engine.add_request(f"r{i}", p, params)
     while engine.has_unfinished():
         plan_seqs = list(engine.batcher.running)
         for out in engine.step():
-            if out.finished:
-                outs[out.request_id] = list(out.token_ids)
+            outs[out.request_id][0].extend(out.new_token_ids)
+            outs[out.request_id][1].extend(out.new_logprobs)
         preempted += [s for s in plan_seqs if s.num_preemptions]
     assert preempted, "the cache was meant to be too small for all four at once"
-    assert [outs[f"r{i}"] for i in range(4)] == expected
+    # tokens, and logprobs: a chunk that missed part of its history can keep greedy tokens
+    for i, (p, want) in enumerate(zip(prompts, expected, strict=True)):
+        assert_same_run(*outs[f"r{i}"], (want, reference_logprobs(model, p, want, TOP)), f"r{i}")
     assert engine.num_free_blocks == 16
 
 
