@@ -37,6 +37,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from tetris.actors.decode.counts import ControlCounts, CountingPeer
 from tetris.actors.decode.lockstep import Follower, Leader
 from tetris.actors.decode.messages import (Abort, Add, Command, Commit, Failed, FirstTokenArrived,
                                            RankHeld, Rejected, Reserve, StepReply)
@@ -100,7 +101,7 @@ class DecodeRank:
         self._ready: list[str] = []
         self._failed: list[Failed] = []
         self._first: list[FirstTokenArrived] = []
-        self._counts = _ControlCounts()
+        self._counts = ControlCounts()
         # a rank > 0 steps on a thread of its own (``Follower``) while Ray calls (``held``,
         # ``stats``) come on the actor's: one step or read at a time
         self._step_lock = threading.Lock()
@@ -176,7 +177,7 @@ class DecodeRank:
     def connect_senders(self, peers: dict) -> None:
         # Counted on the way out: the control-plane cost of streaming, measured not estimated.
         # None: that sender is dead and not yet replaced (what it owed is given up now)
-        self._pump().connect({i: None if h is None else _CountingPeer(h, self._counts)
+        self._pump().connect({i: None if h is None else CountingPeer(h, self._counts)
                               for i, h in peers.items()})
 
     @ray.method(concurrency_group=TRANSFER_GROUP)
@@ -355,58 +356,6 @@ class DecodeRank:
 def _time_scale(deployment: DeploymentConfig) -> float:
     emulation = getattr(deployment, "emulation", None)
     return 1.0 if emulation is None else float(emulation.time_scale)
-
-
-class _ControlCounts:
-    """Cumulative control-plane counters of one rank (updated from two threads: a lock)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.steps = 0
-        self.ray_rounds = 0   # ``round`` calls from the driver (rank 0 only under lockstep)
-        self.calls_in = 0
-        self.calls_out = 0
-        self.msgs: dict[str, int] = {}
-
-    def received(self, msgs) -> None:
-        with self._lock:
-            self.calls_in += 1
-            for m in msgs:
-                key = f"in:{type(m).__name__}"
-                self.msgs[key] = self.msgs.get(key, 0) + 1
-
-    def sent(self, msgs) -> None:
-        with self._lock:
-            self.calls_out += 1
-            for m in msgs:
-                key = f"out:{type(m).__name__}"
-                self.msgs[key] = self.msgs.get(key, 0) + 1
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return {"steps": self.steps, "ray_rounds": self.ray_rounds,
-                    "transfer_calls_in": self.calls_in,
-                    "transfer_calls_out": self.calls_out} | dict(sorted(self.msgs.items()))
-
-
-class _CountingPeer:
-    """A sender actor handle whose ``deliver_transfer.remote`` calls are counted."""
-
-    def __init__(self, handle, counts: _ControlCounts) -> None:
-        self._handle = handle
-        self._counts = counts
-        self.deliver_transfer = self
-
-    def remote(self, msgs):
-        self._counts.sent(msgs)
-        return self._handle.deliver_transfer.remote(msgs)
-
-    def __eq__(self, other) -> bool:
-        # the same actor, however wrapped: the pump tells a replaced sender by this
-        return isinstance(other, _CountingPeer) and self._handle == other._handle
-
-    def __hash__(self) -> int:
-        return hash(self._handle)
 
 
 DecodeRankActor = ray.remote(concurrency_groups={TRANSFER_GROUP: 1})(DecodeRank)
