@@ -169,7 +169,8 @@ class PipelineGroup:
 
     # -- 3. restore ------------------------------------------------------------------------
     def _homes(self) -> dict[str, int]:
-        """Each request's home; a request admitted during the drop goes where most room is."""
+        """Each request's home; one admitted during the drop stays on the leader (the engine
+        that admitted it) while it has room, else goes where most room is."""
         left = [n for n in self._base_blocks]
         homes = {}
         seqs = list(self.leader._seqs.values())
@@ -179,7 +180,8 @@ class PipelineGroup:
                 left[homes[seq.request_id]] -= len(seq.block_table)
         for seq in seqs:
             if seq.request_id not in homes:
-                h = max(range(len(left)), key=lambda i: (left[i], -i))
+                h = 0 if left[0] >= len(seq.block_table) else \
+                    max(range(len(left)), key=lambda i: (left[i], -i))
                 homes[seq.request_id] = h
                 left[h] -= len(seq.block_table)
         if min(left) < 0:
