@@ -35,6 +35,7 @@ __all__ = [
     "EmulationConfig",
     "PrefixCacheConfig",
     "SpLayoutConfig",
+    "CsaConfig",
     "load_deployment",
     "default_deployment_path",
     "resolve_model_file",
@@ -314,6 +315,25 @@ class SpLayoutConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("sp_layout bandwidths and bytes_per_element must be positive")
 
 
+class CsaConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """CSA, communication-efficient sparse attention (CSPS §3.2.4, Eq. 5; kernels/csa.py).
+
+    LOSSY: with ``enabled`` it drops far tokens from attention, so logits differ from dense
+    attention (measured in docs/csps.md, benchmarks/bench_csa_quality.py). Off by default.
+    Level 1 (own shard) never drops; ``level3_drop_ratio`` None derives the corrected rule
+    1 − p3 = (1 − p2)/2 (notes §1.7.3)."""
+
+    enabled: bool = False
+    level2_drop_ratio: float = 0.0
+    level3_drop_ratio: float | None = None
+
+    def __post_init__(self) -> None:
+        p3 = self.level3_drop_ratio
+        if not 0.0 <= self.level2_drop_ratio < 1.0 or (p3 is not None and not 0.0 <= p3 < 1.0):
+            raise ValueError("csa drop ratios must lie in [0, 1), got "
+                             f"{self.level2_drop_ratio} and {p3}")
+
+
 class DeploymentConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: ModelConfig
     prefill: PrefillConfig = PrefillConfig()
@@ -323,6 +343,7 @@ class DeploymentConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     emulation: EmulationConfig = EmulationConfig()
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
     sp_layout: SpLayoutConfig = SpLayoutConfig()
+    csa: CsaConfig = CsaConfig()
     source_path: str | None = None
 
 
