@@ -16,6 +16,7 @@ import time
 
 import httpx
 import pytest
+from exactness import TOP, assert_api_logprobs, engine_runs
 
 from tetris.config import load_deployment
 from tetris.engine.engine import LLMEngine
@@ -95,6 +96,19 @@ def _reference(engine, prompts, n):
     return [o for o in outs]
 
 
+def _reference_logprobs(engine, prompts, n, prefix):
+    """The engine's greedy tokens and their top-``TOP`` logprobs: the served text alone would
+    pass with a broken attention term (tests/exactness.py)."""
+    return engine_runs(engine, prompts, SamplingParams(max_tokens=n, temperature=0,
+                                                       ignore_eos=True, logprobs=TOP), prefix)
+
+
+def _text_of(engine):
+    from tetris.serve.logprobs_format import TokenText
+
+    return TokenText(engine.tokenizer)
+
+
 def _prompt(n: int, salt: int) -> list[int]:
     return [(i * 37 + salt * 11) % 500 + 3 for i in range(n)]
 
@@ -118,8 +132,8 @@ def test_greedy_output_through_the_full_system_equals_the_engine(app, engine):
             # between 1 and 3 s with this profile).
             r = await c.post(f"{base}/admin/drain", json={"instances": [0, 1], "seconds": 2.5})
             assert r.status_code == 200, r.text
-            rb = await _complete(c, base, long, 24)
-            ra = await _complete(c, base, short, 24)
+            rb = await _complete(c, base, long, 24, logprobs=TOP)
+            ra = await _complete(c, base, short, 24, logprobs=TOP)
             plans = (await c.get(f"{base}/admin/plans")).json()
             return ra, rb, plans
 
@@ -128,6 +142,10 @@ def test_greedy_output_through_the_full_system_equals_the_engine(app, engine):
     ref = _reference(engine, [short, long], 24)
     assert ra.json()["choices"][0]["text"] == ref[0].text
     assert rb.json()["choices"][0]["text"] == ref[1].text
+    # the first token's logprobs from the CDSP prefill, the rest from the TP-2 decode ranks
+    for r, want, what in zip((ra, rb), _reference_logprobs(engine, [short, long], 24, "cdsp"),
+                             ("short", "long")):
+        assert_api_logprobs(r.json()["choices"][0]["logprobs"], want, _text_of(engine), what)
     assert rb.json()["usage"] == {"prompt_tokens": 2000, "completion_tokens": 24,
                                   "total_tokens": 2024}
     long_plan = [p for p in plans if p["prompt_tokens"] == 2000][-1]
@@ -182,16 +200,9 @@ def test_completion_top5_logprobs_served_equal_the_single_engines(app, engine):
     for case, r in zip(cases, served):
         assert r.status_code == 200, r.text
         got = r.json()["choices"][0]["logprobs"]
-        tokens, entries = _engine_logprobs(engine, prompt, SamplingParams(
+        want = _engine_logprobs(engine, prompt, SamplingParams(
             max_tokens=6, ignore_eos=True, logprobs=5, **case))
-        assert got["tokens"] == [text_of(t) for t in tokens]
-        for lp, top, e in zip(got["token_logprobs"], got["top_logprobs"], entries, strict=True):
-            assert abs(lp - e.logprob) < 1e-4
-            want = {}
-            for t, v in e.top:
-                want.setdefault(text_of(t), v)
-            want.setdefault(text_of(e.token_id), e.logprob)
-            assert top.keys() == want.keys() and all(abs(top[k] - want[k]) < 1e-4 for k in top)
+        assert_api_logprobs(got, want, text_of, str(case))
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
     assert "single-engine server only" in refused.json()["error"]["message"]
 
@@ -435,17 +446,19 @@ def test_a_dead_prefill_worker_is_replaced_and_streams_kv_to_decode_again(app, e
         ray.kill(prefill.peers.remote().result()[0][0])
         prompt = _prompt(600, 10)
         want = _reference(engine, [prompt], 12)[0].text
+        want_lp = _reference_logprobs(engine, [prompt], 12, "replaced")[0]
         # instances 1-3 held for longer than an instance being replaced counts as busy
         # (LiveQueue.REPLACING_S): the plan lands on instance 0, dead, and so does the run
         # again: the pool refuses it while instance 0 is being replaced (InstanceReplacing
         # through the handle), and the last plan the dispatcher tries waits for the replacement
         httpx.post(f"{base}/admin/drain", json={"instances": [1, 2, 3], "seconds": 120.0}, timeout=60)
-        r = asyncio.run(_complete_once(base, prompt, 12))
+        r = asyncio.run(_complete_once(base, prompt, 12, logprobs=TOP))
         httpx.post(f"{base}/admin/drain", json={"instances": [1, 2, 3], "seconds": 0.001}, timeout=60)
     finally:
         dispatcher.set_prefill_check.remote(period).result()
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == want
+    assert_api_logprobs(r.json()["choices"][0]["logprobs"], want_lp, _text_of(engine), "rerun")
     assert prefill.replacements.remote().result() == before + 1
     (tl,) = dispatcher.timelines.remote(1).result()
     assert tl["retries"] == 1 and tl["outcome"] == "length"
@@ -477,14 +490,16 @@ def test_a_dead_decode_rank_is_replaced_and_its_streams_resume(app, engine):
     old = decode.peers.remote().result()
     prompt, n = _prompt(300, 9), 400
     want = _reference(engine, [prompt], n)[0]
+    want_lp = _reference_logprobs(engine, [prompt], n, "resumed")[0]
     pieces: list[str] = []
+    logprobs: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
     usage: dict = {}
     enough = threading.Event()
 
     def stream():
         with httpx.stream("POST", f"{base}/v1/completions", timeout=240, json={
                 "model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0,
-                "ignore_eos": True, "stream": True,
+                "ignore_eos": True, "stream": True, "logprobs": TOP,
                 "stream_options": {"include_usage": True}}) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
@@ -494,6 +509,9 @@ def test_a_dead_decode_rank_is_replaced_and_its_streams_resume(app, engine):
                 if chunk.get("usage"):
                     usage.update(chunk["usage"])
                 pieces.extend(c["text"] for c in chunk["choices"])
+                for c in chunk["choices"]:
+                    for key, got in logprobs.items():
+                        got.extend(c["logprobs"][key])
                 if len(pieces) >= 4:
                     enough.set()
 
@@ -513,6 +531,8 @@ def test_a_dead_decode_rank_is_replaced_and_its_streams_resume(app, engine):
     reader.join(240)
     assert not reader.is_alive()
     assert "".join(pieces) == want.text and usage["completion_tokens"] == n
+    # the resumed run's tokens (prefilled again with those the client had) read the same logits
+    assert_api_logprobs(logprobs, want_lp, _text_of(engine), "resumed")
     streamed = [t for t in dispatcher.timelines.remote(50).result() if t["prompt_tokens"] == 300]
     assert streamed[-1]["retries"] == 1 and streamed[-1]["outcome"] == "length"
     metrics = httpx.get(f"{base}/metrics", timeout=60).text.splitlines()

@@ -13,12 +13,15 @@ import json
 import time
 
 import httpx
+import msgspec
 import pytest
+from exactness import TOP, assert_api_logprobs, engine_runs
 
 from tetris.config import load_deployment
 from tetris.engine.engine import LLMEngine
 from tetris.sampling_params import SamplingParams
 from tetris.scheduler.latency import load_profile
+from tetris.serve.logprobs_format import TokenText
 
 MODEL = "tetris-tiny-llama"
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
@@ -109,13 +112,16 @@ def test_shared_prefixes_are_served_from_the_cache_token_for_token(app):
     ref["turn2"] = engine.generate([turn2], params)[0]
     prompts = {"q1": q1, "q2": q2, "again": q1, "turn2": turn2}
     ref["again"] = ref["q1"]
+    # and every token's logprobs: a prefix read wrong can leave the greedy tokens as they were
+    want_lp = dict(zip(prompts, engine_runs(engine, list(prompts.values()), msgspec.structs.replace(
+        params, logprobs=TOP))))
 
     async def run():
-        out, usage = {}, {}
+        out, usage, logprobs = {}, {}, {}
         async with httpx.AsyncClient(timeout=120) as c:
             for name, prompt in prompts.items():   # one after another: each finds the last
                 body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
-                        "ignore_eos": True}
+                        "ignore_eos": True, "logprobs": TOP}
                 if name == "again":   # streamed: the usage comes in the last event
                     body |= {"stream": True, "stream_options": {"include_usage": True}}
                 r = await c.post(f"{base}/v1/completions", json=body)
@@ -125,15 +131,21 @@ def test_shared_prefixes_are_served_from_the_cache_token_for_token(app):
                               if line.startswith("data: {")]
                     out[name] = "".join(e["choices"][0]["text"] for e in events if e["choices"])
                     usage[name] = events[-1]["usage"]
+                    logprobs[name] = {key: [x for e in events if e["choices"]
+                                            for x in e["choices"][0]["logprobs"][key]]
+                                      for key in ("tokens", "token_logprobs", "top_logprobs")}
                 else:
                     out[name] = r.json()["choices"][0]["text"]
                     usage[name] = r.json()["usage"]
+                    logprobs[name] = r.json()["choices"][0]["logprobs"]
             plans = (await c.get(f"{base}/admin/plans")).json()
             cache = (await c.get(f"{base}/admin/prefix_cache")).json()
-        return out, usage, plans, cache
+        return out, usage, logprobs, plans, cache
 
-    out, usage, plans, cache = asyncio.run(run())
+    out, usage, logprobs, plans, cache = asyncio.run(run())
     assert out == {k: ref[k].text for k in prompts}
+    for name, want in want_lp.items():
+        assert_api_logprobs(logprobs[name], want, TokenText(engine.tokenizer), name)
     details = {k: u.get("prompt_tokens_details") for k, u in usage.items()}
     assert details == {"q1": None, "q2": {"cached_tokens": 592},
                        "again": {"cached_tokens": len(q1) - 1},

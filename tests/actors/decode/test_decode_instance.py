@@ -1,5 +1,6 @@
 """A TP-2 decode instance of Ray actors: lockstep engines, continuous batching, KV fed by
-real send managers over NIXL, aborts and transfer failures that leave nothing held."""
+real send managers over NIXL, aborts and transfer failures that leave nothing held. Decoded
+tokens equal the single TP-1 engine's, and so do their logprobs (tests/exactness.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import msgspec
 import pytest
 import ray
 import torch
+from exactness import TOP, assert_same_run, engine_runs
 
 from tetris.actors.decode.instance import DecodeError, DecodeFull, DecodeInstance, DecodeInstanceLost
 from tetris.actors.decode.messages import KVTransferFailed
@@ -40,6 +42,7 @@ TRANSFER = TransferConfig(num_backends=2, pool_size=2, backend_buffer_bytes=1024
                           send_buffer_bytes=1024, bulk_chunk_bytes=1024, timeout_s=8.0,
                           abort_grace_s=0.2, backend="nixl")
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+GREEDY_LP = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=TOP)
 
 
 class TestSender:
@@ -117,6 +120,11 @@ class Reference:
     def generate(self, prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
         return list(self.engine.generate([prompt], params)[0].token_ids)
 
+    def run(self, prompt: list[int]):
+        """Greedy tokens and their logprobs (``GREEDY_LP``)."""
+        self.runs = getattr(self, "runs", 0) + 1
+        return engine_runs(self.engine, [prompt], GREEDY_LP, f"ref{self.runs}")[0]
+
     def prompt_kv(self, prompt: list[int]) -> list[torch.Tensor]:
         """Per layer [T, 2, Hkv, D]: the K (after RoPE) and V that the prompt leaves in a cache."""
         kv: list[torch.Tensor] = []
@@ -183,6 +191,10 @@ def _tokens(outs) -> list[int]:
     return [t for o in outs for t in o.new_token_ids]
 
 
+def _logprobs(outs) -> list:
+    return [e for o in outs for e in o.new_logprobs]
+
+
 async def _wait_empty(inst, senders, timeout_s: float = 10.0):
     deadline = time.monotonic() + timeout_s
     while True:
@@ -199,24 +211,24 @@ def test_local_path_tp2_matches_single_engine_with_continuous_batching(cluster, 
     inst, senders = cluster
     prompts = {"a": _prompt(5, 1), "b": _prompt(11, 2), "c": _prompt(17, 3)}
     ref = {k: reference.engine.generate([p], GREEDY)[0] for k, p in prompts.items()}
-    want = {k: list(out.token_ids) for k, out in ref.items()}
+    want = {k: reference.run(p) for k, p in prompts.items()}
 
     async def body():
-        await inst.add("a", prompts["a"], GREEDY)
-        await inst.add("b", prompts["b"], GREEDY)
+        await inst.add("a", prompts["a"], GREEDY_LP)
+        await inst.add("b", prompts["b"], GREEDY_LP)
         stream_a = inst.stream("a")
         early = [await anext(stream_a), await anext(stream_a)]
         assert not early[-1].finished
         # "c" joins while "a" and "b" are mid-generation
-        await inst.add("c", prompts["c"], GREEDY)
+        await inst.add("c", prompts["c"], GREEDY_LP)
         rest_a = [out async for out in stream_a]
         outs_b, outs_c = await asyncio.gather(_collect(inst, "b"), _collect(inst, "c"))
         return {"a": early + rest_a, "b": outs_b, "c": outs_c}
 
     got = loop.run_until_complete(body())
     for k, outs in got.items():
-        assert _tokens(outs) == want[k], k
-        assert outs[-1].num_tokens == len(want[k])
+        assert_same_run(_tokens(outs), _logprobs(outs), want[k], k)
+        assert outs[-1].num_tokens == len(want[k][0])
         assert outs[-1].finish_reason == "length" and not any(o.finished for o in outs[:-1])
         assert "".join(o.new_text for o in outs) == ref[k].text
         # deltas only: neither the prompt nor the output so far travels with each token
@@ -249,27 +261,28 @@ def test_a_request_that_ends_before_its_stream_opens_still_streams(cluster, loop
 def test_kv_fed_by_transfer_continues_like_single_engine(cluster, loop, reference):
     inst, senders = cluster
     prompts = {"t1": _prompt(13, 4), "t2": _prompt(9, 5)}
-    want = {k: reference.generate(p) for k, p in prompts.items()}
+    want = {k: reference.run(p) for k, p in prompts.items()}
     kv = {k: reference.prompt_kv(p) for k, p in prompts.items()}
 
     async def body():
         for k, p in prompts.items():
-            await inst.reserve(k, p, GREEDY)
+            await inst.reserve(k, p, GREEDY_LP)
         # t1: first token known before its KV arrives; t2: after every rank has its KV
-        inst.commit("t1", want["t1"][0])
+        # (with the prefill's logprob of it: what the decode ranks compute is the rest)
+        inst.commit("t1", want["t1"][0][0], want["t1"][1][0])
         await _send_kv(senders, "t1", kv["t1"], [(0, 6), (6, 13)])
         await _send_kv(senders, "t2", kv["t2"], [(0, 9)])
         deadline = time.monotonic() + 20
         while not inst.transfer_ready("t2"):
             assert time.monotonic() < deadline, "t2's KV never completed on both ranks"
             await asyncio.sleep(0.01)
-        inst.commit("t2", want["t2"][0])
+        inst.commit("t2", want["t2"][0][0], want["t2"][1][0])
         return await asyncio.gather(_collect(inst, "t1"), _collect(inst, "t2"))
 
     outs_t1, outs_t2 = loop.run_until_complete(body())
-    assert _tokens(outs_t1) == want["t1"]
-    assert _tokens(outs_t2) == want["t2"]
-    assert outs_t1[0].new_token_ids[0] == want["t1"][0]   # the stream starts with the first token
+    assert_same_run(_tokens(outs_t1), _logprobs(outs_t1), want["t1"], "t1")
+    assert_same_run(_tokens(outs_t2), _logprobs(outs_t2), want["t2"], "t2")
+    assert outs_t1[0].new_token_ids[0] == want["t1"][0][0]   # the stream starts with the first token
     loop.run_until_complete(_wait_empty(inst, senders))
 
 

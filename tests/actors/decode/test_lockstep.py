@@ -11,6 +11,7 @@ import time
 import pytest
 import ray
 import torch
+from exactness import TOP, assert_same_run, engine_runs
 
 from tetris.actors.decode.instance import DecodeInstance, DecodeInstanceLost
 from tetris.config import DecodeConfig, DeploymentConfig, ModelConfig
@@ -25,6 +26,7 @@ MODEL = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_la
 DEPLOYMENT = DeploymentConfig(model=MODEL, decode=DecodeConfig(
     tp_size=2, max_batch_size=4, block_size=4, kv_blocks=64))
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+GREEDY_LP = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=TOP)
 LOCKSTEP_TIMEOUT_S = 3.0   # rank 0's wait for replies; an idle follower's wait has none
 TIMEOUT_S = 60.0           # the model's collectives: a death must surface well before
 
@@ -45,7 +47,12 @@ def loop():
 def reference():
     model, tok = load_model(MODEL)
     engine = LLMEngine(model, tok, num_blocks=64, block_size=4, max_num_seqs=4)
-    return lambda prompt, params=GREEDY: list(engine.generate([prompt], params)[0].token_ids)
+
+    def tokens(prompt, params=GREEDY):
+        return list(engine.generate([prompt], params)[0].token_ids)
+
+    tokens.runs = lambda prompts: engine_runs(engine, prompts, GREEDY_LP)   # and logprobs
+    return tokens
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +69,12 @@ async def _generate(inst, rid: str, prompt: list[int], params=GREEDY) -> list[in
     return [t async for out in inst.stream(rid) for t in out.new_token_ids]
 
 
+async def _generate_with_logprobs(inst, rid: str, prompt: list[int]) -> tuple[list, list]:
+    await inst.add(rid, prompt, GREEDY_LP)
+    outs = [out async for out in inst.stream(rid)]
+    return [t for o in outs for t in o.new_token_ids], [e for o in outs for e in o.new_logprobs]
+
+
 def _counts(inst) -> list[dict]:
     return ray.get([r.control_counts.remote() for r in inst.ranks])
 
@@ -72,10 +85,12 @@ def test_followers_step_without_ray_calls_and_match_the_single_engine(inst, loop
     rounds = inst.rounds
 
     async def body():
-        return await asyncio.gather(*[_generate(inst, k, p) for k, p in prompts.items()])
+        return await asyncio.gather(*[_generate_with_logprobs(inst, k, p)
+                                      for k, p in prompts.items()])
 
     got = dict(zip(prompts, loop.run_until_complete(body())))
-    assert got == {k: reference(p) for k, p in prompts.items()}
+    for (k, run), want in zip(got.items(), reference.runs(list(prompts.values())), strict=True):
+        assert_same_run(*run, want, k)
     after = _counts(inst)
     ran = inst.rounds - rounds
     assert ran >= GREEDY.max_tokens
