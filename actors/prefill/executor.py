@@ -20,6 +20,7 @@ from tetris.actors.decode.emulated import PLACEHOLDER_TOKEN, WIRE_HEAD_DIM, torc
 from tetris.actors.prefill.alltoall import AllToAllAttention
 from tetris.actors.prefill.alltoall_pipeline import PipelinedAllToAll
 from tetris.actors.prefill.balance import BALANCE_TAG_KIND, LayerBalancer
+from tetris.actors.prefill.emulated_kv import EmulatedHoldings
 from tetris.actors.prefill.kv_store import PagedKVStore, ranges_tensor
 from tetris.actors.prefill.messages import ChunkResult, ChunkTask
 from tetris.actors.prefill.ring import RING_TAG_KIND, RingAttention
@@ -206,6 +207,8 @@ class EmulatedExecutor:
     ``(i + 1) · T / L`` with KV of the wire geometry (``head_dim`` 1, zeros), so the transfer
     control plane runs for real while the emulated backend times the paper's bytes. The member
     holding the prompt's last token returns ``PLACEHOLDER_TOKEN`` as the first token.
+    ``holdings`` keeps the positions a real store would hold (``emulated_kv.py``), so a plan
+    from a cached prefix finds its copies and ``held_requests`` shows what is kept.
     """
 
     emulated = True
@@ -219,10 +222,13 @@ class EmulatedExecutor:
         self.clock = clock
         self.fault: tuple[str, int, int] | None = None
         self.pump = None            # a started TransferPump once transfer is enabled
+        self.holdings = EmulatedHoldings()
 
     def prepare(self, task: ChunkTask) -> None:
         if task.chunk_end <= task.chunk_start:
             raise ValueError(f"chunk {task.chunk_index} is empty")
+        me = task.instance
+        incoming = [p for m in task.moves if m.dst == me for p in m.positions]
         if task.kv_receivers:
             if self.pump is None or self.model is None:
                 raise RuntimeError(f"chunk {task.chunk_index} streams KV but transfer is not "
@@ -230,6 +236,7 @@ class EmulatedExecutor:
             hkv, n = self.model.num_kv_heads // self.tp_size, len(task.kv_receivers)
             if hkv % n or len(set(task.kv_receivers)) != n:
                 raise ValueError(f"{hkv} KV heads cannot be split over receivers {task.kv_receivers}")
+        self.holdings.reserve(task.request_id, list(task.chunk_positions[task.rank]) + incoming)
 
     def execute(self, task: ChunkTask, link: PeerLink | None = None) -> ChunkResult:
         t0 = self.clock()   # the emulated body talks to no peer: ``link`` is unused
@@ -258,6 +265,9 @@ class EmulatedExecutor:
             lo <= last < hi for lo, hi in mine)
         streamed = holds_last and bool(wire) and stream_first_token(
             self.pump, task, PLACEHOLDER_TOKEN, None)
+        if task.balance != "off":   # as the real body: history sent away is freed here
+            self.holdings.release(task.request_id, [
+                p for m in task.moves if m.src == task.instance for p in m.positions])
         return ChunkResult(
             request_id=task.request_id, chunk_index=task.chunk_index, instance=task.instance,
             rank=task.rank, elapsed_s=self.clock() - t0, emulated=True,
@@ -281,8 +291,28 @@ class EmulatedExecutor:
                               head_dim=WIRE_HEAD_DIM, dtype=dtype, now=now)
         return [(r, torch.zeros((n, 2, h, WIRE_HEAD_DIM), dtype=dtype)) for r in task.kv_receivers]
 
+    def stream_prefix(self, request_id: str, ranges, prompt_tokens: int, upto: int,
+                      receivers: tuple[int, ...]) -> None:
+        """``prefix.stream_prefix`` with zero KV of the wire geometry: one ``PREFIX_CHUNK``
+        shard per receiver, every layer ready at once (the emulated link times its bytes)."""
+        from tetris.actors.prefill.prefix import PREFIX_CHUNK
+
+        h = self.model.num_kv_heads // self.tp_size // len(receivers)
+        dtype = torch_dtype(self.model.dtype)
+        kv = torch.zeros((ranges_len(ranges), 2, h, WIRE_HEAD_DIM), dtype=dtype)
+        now = time.monotonic()
+        with self.pump.locked() as mgr:
+            for r in receivers:
+                mgr.add_shard(request_id=request_id, chunk_index=PREFIX_CHUNK, receiver_id=r,
+                              prompt_tokens=prompt_tokens, chunk=(0, upto), ranges=ranges,
+                              num_layers=self.model.num_layers, kv_heads=h,
+                              head_dim=WIRE_HEAD_DIM, dtype=dtype, now=now)
+            for layer in range(self.model.num_layers):
+                for r in receivers:
+                    mgr.layer_ready(request_id, PREFIX_CHUNK, layer, kv, receiver_id=r)
+
     def abort(self, request_id: str) -> None:
-        return None
+        self.holdings.free(request_id)
 
 
 def stream_first_token(pump, task: ChunkTask, token: int, logprob) -> bool:

@@ -282,8 +282,13 @@ class PrefillWorker:
                      kv_receivers: tuple[int, ...] = ()):
         """Prefix caching: copy ``source``'s KV below position ``upto`` held here to
         ``request_id`` and stream the copy to ``kv_receivers``; returns its positions."""
-        if self.store is None:
-            raise RuntimeError("an emulated worker holds no KV to reuse")
+        if self.store is None:   # EMULATION: positions only, zero KV streamed
+            ranges = self.executor.holdings.copy_prefix(source, request_id, upto)
+            if ranges and kv_receivers:
+                self._streaming()
+                self.executor.stream_prefix(request_id, ranges, prompt_tokens, upto,
+                                            tuple(kv_receivers))
+            return ranges
         ranges = self.store.copy_prefix(source, request_id, upto)
         if ranges and kv_receivers:
             from tetris.actors.prefill.prefix import stream_prefix
@@ -301,7 +306,8 @@ class PrefillWorker:
 
     def held_requests(self) -> list[str]:
         """Requests with KV or transfer shards still held here."""
-        held = set(self.store.requests() if self.store is not None else [])
+        held = set(self.store.requests() if self.store is not None
+                   else self.executor.holdings.requests())
         if self.streaming is not None:
             held.update(self.streaming.held())
         return sorted(held)
