@@ -83,6 +83,11 @@ class LiveCluster:
     def held(self) -> dict:
         return self.dispatcher.held.remote().result(timeout_s=60)
 
+    def prompt_of(self, r) -> tuple[int, ...]:
+        """The prompt's token ids: emulated workers never read them, so one id repeated
+        (a workload with shared prefixes gives each its own, ``prefix_live.py``)."""
+        return (_PROMPT_TOKEN,) * r.prompt_tokens
+
     async def send_one(self, r, request_id: str) -> dict:
         """One request of a trace through the ingress handle's stream: when it was sent and
         its first token came (``perf_counter``), tokens received and the error, if any. A
@@ -91,7 +96,7 @@ class LiveCluster:
         from tetris.serve.types import GenerationRequest
 
         sent = time.perf_counter()
-        req = GenerationRequest(prompt_token_ids=(_PROMPT_TOKEN,) * r.prompt_tokens,
+        req = GenerationRequest(prompt_token_ids=self.prompt_of(r),
                                 request_id=request_id,
                                 sampling=SamplingParams(max_tokens=r.output_tokens,
                                                         temperature=0, ignore_eos=True))

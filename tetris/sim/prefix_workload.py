@@ -39,6 +39,7 @@ __all__ = [
     "load_mooncake_trace",
     "save_mooncake_trace",
     "segment_hashes",
+    "shared_prefix_prompts",
     "shared_prefix_workload",
 ]
 
@@ -111,6 +112,14 @@ def shared_prefix_workload(spec: PrefixWorkload, rate: float, seed: int,
                            outputs: LengthDistribution = OUTPUT_LENGTHS) -> list[SimRequest]:
     """The requests of every stream, Poisson arrivals at ``rate`` req/s; the same seed gives
     the same requests at any rate (unit-rate gaps divided by ``rate``)."""
+    return [r for r, _ in shared_prefix_prompts(spec, rate, seed, outputs)]
+
+
+def shared_prefix_prompts(spec: PrefixWorkload, rate: float, seed: int,
+                          outputs: LengthDistribution = OUTPUT_LENGTHS,
+                          ) -> list[tuple[SimRequest, list[Segment]]]:
+    """``shared_prefix_workload`` with each request's segments, from which a live run makes
+    its prompt's tokens (the same requests, the same hashes' sharing)."""
     if rate <= 0:
         raise ValueError(f"rate must be positive, got {rate}")
     rng = np.random.default_rng(seed)
@@ -128,8 +137,8 @@ def shared_prefix_workload(spec: PrefixWorkload, rate: float, seed: int,
         segments, output = active[k].pop(0)
         if not active[k]:
             active.pop(k)
-        out.append(SimRequest(f"r{i}", float(arrivals[i]), sum(t for _, t in segments), output,
-                              segment_hashes(segments, spec.block_tokens)))
+        out.append((SimRequest(f"r{i}", float(arrivals[i]), sum(t for _, t in segments), output,
+                               segment_hashes(segments, spec.block_tokens)), segments))
     return out
 
 
