@@ -138,19 +138,25 @@ def masked_attention_with_lse(q, k, v, visible, scale: float | None = None):
     return out.transpose(0, 1).to(q.dtype), lse, probs
 
 
-def _level_visible(level_of_pair, v: int, keep: torch.Tensor | None, group: int):
-    """[Hq, T, T] bool: pairs at level v whose query and key both survive level v's drop."""
+def _level_visible(level_of_pair, v: int, keep: torch.Tensor | None, group: int,
+                   drop_queries: bool):
+    """[Hq, T, T] bool: pairs at level v whose key (and query, if queries drop too) survives
+    level v's drop."""
     region = (level_of_pair == v).unsqueeze(0)  # [1, T, T]
     if keep is None:
         return region
     kq = keep.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, T]
-    return region & kq.unsqueeze(-1) & kq.unsqueeze(1)
+    visible = region & kq.unsqueeze(1)
+    return visible & kq.unsqueeze(-1) if drop_queries else visible
 
 
-def csa_attention(q, k, v, layout: CsaLayout, keep: list[torch.Tensor]):
+def csa_attention(q, k, v, layout: CsaLayout, keep: list[torch.Tensor], *,
+                  drop_queries: bool = True):
     """CSA for one layer of one sharded sequence (positions 0..T−1, no history).
 
-    ``keep`` is ``keep_masks(...)`` (empty: drop nothing). Returns (out [T, Hq, D],
+    ``keep`` is ``keep_masks(...)`` (empty: drop nothing). ``drop_queries`` False keeps every
+    query at every level and drops only keys and values (not the paper's rule, which drops Q
+    too; a variant to see where the loss comes from). Returns (out [T, Hq, D],
     lse [Hq, T], importance [T, Hkv] for the next layer's ``keep_masks``, parts) where
     parts is the per-level [(out_v, lse_v)] merged by Eq. 5."""
     t, hq, _ = q.shape
@@ -160,7 +166,8 @@ def csa_attention(q, k, v, layout: CsaLayout, keep: list[torch.Tensor]):
     parts = []
     importance = None
     for v_idx in range(LEVELS):
-        visible = _level_visible(level_of_pair, v_idx + 1, keep[v_idx] if keep else None, group)
+        visible = _level_visible(level_of_pair, v_idx + 1, keep[v_idx] if keep else None, group,
+                                 drop_queries)
         out_v, lse_v, probs = masked_attention_with_lse(q, k, v, visible)
         parts.append((out_v, lse_v))
         if v_idx == 0:

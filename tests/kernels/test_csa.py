@@ -85,6 +85,13 @@ def test_nonzero_drop_changes_the_output_only_past_the_own_shard():
     torch.testing.assert_close(out[:8], dense[:8])  # shard 0 has only level 1: untouched
     # A query dropped at level 3 gets no level-3 result.
     assert torch.isneginf(parts[2][1][:, 8:]).any()
+    # Dropping only K and V: every query past node 0 keeps a level-3 result, and the output
+    # differs from both dense attention and the paper's Q-dropping rule.
+    kv_only, _, _, kv_parts = csa_attention(
+        q, k, v, layout, keep_masks(importance, layout, level_drop_ratios(0.5)),
+        drop_queries=False)
+    assert torch.isfinite(kv_parts[2][1][:, 16:]).all()
+    assert (kv_only - dense).abs().max() > 1e-2 and (kv_only - out).abs().max() > 1e-2
 
 
 def _four_layer_tiny():

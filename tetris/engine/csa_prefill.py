@@ -55,10 +55,12 @@ class CsaStats:
 class CsaPrefill:
     """Stateful attention op for one forward pass over one sequence (positions 0..T−1)."""
 
-    def __init__(self, config: CsaConfig, layout: CsaLayout, num_layers: int) -> None:
+    def __init__(self, config: CsaConfig, layout: CsaLayout, num_layers: int, *,
+                 drop_queries: bool = True) -> None:
         if not config.enabled:
             raise ValueError("CsaPrefill needs [csa] enabled = true (CSA is opt-in)")
         self.layout = layout
+        self.drop_queries = drop_queries
         self.num_layers = num_layers
         self.drop_ratios = level_drop_ratios(config.level2_drop_ratio, config.level3_drop_ratio)
         self.stats = CsaStats()
@@ -71,7 +73,8 @@ class CsaPrefill:
         last = i == self.num_layers - 1
         importance = None if last else self._importance
         keep = keep_masks(importance, self.layout, self.drop_ratios)
-        out, _, self._importance, _ = csa_attention(q, k, v, self.layout, keep)
+        out, _, self._importance, _ = csa_attention(q, k, v, self.layout, keep,
+                                                drop_queries=self.drop_queries)
         self._count(keep, k.shape[1], q.shape[1] // k.shape[1])
         return out
 
@@ -94,7 +97,8 @@ class CsaPrefill:
             if not keep:
                 self.stats.pairs_kept += dense
                 continue
-            kq = keep[v].float()  # [T, Hkv]
-            # Σ_g Σ_{i,j in region} kq[i,g]·kq[j,g], times the group's query heads.
-            kept = torch.einsum("ig,ij,jg->", kq, region.float(), kq)
+            kk = keep[v].float()  # [T, Hkv]
+            kq = kk if self.drop_queries else torch.ones_like(kk)
+            # Σ_g Σ_{i,j in region} kq[i,g]·kk[j,g], times the group's query heads.
+            kept = torch.einsum("ig,ij,jg->", kq, region.float(), kk)
             self.stats.pairs_kept += round(float(kept)) * group
