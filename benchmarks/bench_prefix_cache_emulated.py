@@ -88,7 +88,8 @@ def _print(args, trace, rows) -> None:
           f"{len(trace)} requests, mean prompt {mean / 1e3:.1f}k tokens, rate {args.rate:g} "
           f"req/s, seed {args.seed}; paper seconds")
     print("| cache | SIM P50 / P99 | EMU P50 / P99 | EMU to prefill end P50 / P99 "
-          "| EMU / SIM P50 | planned from cache SIM / EMU | failed | held after clear |")
+          "| EMU / SIM P50 | planned from cache SIM / EMU | failed "
+          "| held after clear (inflight/prefill runs/decode ranks) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         emu_hits = (f"{r['live_hits']}/{r['live_queries']}" if r["cache"] else "-")
@@ -97,7 +98,7 @@ def _print(args, trace, rows) -> None:
               f"| {r['live_prefill_p50']:.3f} / {r['live_prefill_p99']:.3f} "
               f"| {r['live_p50'] / r['sim_p50']:.2f} "
               f"| {r['sim_planned_from_cache']:.0%} / {emu_hits} | {r['failed']} "
-              f"| {r['held_after_clear']} |")
+              f"| {'/'.join(str(v) for v in r['held_after_clear'].values())} |")
     off, on = rows
     print(f"on / off: SIM P50 {on['sim_p50'] / off['sim_p50']:.2f}, P99 "
           f"{on['sim_p99'] / off['sim_p99']:.2f}; EMU P50 {on['live_p50'] / off['live_p50']:.2f}, "
