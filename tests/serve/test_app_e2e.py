@@ -264,12 +264,15 @@ def test_sixteen_concurrent_requests_all_complete(app, engine):
 
     async def run():
         async with httpx.AsyncClient(timeout=300) as c:
-            return await asyncio.gather(*[_complete(c, base, p, 8) for p in prompts])
+            return await asyncio.gather(*[_complete(c, base, p, 8, logprobs=TOP)
+                                          for p in prompts])
 
     results = asyncio.run(run())
     assert [r.status_code for r in results] == [200] * 16
     ref = _reference(engine, prompts, 8)
     assert [r.json()["choices"][0]["text"] for r in results] == [o.text for o in ref]
+    for i, (r, want) in enumerate(zip(results, _reference_logprobs(engine, prompts, 8, "x16"))):
+        assert_api_logprobs(r.json()["choices"][0]["logprobs"], want, _text_of(engine), f"#{i}")
 
 
 @pytest.mark.parametrize("body, status, param", [

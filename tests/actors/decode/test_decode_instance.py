@@ -481,7 +481,7 @@ def test_a_dead_rank_breaks_the_instance_and_a_restart_brings_it_back(ray_sessio
     inst = DecodeInstance(DEPLOYMENT, 1, transfer=TRANSFER)   # receivers 2, 3
     senders = [TestSenderActor.remote(r, TRANSFER) for r in range(2)]   # ids < pool_size
     prompt = _prompt(10, 8)
-    want, kv = reference.generate(prompt), reference.prompt_kv(prompt)
+    want, kv = reference.run(prompt), reference.prompt_kv(prompt)
 
     async def wire():
         infos = await inst.agent_infos()
@@ -489,8 +489,8 @@ def test_a_dead_rank_breaks_the_instance_and_a_restart_brings_it_back(ray_sessio
                                for r, s in enumerate(senders)])
 
     async def kv_fed(rid: str) -> list:
-        await inst.reserve(rid, prompt, GREEDY)
-        inst.commit(rid, want[0])
+        await inst.reserve(rid, prompt, GREEDY_LP)
+        inst.commit(rid, want[0][0], want[1][0])
         await _send_kv(senders, rid, kv, [(0, 4), (4, 10)], receivers=inst.receiver_ids)
         return await _collect(inst, rid)
 
@@ -518,7 +518,8 @@ def test_a_dead_rank_breaks_the_instance_and_a_restart_brings_it_back(ray_sessio
 
     try:
         before, after, old = loop.run_until_complete(body())
-        assert _tokens(before) == want == _tokens(after)
+        assert_same_run(_tokens(before), _logprobs(before), want, "before")
+        assert_same_run(_tokens(after), _logprobs(after), want, "after the restart")
         for rank in old:                  # the survivor was killed too: no orphan actors
             with pytest.raises(ray.exceptions.RayActorError):
                 ray.get(rank.__ray_ready__.remote(), timeout=30)

@@ -140,5 +140,6 @@ def test_a_rank_killed_mid_stream_fails_requests_at_once_and_restart_serves(
     assert noticed_s < TIMEOUT_S / 2, noticed_s   # the sockets closed: no timeout waited out
     loop.run_until_complete(inst.restart())
     assert inst.restarts == restarts + 1 and inst.broken is None
-    assert loop.run_until_complete(_generate(inst, f"after-{victim}", prompt)) == reference(prompt)
+    got = loop.run_until_complete(_generate_with_logprobs(inst, f"after-{victim}", prompt))
+    assert_same_run(*got, reference.runs([prompt])[0], f"after-{victim}")
     assert _counts(inst)[1]["ray_rounds"] == 0
