@@ -9,7 +9,7 @@ import torch
 from tetris.kernels.attention import attention_with_lse_ref
 from tetris.kernels.csa import CsaLayout, csa_attention, keep_masks, level_drop_ratios
 
-from tetris.config import CsaConfig, ModelConfig
+from tetris.config import CsaConfig, ModelConfig, load_deployment
 from tetris.engine.csa_prefill import CsaPrefill
 from tetris.model.loader import load_model
 
@@ -125,3 +125,16 @@ def test_csa_prefill_on_the_tiny_model_exact_at_zero_and_lossy_above():
     assert s.kv_rows_kept[1] == s.kv_rows_dense[1] - 2 * 2 * 2 * 3  # floor(.25·12) = 3
     assert s.kv_rows_kept[2] == s.kv_rows_dense[2] - 2 * 4 * 2 * 7  # p3 = .625: 7 of 12
     assert 0.0 < s.pairs_fraction_dropped() < 1.0
+
+
+def test_csa_section_of_a_deployment_is_off_by_default_and_checked(tmp_path):
+    base = (tmp_path / "d.toml")
+    base.write_text('[model]\nname = "tiny"\n')
+    assert load_deployment(str(base)).csa == CsaConfig(enabled=False)
+    base.write_text('[model]\nname = "tiny"\n[csa]\nenabled = true\nlevel2_drop_ratio = 0.2\n')
+    cfg = load_deployment(str(base)).csa
+    assert cfg.enabled and level_drop_ratios(cfg.level2_drop_ratio) == pytest.approx(
+        (0.0, 0.2, 0.6))
+    base.write_text('[model]\nname = "tiny"\n[csa]\nlevel2_drop_ratio = 1.0\n')
+    with pytest.raises(Exception, match="drop ratios"):
+        load_deployment(str(base))
