@@ -110,8 +110,7 @@ def test_csa_prefill_on_the_tiny_model_exact_at_zero_and_lossy_above():
     layout = CsaLayout.even(48, 4, 2)
     with pytest.raises(ValueError):
         CsaPrefill(CsaConfig(), layout, 4)  # off by default
-    zero = CsaPrefill(CsaConfig(enabled=True), layout, 4)
-    zero.drop_ratios = (0.0, 0.0, 0.0)
+    zero = CsaPrefill(CsaConfig(enabled=True, level3_drop_ratio=0.0), layout, 4)
     torch.testing.assert_close(model.logits(model.forward(ids, pos, zero)), dense,
                                atol=1e-5, rtol=1e-5)
     assert zero.stats.moved_fraction_dropped() == 0.0
