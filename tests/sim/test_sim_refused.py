@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 
+import msgspec
+
 from tetris.cli.main import main
 from tetris.sim.cluster import CLUSTERS
 from tetris.sim.experiments import RunSpec, run_one
@@ -58,6 +60,14 @@ def test_every_request_refused_gives_a_result_not_a_crash():
                                SimRequest("b", 1.0, CAPACITY + 5, 10)])
     assert res.refused == 2 and all(math.isnan(t) for t in res.ttft_s)
     assert math.isnan(res.throughput_rps) and math.isnan(res.ttft.p50)
+
+
+def test_loongserve_refuses_it_too_and_runs_the_others_as_without_it():
+    spec = msgspec.structs.replace(_spec(), policy="loongserve")
+    res, sim = run_one(spec, _requests(big=True))
+    alone, _ = run_one(spec, _requests(big=False))
+    assert res.refused == 1 and math.isnan(res.ttft_s[1]) and sim.decode_reqs[1] is None
+    assert [res.ttft_s[i] for i in (0, 2, 3)] == alone.ttft_s and res.tbt == alone.tbt
 
 
 def test_tetris_sim_run_reports_the_refused_request(tmp_path, capsys):

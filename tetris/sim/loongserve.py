@@ -152,6 +152,9 @@ class LoongServeSimulation(Simulation):
 
     def _on_arrival(self, now: float, i: int) -> None:
         r = self.requests[i]
+        if not any(d.can_hold(r.prompt_tokens + r.output_tokens) for d in self.decoders):
+            self._refuse(now, i)     # no instance could hold its KV: refused, not planned
+            return
         view = self._visible_pool(now)
         plan = self.policy.plan(r.request_id, r.prompt_tokens, now, view, improvement_rate=0.0)
         self.control.commit(plan)
