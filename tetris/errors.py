@@ -17,7 +17,7 @@ request's retries.
 
 from __future__ import annotations
 
-__all__ = ["InstanceLost", "InstanceReplacing", "PlanOutdated", "PrefixMissing"]
+__all__ = ["ConfigError", "InstanceLost", "InstanceReplacing", "PlanOutdated", "PrefixMissing"]
 
 
 class InstanceLost(RuntimeError):
@@ -51,3 +51,7 @@ class InstanceReplacing(RuntimeError):
 
     def __reduce__(self):   # keeps ``instances`` across processes
         return (type(self), (str(self), self.instances))
+
+
+class ConfigError(ValueError):
+    """A config file or value is invalid; the message says where and what was expected."""

@@ -9,7 +9,8 @@ import pytest
 
 from gguf_helpers import TINY, random_hf_weights, write_llama_gguf
 from tetris.cli.main import main
-from tetris.config import ConfigError, ModelConfig, load_deployment, resolve_model_file
+from tetris.config import ConfigError, ModelConfig, load_deployment
+from tetris.model_files import resolve_model_file
 from tetris.model.loader import load_model, model_config_for_path
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

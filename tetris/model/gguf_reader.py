@@ -29,7 +29,8 @@ from pathlib import Path
 
 import msgspec
 
-from tetris.config import ModelConfig, resolve_model_file
+from tetris.config import ModelConfig
+from tetris.model_files import resolve_model_file
 
 __all__ = ["GGUFError", "GGUFFile", "open_gguf", "model_config_from_gguf"]
 
