@@ -18,8 +18,10 @@ Lifecycle of one request (``generate``), on the dispatcher's monotonic clock:
 3. run the plan (``prefill.run``): chunks stream their KV layer by layer to the decode
    instance's TP ranks; the result carries the first token, which this generator yields at
    once (``first_token``: TTFT ends with the prefill, the KV hand-off is not in it);
-4. hand the first token to the decode instance (``decode.commit``); it admits the request
-   once every rank has all the KV, then streams tokens, which this generator yields;
+4. the prefill member that sampled the first token sent it to the decode ranks with the KV
+   (``PrefillResult.first_token_streamed``; else this hands it over with ``decode.commit``);
+   the decode instance admits the request once every rank has the KV and the token, then
+   streams tokens, which this generator yields (or, relayed, the ingress reads them);
 5. at the first decode output the KV has arrived: the prefill side frees its copy and the
    router its virtual usage. On completion, abort, client disconnect or error, ``_cleanup``
    frees whatever is still held, on both sides, exactly once.
@@ -53,15 +55,13 @@ from tetris.control import ControlPlane, PrefillQueue
 from tetris.engine.request import OutputDelta
 from tetris.errors import InstanceLost, InstanceReplacing, PlanOutdated
 from tetris.plan import PrefillPlan
-from tetris.scheduler.latency import PrefillLatencyModel, load_profile
-from tetris.scheduler.layout_policy import with_layout_choice
-from tetris.scheduler.policies import policy_from_config
-from tetris.scheduler.rate import ImprovementRateTable, RateMonitor
+from tetris.scheduler.latency import load_profile
+from tetris.scheduler.rate import ImprovementRateTable
 from tetris.scheduler.router import DecodeRouter, NoInstanceUp
 from tetris.serve import prefix_cache
 from tetris.serve.backend import Overloaded
 from tetris.serve.clients import DecodeClient, PrefillClient
-from tetris.serve.dispatcher_admin import DispatcherAdmin, rate_table_path
+from tetris.serve.dispatcher_admin import DispatcherAdmin
 from tetris.serve.first_token import EarlyFirstToken, StreamCursor
 from tetris.serve.metrics import ServingMetrics
 from tetris.serve.protocol import GenerateRequest
@@ -123,20 +123,6 @@ class Dispatcher(DispatcherAdmin):
     @property
     def improvement_rate(self) -> float | None:
         return self.control.improvement_rate
-
-    # -- configuration ----------------------------------------------------------------------
-    def _make_policy(self, profile: PrefillLatencyModel):
-        return with_layout_choice(policy_from_config(self.deployment.scheduler, profile=profile),
-                                  self.deployment)
-
-    def _make_monitor(self, table: ImprovementRateTable | None) -> RateMonitor | None:
-        sc = self.deployment.scheduler
-        if table is None and sc.rate_table:
-            table = ImprovementRateTable.load(rate_table_path(sc.rate_table))
-        if table is None:
-            return None   # θ stays at scheduler.improvement_rate
-        return RateMonitor(sc.rate_window_s, sc.rate_update_interval_s, table,
-                           min_arrivals=sc.rate_min_arrivals)
 
     # -- requests ---------------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[OutputDelta]:

@@ -10,13 +10,29 @@ from typing import Any
 import msgspec
 
 from tetris.scheduler.latency import PrefillLatencyModel, PrefillProfile
-from tetris.scheduler.rate import ImprovementRateTable
+from tetris.scheduler.layout_policy import with_layout_choice
+from tetris.scheduler.policies import policy_from_config
+from tetris.scheduler.rate import ImprovementRateTable, RateMonitor
 
 __all__ = ["DispatcherAdmin", "rate_table_path"]
 
 
 class DispatcherAdmin:
-    """Mixed into ``Dispatcher``: reads and replaces what its control plane plans with."""
+    """Mixed into ``Dispatcher``: builds, reads and replaces what its control plane plans
+    with."""
+
+    def _make_policy(self, profile: PrefillLatencyModel):
+        return with_layout_choice(policy_from_config(self.deployment.scheduler, profile=profile),
+                                  self.deployment)
+
+    def _make_monitor(self, table: ImprovementRateTable | None) -> RateMonitor | None:
+        sc = self.deployment.scheduler
+        if table is None and sc.rate_table:
+            table = ImprovementRateTable.load(rate_table_path(sc.rate_table))
+        if table is None:
+            return None   # θ stays at scheduler.improvement_rate
+        return RateMonitor(sc.rate_window_s, sc.rate_update_interval_s, table,
+                           min_arrivals=sc.rate_min_arrivals)
 
     def rate_table(self) -> dict:
         monitor = self.control.monitor
