@@ -152,6 +152,12 @@ class AllToAllAttention:
 
     def _exchange(self, outgoing, in_sizes, dtype, layer: int, which: int) -> list[torch.Tensor]:
         """Send outgoing[j] to member j and receive in_sizes[j] elements from it (own: kept)."""
+        incoming, works = self._post(outgoing, in_sizes, dtype)
+        self._wait(works, layer, which)
+        return incoming
+
+    def _post(self, outgoing, in_sizes, dtype):
+        """Post the sends and receives of one exchange; (buffers, works) to wait on later."""
         s, r = self.sp_size, self.rank
         incoming = [outgoing[r] if j == r else torch.empty(in_sizes[j], dtype=dtype)
                     for j in range(s)]
@@ -164,9 +170,11 @@ class AllToAllAttention:
                 self.sent_elements += outgoing[j].numel()
             if in_sizes[j]:
                 works.append(self.link.irecv(incoming[j], self.group[j], self.tag))
+        return incoming, works
+
+    def _wait(self, works, layer: int, which: int) -> None:
         t0 = time.perf_counter()
         for w in works:
             if not w.wait(self.timeout):
                 raise TimeoutError(f"all-to-all #{which} of layer {layer} timed out")
         self.comm_wait_s += time.perf_counter() - t0
-        return incoming

@@ -18,8 +18,6 @@ one tag, are posted in the same order on both sides (gloo matches them in order)
 
 from __future__ import annotations
 
-import time
-
 import torch
 from tetris.actors.prefill.alltoall import AllToAllAttention, head_shard
 from tetris.actors.prefill.ring import partial_attention
@@ -113,29 +111,6 @@ class PipelinedAllToAll(AllToAllAttention):
         """A2A #2 of micro-partition m: member j's outputs for my head shard."""
         sizes = [self._n_q(self.rank, m) * qn * d] * self.sp_size
         return self._post([o.reshape(-1).contiguous() for o in outs], sizes, dtype)
-
-    def _post(self, outgoing, in_sizes, dtype):
-        """Post the sends and receives of one exchange; (buffers, works) to wait on later."""
-        s, r = self.sp_size, self.rank
-        incoming = [outgoing[r] if j == r else torch.empty(in_sizes[j], dtype=dtype)
-                    for j in range(s)]
-        works = []
-        for j in range(s):
-            if j == r:
-                continue
-            if outgoing[j].numel():
-                works.append(self.link.isend(outgoing[j], self.group[j], self.tag))
-                self.sent_elements += outgoing[j].numel()
-            if in_sizes[j]:
-                works.append(self.link.irecv(incoming[j], self.group[j], self.tag))
-        return incoming, works
-
-    def _wait(self, works, layer: int, which: int) -> None:
-        t0 = time.perf_counter()
-        for w in works:
-            if not w.wait(self.timeout):
-                raise TimeoutError(f"all-to-all #{which} of layer {layer} timed out")
-        self.comm_wait_s += time.perf_counter() - t0
 
 
 def _rows(positions: torch.Tensor, bounds: list[int], *, history: bool) -> list[tuple[int, int]]:

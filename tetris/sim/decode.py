@@ -102,7 +102,7 @@ class DecodeInstanceSim:
         if not self.running:
             self.stepping = False
             return None
-        dur = self.step_time(self.tp_size, len(self.running), self.context_tokens)
+        dur = self.step_duration()
         self.stepping = True
         self.step_durations.append(dur)
         self.step_batches.append(len(self.running))
@@ -110,6 +110,10 @@ class DecodeInstanceSim:
         for req in admitted:
             req.second_token_time = now + dur
         return now + dur
+
+    def step_duration(self) -> float:
+        """How long the iteration starting now takes (its batch over its context)."""
+        return self.step_time(self.tp_size, len(self.running), self.context_tokens)
 
     def finish_step(self, now: float) -> list[DecodeRequest]:
         """Account one iteration ending at ``now``; returns the requests that finished."""

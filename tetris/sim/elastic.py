@@ -109,23 +109,19 @@ class ShardedDecodeSim(DecodeInstanceSim):
 
     def start_step(self, now: float) -> float | None:
         self._now = now
-        admitted = self._admit()
-        if not self.running:
-            self.stepping = False
-            return None
-        own = self.step_time(self.tp_size, len(self.running), self.context_tokens)
+        return super().start_step(now)
+
+    def step_duration(self) -> float:
+        """The lockstep iteration: the slowest of this instance and the holders of its
+        requests' ranges, plus the q/partial exchange and any stall a range move left (which
+        this iteration pays once)."""
+        own = super().step_duration()
         holders = {h.index: h for _, _, r in self.running for h, _ in getattr(r, "remote", ())}
         widest = max((getattr(r, "group_size", 1) for _, _, r in self.running), default=1)
         dur = max([own] + [h.partial_time() for _, h in sorted(holders.items())])
         dur += self.exchange_time(widest) + self.stall
         self.stall = 0.0
-        self.stepping = True
-        self.step_durations.append(dur)
-        self.step_batches.append(len(self.running))
-        self.busy_s += dur
-        for req in admitted:
-            req.second_token_time = now + dur
-        return now + dur
+        return dur
 
     def finish_step(self, now: float) -> list[DecodeRequest]:
         done = super().finish_step(now)
