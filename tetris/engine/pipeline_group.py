@@ -128,16 +128,25 @@ class PipelineGroup:
 
     def _exchange_in(self, seq, src: KVCache, blocks: BlockManager, stages: list[Stage],
                      home: int) -> None:
+        """Drop: ``seq``'s KV from its engine's cache ``src`` to every stage's layers."""
+        self._exchange(seq, blocks, src, stages, home, to_stages=True)
+
+    def _exchange(self, seq, blocks: BlockManager, cache: KVCache, stages: list[Stage],
+                  home: int, *, to_stages: bool) -> None:
+        """Copy ``seq``'s KV between a whole-model ``cache`` and the stages' layer caches (to
+        the stages, or back from them), into blocks newly reserved in ``blocks``; bytes that
+        cross to another member than ``home`` count as exchanged."""
         old = torch.tensor(seq.block_table, dtype=torch.int64)
         seq.block_table = [blocks.reserve(seq.request_id) for _ in range(len(old))]
         new = torch.tensor(seq.block_table, dtype=torch.int64)
         for stage in stages:
             for layer in range(stage.start, stage.end):
-                for dst, s in ((stage.cache.k[layer], src.k[layer]),
-                               (stage.cache.v[layer], src.v[layer])):
-                    dst[new] = s[old]
+                for staged, whole in ((stage.cache.k[layer], cache.k[layer]),
+                                      (stage.cache.v[layer], cache.v[layer])):
+                    dst, src = (staged, whole) if to_stages else (whole, staged)
+                    dst[new] = src[old]
                     if stage.member != home:
-                        self.exchange_bytes += s[old].numel() * s.element_size()
+                        self.exchange_bytes += src[old].numel() * src.element_size()
 
     def _merge_requests(self, blocks: BlockManager) -> None:
         leader = self.leader
@@ -222,16 +231,8 @@ class PipelineGroup:
 
     def _exchange_out(self, seq, blocks: BlockManager, dst: KVCache, stages: list[Stage],
                       home: int) -> None:
-        old = torch.tensor(seq.block_table, dtype=torch.int64)
-        seq.block_table = [blocks.reserve(seq.request_id) for _ in range(len(old))]
-        new = torch.tensor(seq.block_table, dtype=torch.int64)
-        for stage in stages:
-            for layer in range(stage.start, stage.end):
-                for d, s in ((dst.k[layer], stage.cache.k[layer]),
-                             (dst.v[layer], stage.cache.v[layer])):
-                    d[new] = s[old]
-                    if stage.member != home:
-                        self.exchange_bytes += s[old].numel() * s.element_size()
+        """Restore: ``seq``'s KV from the stages back to its home engine's cache ``dst``."""
+        self._exchange(seq, blocks, dst, stages, home, to_stages=False)
 
     def _split_requests(self, homes: dict[str, int], new_blocks: list[BlockManager]) -> None:
         leader = self.leader

@@ -30,10 +30,10 @@ from tetris.sim.elastic import ElasticSimulation, ShardedDecodeRequest
 from tetris.sim.events import EventKind
 from tetris.sim.experiments import (
     RunSpec,
-    _online_monitor,
     _profile,
     execution_fn,
     make_requests,
+    prefill_policy,
 )
 from tetris.sim.workload import SimRequest
 
@@ -66,14 +66,10 @@ def run_elastic(spec: RunSpec, config: ElasticConfig,
         requests = make_requests(spec.workload, spec.rate, spec.requests, spec.seed,
                                  spec.output_mean)
     lat = _profile(cluster)
-    theta = spec.improvement_rate
-    monitor = _online_monitor(spec) if spec.policy == "tetris" and theta is None else None
-    policy = make_policy(spec.policy, lat, sp_candidates=cluster.sp_candidates,
-                         min_chunk_tokens=spec.min_chunk_tokens,
-                         improvement_rate=0.3 if theta is None else theta)
+    policy, monitor = prefill_policy(spec, cluster, lat)
     placer, step = _placer(cluster, config)
     control = ControlPlane(policy, PrefillQueue(cluster.node_of()), placer.router,
-                           improvement_rate=theta, monitor=monitor)
+                           improvement_rate=spec.improvement_rate, monitor=monitor)
     sim = ElasticSimulation(requests, placer=placer, cluster=cluster, control=control,
                             latency=lat, decode_step=step, workload=spec.workload,
                             seed=spec.seed, rate=spec.rate,

@@ -105,6 +105,17 @@ def _online_monitor(spec: RunSpec):
                        min_arrivals=spec.rate_min_arrivals)
 
 
+def prefill_policy(spec: RunSpec, cluster: ClusterSpec, lat: PrefillLatencyModel):
+    """The run's prefill policy on ``lat`` and its θ monitor (None: θ fixed at
+    ``spec.improvement_rate``, or the policy takes none)."""
+    theta = spec.improvement_rate
+    monitor = _online_monitor(spec) if spec.policy == "tetris" and theta is None else None
+    policy = make_policy(spec.policy, lat, sp_candidates=cluster.sp_candidates,
+                         min_chunk_tokens=spec.min_chunk_tokens,
+                         improvement_rate=0.3 if theta is None else theta)
+    return policy, monitor
+
+
 def _decode_side(cluster: ClusterSpec):
     router = DecodeRouter([cluster.kv_capacity_tokens(cluster.decode_tp)]
                           * cluster.decode_instances)
@@ -124,16 +135,12 @@ def run_one(spec: RunSpec, requests: list[SimRequest] | None = None,
         from tetris.sim.loongserve import run_loongserve
         return run_loongserve(spec, cluster, requests, execution_fn(spec.model, spec.execution))
     lat = _profile(cluster)
-    theta = spec.improvement_rate
-    monitor = _online_monitor(spec) if spec.policy == "tetris" and theta is None else None
-    policy = make_policy(spec.policy, lat, sp_candidates=cluster.sp_candidates,
-                         min_chunk_tokens=spec.min_chunk_tokens,
-                         improvement_rate=0.3 if theta is None else theta)
+    policy, monitor = prefill_policy(spec, cluster, lat)
     if spec.sp_layout.layouts != ("ring",):
         policy = _layout_policy(policy, spec.sp_layout, cluster, lat)
     step, router = _decode_side(cluster) if spec.decode else (None, None)
     control = ControlPlane(policy, PrefillQueue(cluster.node_of()), router,
-                           improvement_rate=theta, monitor=monitor)
+                           improvement_rate=spec.improvement_rate, monitor=monitor)
     sim = Simulation(requests, cluster=cluster, control=control, latency=lat, decode_step=step,
                      record=spec.record, workload=spec.workload, seed=spec.seed, rate=spec.rate,
                      execution=execution_fn(spec.model, spec.execution), **simulation)
