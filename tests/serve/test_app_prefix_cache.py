@@ -15,64 +15,24 @@ import time
 import httpx
 import msgspec
 import pytest
+from cluster_configs import MODEL, write_tiny_cluster
 from exactness import TOP, assert_api_logprobs, engine_runs
 
 from tetris.config import load_deployment
 from tetris.engine.engine import LLMEngine
 from tetris.sampling_params import SamplingParams
-from tetris.scheduler.latency import load_profile
 from tetris.serve.logprobs_format import TokenText
 
-MODEL = "tetris-tiny-llama"
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 
 def _write_deployment(tmp) -> str:
-    profile = load_profile("a100-llama3-8b-tp1").scaled(name="cpu-test", linear=100.0,
-                                                        attention=1000.0, overhead=10.0)
-    profile.save(tmp / "cpu-test.json")
-    path = tmp / "deployment.toml"
-    path.write_text(f"""
-[model]
-name = "{MODEL}"
-source = "dummy"
-seed = 0
-vocab_size = 512
-hidden_size = 256
-intermediate_size = 688
-num_layers = 4
-num_heads = 8
-num_kv_heads = 2
-max_position_embeddings = 4096
-
-[prefill]
-num_instances = 4
-node_size = 2
-kv_blocks_per_instance = 256
-
-[decode]
-num_instances = 1
-tp_size = 2
-kv_blocks = 512
-max_batch_size = 32
-
-[scheduler]
-policy = "tetris"
-sp_candidates = [1, 2, 4]
-profile = "{tmp / 'cpu-test.json'}"
-improvement_rate = 0.0
-min_chunk_tokens = 64
-
-[transfer]
-backend = "nixl"
-timeout_s = 30.0
-
+    return write_tiny_cluster(tmp, """
 [prefix_cache]
 enabled = true
 block_tokens = 16
 capacity_blocks = 512
 """)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
