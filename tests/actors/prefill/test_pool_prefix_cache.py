@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tetris.actors.prefill.layout import forced_plan
-from tetris.kernels.dispatch import attention_with_lse
+from prefill_reference import prompt, reference
 
-from tetris.config import load_deployment
+from tetris.actors.prefill.layout import forced_plan
 from tetris.control import ControlPlane, PrefillQueue
 from tetris.control.prefix_index import PrefixIndex
 from tetris.plan import Chunk, PrefillPlan
@@ -20,46 +19,8 @@ pytestmark = pytest.mark.ray
 BLOCK = 16
 
 
-@pytest.fixture(scope="module")
-def deployment():
-    return load_deployment("tiny-cpu.toml")
-
-
-@pytest.fixture(scope="module")
-def pool(ray_session, deployment):
-    from tetris.actors.prefill.pool import PrefillPool
-
-    p = PrefillPool(deployment, num_instances=4, node_size=2, timeout_s=8.0)
-    yield p
-    p.shutdown()
-
-
-@pytest.fixture(scope="module")
-def model(deployment):
-    from tetris.model.loader import load_model
-
-    torch.set_num_threads(1)
-    return load_model(deployment.model)[0]
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _reference(model, ids):
-    ks, vs = [], []
-
-    def causal(i, q, k, v):
-        ks.append(k)
-        vs.append(v)
-        return attention_with_lse(q, k, v, causal=True)[0]
-
-    hidden = model.forward(torch.tensor(ids), torch.arange(len(ids)), causal)
-    return model.logits(hidden[-1:])[0], torch.stack(ks), torch.stack(vs)
-
-
 def _same_as_reference(pool, model, res, request_id, ids):
-    ref_logits, ref_k, ref_v = _reference(model, ids)
+    ref_logits, ref_k, ref_v = reference(model, ids)
     got = torch.tensor(res.logits)
     rel = ((got - ref_logits).abs().max() / ref_logits.abs().max()).item()
     assert rel < 1e-4, f"last-token logits differ by {rel:.2e} relative"
@@ -84,8 +45,8 @@ def _same_as_reference(pool, model, res, request_id, ids):
 ])
 def test_a_run_from_a_cached_prefix_equals_the_run_without(pool, model, case, source_spec,
                                                           shared, extra, spec, cached):
-    src_ids = _ids(max(shared, 640) if case != "inside-block" else 600, seed=1)
-    ids = src_ids[:shared] + _ids(extra, seed=2)
+    src_ids = prompt(max(shared, 640) if case != "inside-block" else 600, seed=1)
+    ids = src_ids[:shared] + prompt(extra, seed=2)
     source = forced_plan(f"{case}-src", len(src_ids), source_spec, pool.node_of)
     pool.run(source, src_ids)
     holders = source.instances
@@ -119,9 +80,9 @@ def test_the_index_drives_what_the_pool_keeps(pool, model, deployment):
     queue = PrefillQueue(pool.node_of)
     cp = ControlPlane(policy_from_config(deployment.scheduler), queue, None,
                       improvement_rate=0.3, prefix_index=index)
-    doc = _ids(608, seed=5)
-    turn1 = doc + _ids(40, seed=6)
-    prompts = {"q1": turn1, "q2": doc + _ids(90, seed=7), "t2": turn1 + _ids(70, seed=8)}
+    doc = prompt(608, seed=5)
+    turn1 = doc + prompt(40, seed=6)
+    prompts = {"q1": turn1, "q2": doc + prompt(90, seed=7), "t2": turn1 + prompt(70, seed=8)}
     released: list[str] = []
     for now, (run, ids) in enumerate(prompts.items()):
         plan = cp.plan(run, len(ids), float(now), block_hashes=index.hashes(ids))
@@ -152,11 +113,11 @@ def test_interleaved_runs_stay_exact_while_the_cache_evicts(pool, model, deploym
     index = PrefixIndex(BLOCK, capacity_blocks=48)
     cp = ControlPlane(policy_from_config(deployment.scheduler), PrefillQueue(pool.node_of), None,
                       improvement_rate=0.3, prefix_index=index)
-    docs = [_ids(480, seed=40 + d) for d in range(2)]
+    docs = [prompt(480, seed=40 + d) for d in range(2)]
     order = [(0, 20), (1, 30), (0, 200), (1, 25), (0, 35)]   # (document, question tokens)
     hits, released = [], []
     for k, (d, q) in enumerate(order):
-        run, ids = f"ev{k}", docs[d] + _ids(q, seed=60 + k)
+        run, ids = f"ev{k}", docs[d] + prompt(q, seed=60 + k)
         plan = cp.plan(run, len(ids), float(k), block_hashes=index.hashes(ids))
         cp.commit(plan)
         res = pool.run(plan, ids, return_logits=True)
@@ -184,7 +145,7 @@ def test_interleaved_runs_stay_exact_while_the_cache_evicts(pool, model, deploym
 def test_a_prefix_gone_from_its_holders_fails_the_run_as_plan_again(pool):
     from tetris.errors import PlanOutdated, PrefixMissing
 
-    ids = _ids(300, seed=9)
+    ids = prompt(300, seed=9)
     source = forced_plan("gone-src", 300, "restx2", pool.node_of)
     pool.run(source, ids)
     pool.release(source.request_id)          # e.g. its worker was replaced: the KV is gone
@@ -202,8 +163,8 @@ def test_a_run_from_a_prefix_still_being_prefilled_waits_for_it(pool, model):
     source's chunks, and the result equals single-instance prefill."""
     import threading
 
-    src_ids = _ids(700, seed=21)
-    ids = src_ids[:640] + _ids(90, seed=22)
+    src_ids = prompt(700, seed=21)
+    ids = src_ids[:640] + prompt(90, seed=22)
     source = forced_plan("pending-src", 700, "300x1,restx2", pool.node_of)
     group = source.instances + tuple(i for i in range(4) if i not in source.instances)
     plan = PrefillPlan("pending-run", len(ids), (Chunk(640, len(ids), group),), cached_tokens=640,

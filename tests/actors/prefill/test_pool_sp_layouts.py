@@ -6,48 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from prefill_reference import reference
+
 from tetris.actors.prefill.layout import forced_plan
 from tetris.actors.prefill.zigzag import ranges_to_list
-from tetris.kernels.dispatch import attention_with_lse
-
-from tetris.config import load_deployment
 
 pytestmark = pytest.mark.ray
-
-
-@pytest.fixture(scope="module")
-def deployment():
-    return load_deployment("tiny-cpu.toml")
-
-
-@pytest.fixture(scope="module")
-def pool(ray_session, deployment):
-    from tetris.actors.prefill.pool import PrefillPool
-
-    p = PrefillPool(deployment, num_instances=4, node_size=2, timeout_s=8.0)
-    yield p
-    p.shutdown()
-
-
-@pytest.fixture(scope="module")
-def model(deployment):
-    from tetris.model.loader import load_model
-
-    torch.set_num_threads(1)
-    return load_model(deployment.model)[0]
-
-
-def _reference(model, ids):
-    """Last-token logits [V] and per-layer K, V [L, T, Hkv, D] of single-instance prefill."""
-    ks, vs = [], []
-
-    def causal(i, q, k, v):
-        ks.append(k)
-        vs.append(v)
-        return attention_with_lse(q, k, v, causal=True)[0]
-
-    hidden = model.forward(torch.tensor(ids), torch.arange(len(ids)), causal)
-    return model.logits(hidden[-1:])[0], torch.stack(ks), torch.stack(vs)
 
 
 @pytest.mark.parametrize("n,spec,layouts", [
@@ -65,7 +29,7 @@ def test_sp_ntp_and_mixed_plans_match_single_instance(pool, model, n, spec, layo
     plan = forced_plan(f"sp-{spec}", n, spec, pool.node_of, num_kv_heads=2)
     assert [c.sp_layout for c in plan.chunks] == layouts
     res = pool.run(plan, ids, return_logits=True)
-    ref_logits, ref_k, ref_v = _reference(model, ids)
+    ref_logits, ref_k, ref_v = reference(model, ids)
     got = torch.tensor(res.logits)
     rel = ((got - ref_logits).abs().max() / ref_logits.abs().max()).item()
     assert rel < 1e-4, f"last-token logits differ by {rel:.2e} relative"

@@ -13,13 +13,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prefill_reference import prompt, reference
 
 from tetris.actors.prefill.layout import forced_plan
 from tetris.actors.prefill.messages import PrefillError, PrefillPlanOutdated, PrefillWorkerLost
-from tetris.errors import InstanceLost, InstanceReplacing
 from tetris.actors.prefill.zigzag import ranges_to_list
 from tetris.config import load_deployment
-from tetris.kernels.dispatch import attention_with_lse
+from tetris.errors import InstanceLost, InstanceReplacing
 from tetris.plan import Chunk, PlanError, PrefillPlan
 
 pytestmark = pytest.mark.ray
@@ -46,31 +46,6 @@ def pool(ray_session, deployment):
     p.shutdown()
 
 
-@pytest.fixture(scope="module")
-def model(deployment):
-    from tetris.model.loader import load_model
-
-    torch.set_num_threads(1)
-    return load_model(deployment.model)[0]
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _reference(model, ids):
-    """Last-token logits [V] and per-layer K, V [L, T, Hkv, D] of single-instance prefill."""
-    ks, vs = [], []
-
-    def causal(i, q, k, v):
-        ks.append(k)
-        vs.append(v)
-        return attention_with_lse(q, k, v, causal=True)[0]
-
-    hidden = model.forward(torch.tensor(ids), torch.arange(len(ids)), causal)
-    return model.logits(hidden[-1:])[0], torch.stack(ks), torch.stack(vs)
-
-
 def _spread_bound(plan, balance) -> int:
     """Largest difference of final KV counts: zigzag shares of one chunk differ by at most 2, and
     balancing evens the history only in a chunk that grows the group (chunks on an unchanged
@@ -84,7 +59,7 @@ def _spread_bound(plan, balance) -> int:
 
 def _check_against_reference(pool, model, plan, ids, **kw):
     res = pool.run(plan, ids, return_logits=True, **kw)
-    ref_logits, ref_k, ref_v = _reference(model, ids)
+    ref_logits, ref_k, ref_v = reference(model, ids)
     got = torch.tensor(res.logits)
     rel = ((got - ref_logits).abs().max() / ref_logits.abs().max()).item()
     assert rel < 1e-4, f"last-token logits differ by {rel:.2e} relative"
@@ -118,7 +93,7 @@ def _check_against_reference(pool, model, plan, ids, **kw):
 ])
 def test_forced_plans_match_single_instance(pool, model, n, spec, balance):
     plan = forced_plan(f"fp-{spec}-{balance}", n, spec, pool.node_of)
-    res = _check_against_reference(pool, model, plan, _prompt(n, n), balance=balance)
+    res = _check_against_reference(pool, model, plan, prompt(n, n), balance=balance)
     if balance == "off":
         assert res.balance_moved_tokens == 0
     elif len(plan.chunks) > 1:
@@ -129,7 +104,7 @@ def test_8k_prompt_four_chunks_two_nodes(pool, model):
     n = 8192
     plan = forced_plan("long-8k", n, "1500x1,2500x2,2000x4,restx8", pool.node_of)
     assert {pool.node_of[i] for i in plan.instances} == {0, 1}
-    _check_against_reference(pool, model, plan, _prompt(n, 8))
+    _check_against_reference(pool, model, plan, prompt(n, 8))
 
 
 @st.composite
@@ -151,7 +126,7 @@ def random_plans(draw):
 @given(plan=random_plans(), seed=st.integers(0, 1000))
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
 def test_random_plans_match_single_instance(pool, model, plan, seed):
-    _check_against_reference(pool, model, plan, _prompt(plan.prompt_tokens, seed))
+    _check_against_reference(pool, model, plan, prompt(plan.prompt_tokens, seed))
 
 
 @pytest.mark.parametrize("chunks,msg", [
@@ -162,9 +137,9 @@ def test_random_plans_match_single_instance(pool, model, plan, seed):
 def test_broken_plans_rejected_before_running(pool, chunks, msg):
     plan = PrefillPlan("broken", 100, tuple(Chunk(s, e, g) for s, e, g in chunks))
     with pytest.raises(PlanError, match=msg):
-        pool.run(plan, _prompt(100, 0))
+        pool.run(plan, prompt(100, 0))
     with pytest.raises(PlanError, match="prompt has 99"):
-        pool.run(forced_plan("short", 100, "100x2", pool.node_of), _prompt(99, 0))
+        pool.run(forced_plan("short", 100, "100x2", pool.node_of), prompt(99, 0))
     assert all(not held for held in pool.held_requests().values())
 
 
@@ -174,12 +149,12 @@ def test_failed_worker_frees_request_and_pool_keeps_serving(pool, model):
     pool.workers[victim].set_fault.remote("doomed", 1, 2)
     with pytest.raises(PrefillError, match=rf"chunk 1 failed on prefill instance {victim} .*"
                                            r"FaultInjected") as e:
-        pool.run(plan, _prompt(600, 1))
+        pool.run(plan, prompt(600, 1))
     assert not isinstance(e.value, InstanceLost)      # the worker lives: no retry elsewhere
     assert all(not held for held in pool.held_requests().values())
     # The same instances serve the next request correctly.
     _check_against_reference(pool, model, forced_plan("after", 700, "300x2,restx4",
-                                                        pool.node_of), _prompt(700, 2))
+                                                        pool.node_of), prompt(700, 2))
 
 
 def test_a_killed_worker_is_replaced_and_its_instance_serves_again(pool, model):
@@ -204,7 +179,7 @@ def test_a_killed_worker_is_replaced_and_its_instance_serves_again(pool, model):
     assert pool.held_requests()[victim] == []
     t0 = time.monotonic()
     with pytest.raises(PrefillWorkerLost, match=rf"prefill instance {victim}"):
-        pool.run(plan, _prompt(600, 4))   # lost, not failed: the dispatcher plans it again
+        pool.run(plan, prompt(600, 4))   # lost, not failed: the dispatcher plans it again
     lost_after = time.monotonic() - t0
     busy = pool.busy_for()
     assert busy[victim] == float("inf") and pool.replacements == replaced   # still starting
@@ -212,7 +187,7 @@ def test_a_killed_worker_is_replaced_and_its_instance_serves_again(pool, model):
     # replacement: it is lost at once and the dispatcher plans it again around the instance
     t1 = time.monotonic()
     with pytest.raises(PrefillPlanOutdated, match=rf"prefill instance {victim} .*being replaced"):
-        pool.run(blind, _prompt(600, 4))
+        pool.run(blind, prompt(600, 4))
     assert time.monotonic() - t1 < 2.0 and pool.replacements == replaced
     assert all(b < float("inf") for i, b in enumerate(busy) if i != victim)
     assert all(not held for i, held in pool.held_requests().items() if i != victim)
@@ -224,7 +199,7 @@ def test_a_killed_worker_is_replaced_and_its_instance_serves_again(pool, model):
         pool.commit(after)
     assert e.value.instances == (victim,) and pool._tickets.commits() == commits
     pool.commit(after, wait_replacing=True)
-    _check_against_reference(pool, model, after, _prompt(600, 5))
+    _check_against_reference(pool, model, after, prompt(600, 5))
     assert pool.workers[victim] is not old and pool.replacements == replaced + 1
     assert pool.busy_for()[victim] < float("inf")
     assert all(not held for held in pool.held_requests().values())
@@ -234,7 +209,7 @@ def test_a_killed_worker_is_replaced_and_its_instance_serves_again(pool, model):
 def test_out_of_kv_blocks_fails_in_prepare_and_frees_earlier_chunks(pool):
     plan = forced_plan("huge", 12100, "100x1,restx1", pool.node_of)
     with pytest.raises(PrefillError, match="chunk 1 failed .* during prepare: KVCapacityError"):
-        pool.run(plan, _prompt(12100, 3))
+        pool.run(plan, prompt(12100, 3))
     assert all(not held for held in pool.held_requests().values())
 
 
@@ -243,7 +218,7 @@ def test_concurrent_requests_on_disjoint_groups(pool, model):
         PrefillPlan("left", 500, (Chunk(0, 200, (0, 1)), Chunk(200, 500, (0, 1, 2, 3)))),
         PrefillPlan("right", 400, (Chunk(0, 150, (4,)), Chunk(150, 400, (4, 5, 6, 7)))),
     ]
-    prompts = [_prompt(500, 5), _prompt(400, 6)]
+    prompts = [prompt(500, 5), prompt(400, 6)]
     results: dict[str, object] = {}
 
     def go(plan, ids):
@@ -255,7 +230,7 @@ def test_concurrent_requests_on_disjoint_groups(pool, model):
     for t in threads:
         t.join(timeout=120)
     for plan, ids in zip(plans, prompts):
-        ref_logits, _, _ = _reference(model, ids)
+        ref_logits, _, _ = reference(model, ids)
         got = torch.tensor(results[plan.request_id].logits)
         assert ((got - ref_logits).abs().max() / ref_logits.abs().max()).item() < 1e-4
         pool.release(plan.request_id)
@@ -265,7 +240,7 @@ def test_chunks_shorter_than_the_ring(pool, model):
     # 3 tokens on 4 members and 1 token on 8: members without tokens still relay KV.
     plan = PrefillPlan("tiny-chunks", 12, (Chunk(0, 3, (0, 1, 2, 3)), Chunk(3, 11, (0, 1, 2, 3)),
                                            Chunk(11, 12, tuple(range(8)))))
-    _check_against_reference(pool, model, plan, _prompt(12, 9))
+    _check_against_reference(pool, model, plan, prompt(12, 9))
 
 
 def _logged_run(pool, log, lock, plan, ids, results):
@@ -287,7 +262,7 @@ def test_overlapping_plans_from_two_threads_run_in_commit_order(pool, model):
     # common order each ring would wait for a member busy with the other one.
     first = PrefillPlan("first", 300, (Chunk(0, 100, (0, 1)), Chunk(100, 300, (0, 1, 2, 3))))
     second = PrefillPlan("second", 260, (Chunk(0, 90, (2, 3)), Chunk(90, 260, (2, 3, 0, 1))))
-    prompts = {"first": _prompt(300, 11), "second": _prompt(260, 12)}
+    prompts = {"first": prompt(300, 11), "second": prompt(260, 12)}
     pool.commit(first)
     pool.commit(second)
     log: list = []
@@ -309,7 +284,7 @@ def test_overlapping_plans_from_two_threads_run_in_commit_order(pool, model):
                    ("first", 1, "end", True), ("second", 0, "start"), ("second", 0, "end", True),
                    ("second", 1, "start"), ("second", 1, "end", True)]
     for rid, ids in prompts.items():
-        ref_logits, _, _ = _reference(model, ids)
+        ref_logits, _, _ = reference(model, ids)
         got = torch.tensor(results[rid].logits)
         assert ((got - ref_logits).abs().max() / ref_logits.abs().max()).item() < 1e-4
         pool.release(rid)
@@ -324,10 +299,10 @@ def test_aborted_committed_plan_does_not_block_later_plans(pool):
     with pytest.raises(PlanError, match="already committed"):
         pool.commit(later)
     pool.abort("never-run")
-    res = pool.run(later, _prompt(150, 13))     # would wait for "never-run" forever otherwise
+    res = pool.run(later, prompt(150, 13))     # would wait for "never-run" forever otherwise
     assert res.first_token is not None
     with pytest.raises(PrefillError, match="aborted before its prefill started"):
-        pool.run(doomed, _prompt(200, 14))
+        pool.run(doomed, prompt(200, 14))
     pool.release("later")
     assert pool._tickets.pending() == {}
     assert all(not held for held in pool.held_requests().values())
@@ -360,7 +335,7 @@ def test_release_and_abort_reach_only_the_plans_members(pool):
     plan = forced_plan("members", 400, "100x1,restx2", pool.node_of)
     members = sorted(plan.instances)
     assert 0 < len(members) < POOL_SIZE
-    pool.run(plan, _prompt(400, 15))
+    pool.run(plan, prompt(400, 15))
     held = pool.held_requests()
     assert sorted(i for i, h in held.items() if "members" in h) == members
     real, calls = pool.worlds.workers, []
