@@ -40,7 +40,9 @@ def test_the_receiver_allocates_no_object_per_token():
         del obj
         return grown
 
-    assert blocks_kept(as_tuple) >= 50_000
+    # The count is the whole process's: another thread (Ray's, after earlier tests) may free a
+    # few blocks meanwhile (a full run once saw 49,998), so "one per token" with a little slack.
+    assert blocks_kept(as_tuple) >= 49_000
     assert blocks_kept(as_request) < 100
     assert len(as_request) < 4 * 50_000 + 1000   # 4 bytes a token on the wire
 
