@@ -8,8 +8,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-import ray
-
 from tetris.actors.prefill.messages import (
     BalanceMode,
     ChunkResult,
@@ -17,8 +15,8 @@ from tetris.actors.prefill.messages import (
     PrefillError,
     PrefillResult,
     PrefillWorkerLost,
+    first_line,
 )
-from tetris.actors.prefill.worlds import first_line
 from tetris.plan import PrefillPlan
 from tetris.sampling_params import SamplingParams
 from tetris.token_ids import TokenIds, token_slices
@@ -75,6 +73,8 @@ def run_phase(plan: PrefillPlan, k: int, tasks: list[ChunkTask], handles: list, 
               *, timeout_s: float, node_of: Sequence[int]) -> list[ChunkResult]:
     """Run ``method`` on every member (``handles``, in task order); on failure name the
     root-cause worker."""
+    import ray   # here, not at the top: chunk_task runs where Ray is not installed (GPU tests)
+
     refs = [getattr(h, method).remote(t) for h, t in zip(handles, tasks)]
     done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     out, errors = [], []

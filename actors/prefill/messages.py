@@ -37,6 +37,7 @@ __all__ = [
     "PrefillError",
     "PrefillWorkerLost",
     "PrefillPlanOutdated",
+    "first_line",
 ]
 
 # "overlap": layer i+1's moves run during layer i's MLP (paper Fig. 6-b);
@@ -140,3 +141,9 @@ class PrefillResult(msgspec.Struct, frozen=True):
     # the member that sampled the first token sent it to the decode ranks with the KV: the
     # decode instance starts without the dispatcher's ``commit``
     first_token_streamed: bool = False
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an error's text (a remote traceback's summary)."""
+    text = str(err).strip().splitlines()
+    return text[0] if text else ""

@@ -32,11 +32,12 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 import ray
 
 from tetris.actors.placement import Placement, node_map, place_prefill
+from tetris.actors.prefill.messages import first_line
 from tetris.actors.prefill.wiring import TransferWiring
 from tetris.actors.prefill.worker import PrefillWorkerActor
 from tetris.config import DeploymentConfig
 
-__all__ = ["WorldKeeper", "first_line"]
+__all__ = ["WorldKeeper"]
 
 _FORM_ATTEMPTS = 4   # tries to form a new world (each after the workers that died were replaced)
 _PROBE_S = 10.0      # how long the workers are probed before a world forms
@@ -406,7 +407,3 @@ def _dead_among(workers: list, timeout_s: float) -> dict:
             pass
     return dead
 
-
-def first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else ""
