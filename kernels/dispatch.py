@@ -102,6 +102,12 @@ def attention_backend_for(q, k, *, causal=False, q_positions=None, k_positions=N
 
 
 def attention_with_lse(q, k, v, *, causal=False, q_positions=None, k_positions=None, scale=None):
+    # Positions are bookkeeping and often live on the host (ring and layout code index with
+    # them there); every kernel reads them beside q.
+    if q_positions is not None and q_positions.device != q.device:
+        q_positions = q_positions.to(q.device, non_blocking=True)
+    if k_positions is not None and k_positions.device != q.device:
+        k_positions = k_positions.to(q.device, non_blocking=True)
     backend = attention_backend_for(q, k, causal=causal, q_positions=q_positions,
                                     k_positions=k_positions)
     if backend == "cpu_flash":
