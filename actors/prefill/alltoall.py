@@ -159,18 +159,14 @@ class AllToAllAttention:
     def _post(self, outgoing, in_sizes, dtype):
         """Post the sends and receives of one exchange; (buffers, works) to wait on later."""
         s, r = self.sp_size, self.rank
-        incoming = [outgoing[r] if j == r else torch.empty(in_sizes[j], dtype=dtype)
+        incoming = [outgoing[r] if j == r
+                    else torch.empty(in_sizes[j], dtype=dtype, device=outgoing[r].device)
                     for j in range(s)]
-        works = []
-        for j in range(s):
-            if j == r:
-                continue
-            if outgoing[j].numel():
-                works.append(self.link.isend(outgoing[j], self.group[j], self.tag))
-                self.sent_elements += outgoing[j].numel()
-            if in_sizes[j]:
-                works.append(self.link.irecv(incoming[j], self.group[j], self.tag))
-        return incoming, works
+        sends = [(outgoing[j], self.group[j]) for j in range(s)
+                 if j != r and outgoing[j].numel()]
+        recvs = [(incoming[j], self.group[j]) for j in range(s) if j != r and in_sizes[j]]
+        self.sent_elements += sum(t.numel() for t, _ in sends)
+        return incoming, self.link.exchange(sends, recvs, self.tag)
 
     def _wait(self, works, layer: int, which: int) -> None:
         t0 = time.perf_counter()

@@ -141,18 +141,12 @@ class LayerBalancer:
         """Start layer ``layer``'s moves: pack ``[n, 2, Hkv, D]`` rows and post isend/irecv."""
         if not self.active or layer in self.pending or layer >= self.store.num_layers:
             return
-        works = []
         keep = []
         for m in self.sends:
             k, v = self.store.read(self.request_id, layer, m.positions)
-            buf = torch.stack([k, v], dim=1).contiguous()
-            keep.append(buf)
-            works.append(self.link.isend(buf, m.dst, self.tag))
-        bufs = []
-        for m in self.recvs:
-            buf = self.store.empty_rows(ranges_len(m.positions), 2)
-            bufs.append((m, buf))
-            works.append(self.link.irecv(buf, m.src, self.tag))
+            keep.append((torch.stack([k, v], dim=1).contiguous(), m.dst))
+        bufs = [(m, self.store.empty_rows(ranges_len(m.positions), 2)) for m in self.recvs]
+        works = self.link.exchange(keep, [(buf, m.src) for m, buf in bufs], self.tag)
         self.pending[layer] = (works, bufs, keep)
 
     def wait(self, layer: int) -> None:

@@ -145,12 +145,9 @@ class RingAttention:
         incoming = ring_source(r, step + 1, s)
         n_in = self.block_positions[incoming].numel()
         nxt = cur.new_empty((n_in, *cur.shape[1:]))
-        works = []
-        if cur.shape[0]:
-            works.append(self.link.isend(cur, self.group[(r + 1) % s], self.tag))
-        if n_in:
-            works.append(self.link.irecv(nxt, self.group[(r - 1) % s], self.tag))
-        return works, nxt
+        sends = [(cur, self.group[(r + 1) % s])] if cur.shape[0] else []
+        recvs = [(nxt, self.group[(r - 1) % s])] if n_in else []
+        return self.link.exchange(sends, recvs, self.tag), nxt
 
     def _wait(self, works, layer: int, step: int) -> None:
         t0 = time.perf_counter()

@@ -12,6 +12,9 @@ has joined it, while chunks already running finish on theirs, and drops a genera
 chunk uses it. A dead rank in an old generation matters to no one: only the pairs a ring uses
 carry traffic.
 
+Each generation's backend, NCCL or gloo, is chosen by ``actors/collectives.py`` from every
+member's device, gathered through the generation's store (``World.backend`` says which).
+
 ``DefaultWorld`` sends on the process's default group instead (a world made with
 ``init_process_group``), for code that runs outside the pool.
 """
@@ -37,6 +40,13 @@ class PeerLink:
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int):
         raise NotImplementedError
 
+    def exchange(self, sends, recvs, tag: int) -> list:
+        """Post one step's sends and receives (lists of ``(tensor, peer)``) together; the works
+        to wait on. gloo tells messages apart by tag, so any order does; an NCCL link orders
+        them (``collectives.NcclLink``)."""
+        return ([self.isend(t, p, tag) for t, p in sends]
+                + [self.irecv(t, p, tag) for t, p in recvs])
+
 
 class DefaultWorld(PeerLink):
     """The process's default group (``torch.distributed.init_process_group``)."""
@@ -53,11 +63,17 @@ class World(PeerLink):
 
     Every member constructs it at the same time (the full mesh connects in the constructor,
     blocking until all ``size`` ranks have joined or ``timeout_s`` passes); rank 0 serves the
-    store at ``host:port``.
+    store at ``host:port``. ``device`` is where this member computes (default: this host's
+    CPU) and ``nccl`` whether it could use NCCL (default: ``collectives.nccl_available()``);
+    the backend follows from every member's (``collectives.agree_backend``), and CUDA tensors
+    on a gloo world are staged through host memory (``collectives.group_link``).
     """
 
     def __init__(self, generation: int, host: str, port: int, rank: int, size: int,
-                 timeout_s: float) -> None:
+                 timeout_s: float, device=None, nccl: bool | None = None) -> None:
+        # imported here: collectives builds on PeerLink, defined above
+        from tetris.actors import collectives
+
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} outside a world of {size}")
         self.generation = generation
@@ -65,17 +81,25 @@ class World(PeerLink):
         self.size = size
         timeout = timedelta(seconds=timeout_s)
         self._store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
-        self._group = dist.ProcessGroupGloo(self._store, rank, size, timeout)
+        me = device or collectives.rank_device("cpu")
+        able = collectives.nccl_available() if nccl is None else nccl
+        self.backend = collectives.agree_backend(self._store, rank, size, me, able)
+        self._group = collectives.process_group(self._store, rank, size, self.backend, timeout)
+        self._link = collectives.group_link(self._group, rank, self.backend, me.device)
 
     def isend(self, tensor, peer, tag):
-        return self._group.send([tensor], peer, tag)
+        return self._link.isend(tensor, peer, tag)
 
     def irecv(self, tensor, peer, tag):
-        return self._group.recv([tensor], peer, tag)
+        return self._link.irecv(tensor, peer, tag)
+
+    def exchange(self, sends, recvs, tag):
+        return self._link.exchange(sends, recvs, tag)
 
     def close(self) -> None:
         """Drop the group's connections and the store (no chunk may be using it)."""
         self._group = None
+        self._link = None
         self._store = None
 
 
