@@ -8,6 +8,10 @@ at a time (the actor's default concurrency group has one thread); the pool start
 of every instance in commit order, and every chunk's messages carry their own tags, so rings of
 different requests never mix.
 
+TP > 1 (``prefill.tp_size``, a real model): this actor is the instance's TP rank 0 and starts
+the other ranks itself; every call that touches KV or the world runs on all of them
+(``actors/prefill/tp.py``).
+
 KV streaming (``enable_transfer``): the worker owns a ``SendManager`` on a NIXL agent
 ``prefill-<instance>``, driven by a ``TransferPump`` thread. Control messages from the decode
 ranks arrive through ``deliver_transfer``, a method of the ``"transfer"`` concurrency group, so
@@ -28,6 +32,8 @@ import torch
 from tetris.actors.prefill.executor import EmulatedExecutor, ModelExecutor
 from tetris.actors.prefill.kv_store import PagedKVStore
 from tetris.actors.prefill.messages import ChunkResult, ChunkTask
+from tetris.actors.prefill.tp import (Followers, SliceWorld, concat_heads, join_instance_group,
+                                      start_followers)
 from tetris.actors.prefill.world import World
 from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
 from tetris.config import ModelConfig, PrefillConfig, TransferConfig
@@ -117,7 +123,8 @@ class PrefillWorker:
 
     def __init__(self, instance: int, node: int, model_cfg: ModelConfig,
                  prefill_cfg: PrefillConfig, *, profile: str | None = None,
-                 threads: int = 1) -> None:
+                 threads: int = 1, tp_rank: int = 0,
+                 tp_leader: tuple[str, int, str] | None = None) -> None:
         # Several workers share few cores: one intra-op thread each avoids oversubscription.
         # (torch.set_num_threads sizes the pool torch uses; the process's OMP_NUM_THREADS,
         # read when OpenMP started, is not changed by writing it now)
@@ -130,6 +137,10 @@ class PrefillWorker:
         self._worlds: dict[int, World] = {}   # generation -> the world joined (world.py)
         self._world_in_use: int | None = None  # the running chunk's generation
         self._worlds_lock = threading.Lock()   # joins and drops run beside chunks
+        self.tp_rank = tp_rank
+        # an emulated instance's TP is only its latency profile's: one actor stands for it
+        self.tp_size = 1 if prefill_cfg.executor == "emulated" else prefill_cfg.tp_size
+        self.tp = Followers(instance, [])   # the other TP ranks, on TP rank 0 (tp.py)
         if prefill_cfg.executor == "emulated":
             from tetris.scheduler.latency import load_profile
 
@@ -144,12 +155,20 @@ class PrefillWorker:
         else:
             from tetris.model.loader import load_model
 
-            model, _tok = load_model(model_cfg)
+            group = None
+            if tp_leader is not None:   # a follower: TP rank ``tp_rank`` of the instance
+                group = join_instance_group(*tp_leader[:2], tp_rank, prefill_cfg.tp_size,
+                                            tp_leader[2])
+            elif self.tp_size > 1:
+                self.tp, group = start_followers(instance, node, model_cfg, prefill_cfg,
+                                                 profile, threads)
+            model, _tok = load_model(model_cfg, tp_group=group)
             self.store = PagedKVStore(
                 model.num_layers, prefill_cfg.kv_blocks_per_instance, prefill_cfg.block_size,
                 model.local_num_kv_heads, model.head_dim, dtype=model.dtype,
             )
             self.executor = ModelExecutor(model, self.store)
+            self.tp.wait_started()
 
     @ray.method(concurrency_group=WORLD_GROUP)
     def join_world(self, generation: int, host: str, port: int, world_size: int,
@@ -160,7 +179,11 @@ class PrefillWorker:
         with self._worlds_lock:
             if generation in self._worlds:
                 raise ValueError(f"prefill instance {self.instance} already joined world {generation}")
-        world = World(generation, host, port, self.instance, world_size, timeout_s)
+        with self.tp.alongside("join_world", generation, host, port, world_size, timeout_s):
+            world = (World(generation, host, port, self.instance, world_size, timeout_s)
+                     if self.tp_size == 1 else
+                     SliceWorld(generation, host, port, self.instance, world_size, timeout_s,
+                                self.tp_rank))
         with self._worlds_lock:
             self._worlds[generation] = world
         return self.instance
@@ -169,6 +192,7 @@ class PrefillWorker:
     def drop_worlds(self, below: int) -> list[int]:
         """Leave every generation older than ``below`` (the pool runs no chunk on them any
         more; the running chunk's own is kept regardless). Returns the ones left."""
+        self.tp.submit("drop_worlds", below)   # not waited for, as the pool's own call
         with self._worlds_lock:
             gone = [self._worlds.pop(g) for g in list(self._worlds)
                     if g < below and g != self._world_in_use]
@@ -179,12 +203,15 @@ class PrefillWorker:
 
     def prepare(self, task: ChunkTask) -> None:
         self._check(task)
-        with self._exclusive(task):
+        with self._exclusive(task), self.tp.alongside("prepare", task):
+            if task.kv_receivers and self.tp_size > 1:
+                raise ValueError("KV streaming from a prefill instance with TP > 1 is not "
+                                 "built yet (actors/prefill/tp.py)")
             self.executor.prepare(task)
 
     def execute(self, task: ChunkTask) -> ChunkResult:
         self._check(task)
-        with self._exclusive(task):
+        with self._exclusive(task), self.tp.alongside("execute", task, lose_on_error=True):
             with self._worlds_lock:   # kept from a drop until the chunk is done
                 link = self._worlds.get(task.world)
                 self._world_in_use = task.world
@@ -214,6 +241,10 @@ class PrefillWorker:
     # -- KV streaming -------------------------------------------------------------------------
     def enable_transfer(self, config: TransferConfig) -> AgentInfo:
         """Start the send side (agent ``prefill-<instance>``); idempotent for the same config."""
+        if self.tp_size > 1:
+            raise NotImplementedError(
+                f"prefill instance {self.instance} runs TP {self.tp_size}: KV streaming from "
+                "a prefill instance with TP > 1 is not built yet (actors/prefill/tp.py)")
         if self.streaming is None:
             self.streaming = _Streaming(self.instance, config)
             # Both bodies stream: the emulated one with KV of the wire geometry (EMULATION).
@@ -254,7 +285,9 @@ class PrefillWorker:
 
     @ray.method(concurrency_group=TRANSFER_GROUP)
     def alive(self) -> int:
-        """The pool's liveness probe: answers while a chunk computes (transfer group)."""
+        """The pool's liveness probe: answers while a chunk computes (transfer group). A TP
+        instance with a dead rank is lost: this process ends (``Followers.probe``)."""
+        self.tp.probe()
         return self.instance
 
     def _streaming(self) -> _Streaming:
@@ -270,13 +303,15 @@ class PrefillWorker:
         """Cancel the request's unfinished shards (their receivers are told) and free its KV."""
         if self.streaming is not None:
             self.streaming.abort(request_id)
-        self.executor.abort(request_id)
+        with self.tp.alongside("abort", request_id):
+            self.executor.abort(request_id)
 
     def release(self, request_id: str) -> None:
         """The request's KV was handed off (or is no longer needed): free it, forget its shards."""
         if self.streaming is not None:
             self.streaming.release(request_id)
-        self.executor.abort(request_id)
+        with self.tp.alongside("release", request_id):
+            self.executor.abort(request_id)
 
     def adopt_prefix(self, source: str, request_id: str, upto: int, prompt_tokens: int = 0,
                      kv_receivers: tuple[int, ...] = ()):
@@ -289,7 +324,8 @@ class PrefillWorker:
                 self.executor.stream_prefix(request_id, ranges, prompt_tokens, upto,
                                             tuple(kv_receivers))
             return ranges
-        ranges = self.store.copy_prefix(source, request_id, upto)
+        with self.tp.alongside("adopt_prefix", source, request_id, upto):
+            ranges = self.store.copy_prefix(source, request_id, upto)
         if ranges and kv_receivers:
             from tetris.actors.prefill.prefix import stream_prefix
 
@@ -302,7 +338,9 @@ class PrefillWorker:
         """(positions [n], k [L, n, Hkv, D], v [L, n, Hkv, D]) held here, for hand-off or tests."""
         if self.store is None:
             raise RuntimeError("an emulated worker holds no KV")
-        return self.store.export(request_id)
+        with self.tp.alongside("export_kv", request_id) as others:
+            mine = self.store.export(request_id)
+        return concat_heads([mine, *others]) if others else mine
 
     def held_requests(self) -> list[str]:
         """Requests with KV or transfer shards still held here."""
@@ -310,6 +348,8 @@ class PrefillWorker:
                    else self.executor.holdings.requests())
         if self.streaming is not None:
             held.update(self.streaming.held())
+        for other in self.tp.run("held_requests"):
+            held.update(other)
         return sorted(held)
 
     def free_blocks(self) -> int:
@@ -338,7 +378,17 @@ class PrefillWorker:
             s.bind((host, 0))
             return host, s.getsockname()[1]
 
+    def kv_heads(self) -> list[int]:
+        """The KV heads each TP rank of the instance holds, in rank order."""
+        mine = [self.executor.model.local_num_kv_heads if self.store is not None else 0]
+        return mine + [h for other in self.tp.run("kv_heads") for h in other]
+
+    def tp_followers(self) -> list:
+        """The actors of TP ranks 1.. of this instance (none for TP 1)."""
+        return list(self.tp.handles)
+
     def shutdown(self) -> None:
+        self.tp.shutdown()
         if self.streaming is not None:
             self.streaming.close()
             self.streaming = None

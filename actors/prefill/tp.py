@@ -1,0 +1,257 @@
+"""Prefill instances with tensor parallelism (TP > 1): an instance is a TP group of workers.
+
+Layout. TP rank ``t`` of every instance holds KV heads slice ``t`` (``Hkv / tp`` heads: the
+model's column-parallel q/k/v projections, ``tetris/model/parallel.py``). Attention never
+mixes heads, so the ring of a chunk for head slice ``t`` needs only slice ``t`` of the other
+members' KV: it runs between the TP ranks ``t`` of the chunk's member instances, and so does
+cache balancing. Each generation of the pool's world (``world.py``, ``worlds.py``) is
+therefore ``tp`` gloo groups, one per head slice (``SliceWorld``), each ranked by instance as
+the TP-1 world is, so the ring and the balancer address their peers exactly as before. The
+row-parallel all-reduces of an instance (o_proj, down_proj) run on the instance's own TP
+group, the worker process's default group (as a decode instance's, actors/decode/rank.py),
+its backend chosen by ``actors/collectives.py``.
+
+Who is who. The pool sees one actor per instance, its TP rank 0, the *leader*: the pool's
+code (chunk driver, generations, replacement, node map) is the same for every TP size. The
+leader starts the other ranks (*followers*) itself, on its own node, so they share its fate:
+Ray kills the actors an actor started when it dies. Every call the pool makes that touches
+KV or the world (prepare, execute, join/drop a world, abort, release, export, prefix copy)
+is run by the leader on itself and on every follower (``Followers``).
+
+A lost TP rank loses the instance. A dead follower, or a chunk that failed inside an
+instance (its ranks may then stand at different all-reduces of a group gloo cannot resume),
+makes the leader end its process; the pool then finds the instance dead, as for a TP-1
+worker, and replaces it: the new leader starts new followers and joins the next world. A
+failed chunk therefore costs each of its TP member instances a replacement (TP 1 keeps its
+workers and forms a new world).
+
+Not built yet: KV streaming to decode ranks from a TP instance (``enable_transfer`` refuses
+it, so a deployment asking for it fails at start), and GPU placement of the followers in the
+instance's bundle (they run on the leader's node with no reservation of their own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+from datetime import timedelta
+
+import ray
+import torch
+import torch.distributed as dist
+from tetris.actors.collectives import RankDevice, choose_backend, nccl_available
+from tetris.actors.prefill.world import PeerLink
+
+__all__ = [
+    "TP_GROUP_TIMEOUT_S",
+    "Followers",
+    "SliceWorld",
+    "concat_heads",
+    "join_instance_group",
+    "start_followers",
+]
+
+log = logging.getLogger(__name__)
+
+TP_GROUP_TIMEOUT_S = 600.0   # an instance's all-reduces: longer than any chunk's ring waits
+_START_TIMEOUT_S = 300.0     # followers started and their model loaded
+_PROBE_S = 10.0              # a follower's liveness probe
+
+
+class SliceWorld(PeerLink):
+    """Head slice ``tp_rank``'s group of generation ``generation`` of the pool's world, as
+    instance ``rank`` sees it: the TP ranks ``tp_rank`` of every instance, ranked by instance
+    (the ring and the balancer address their peers as on a TP-1 ``World``).
+
+    One store serves every slice of a generation (instance 0's leader hosts it at
+    ``host:port``, the address the pool asks it for); each slice keys its rendezvous apart.
+    gloo on CPU tensors: the model loads on the CPU here (see ``start_followers``).
+    """
+
+    def __init__(self, generation: int, host: str, port: int, rank: int, size: int,
+                 timeout_s: float, tp_rank: int) -> None:
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} outside a world of {size}")
+        self.generation = generation
+        self.rank = rank
+        self.size = size
+        self.tp_rank = tp_rank
+        timeout = timedelta(seconds=timeout_s)
+        self._store = dist.TCPStore(host, port, None, rank == 0 and tp_rank == 0,
+                                    timeout=timeout, wait_for_workers=False)
+        self._group = dist.ProcessGroupGloo(
+            dist.PrefixStore(f"slice{tp_rank}/", self._store), rank, size, timeout)
+
+    def isend(self, tensor, peer, tag):
+        return self._group.send([tensor], peer, tag)
+
+    def irecv(self, tensor, peer, tag):
+        return self._group.recv([tensor], peer, tag)
+
+    def close(self) -> None:
+        """Drop the group's connections and the store (no chunk may be using it)."""
+        self._group = None
+        self._store = None
+
+
+def _free_address() -> tuple[str, int]:
+    host = ray.util.get_node_ip_address()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return host, s.getsockname()[1]
+
+
+def join_instance_group(host: str, port: int, tp_rank: int, tp_size: int, backend: str):
+    """Form the instance's TP group as this process's default group; returns it."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=tp_rank,
+                            world_size=tp_size, timeout=timedelta(seconds=TP_GROUP_TIMEOUT_S))
+    return dist.group.WORLD
+
+
+def start_followers(instance: int, node: int, model_cfg, prefill_cfg, profile, threads: int):
+    """On the leader: start TP ranks ``1..tp-1`` on this node and form the instance's TP group
+    with them. Returns (``Followers``, the group); the caller loads its model shard then and
+    calls ``Followers.wait_started``."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from tetris.actors.prefill.worker import PrefillWorkerActor
+    from tetris.actors.process_env import runtime_env
+
+    tp = prefill_cfg.tp_size
+    node_id = ray.get_runtime_context().get_node_id()
+    # The model loads on the CPU today (load_model's default device): every rank is a CPU rank.
+    backend = choose_backend([RankDevice(node_id, "cpu")] * tp, nccl_available())
+    host, port = _free_address()
+    opts = {"num_cpus": 0, "runtime_env": runtime_env(),
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+    handles = [PrefillWorkerActor.options(**opts).remote(
+        instance, node, model_cfg, prefill_cfg, profile=profile, threads=threads,
+        tp_rank=t, tp_leader=(host, port, backend)) for t in range(1, tp)]
+    group = join_instance_group(host, port, 0, tp, backend)
+    return Followers(instance, handles), group
+
+
+class Followers:
+    """The leader's view of its instance's other TP ranks (none for TP 1: every call is then
+    a no-op, so the worker's code reads the same for every TP size)."""
+
+    def __init__(self, instance: int, handles: list) -> None:
+        self.instance = instance
+        self.handles = list(handles)
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.handles) + 1
+
+    def wait_started(self) -> None:
+        if self.handles:
+            self.gather(self.submit("alive"), timeout_s=_START_TIMEOUT_S)
+
+    def submit(self, method: str, *args) -> list:
+        return [getattr(h, method).remote(*args) for h in self.handles]
+
+    def gather(self, refs: list, timeout_s: float | None = None) -> list:
+        """The followers' answers; a dead follower loses the instance (``instance_lost``)."""
+        try:
+            return ray.get(refs, timeout=timeout_s)
+        except ray.exceptions.RayActorError as e:
+            self.instance_lost(f"a TP rank died: {e}")
+            raise   # not reached
+
+    def run(self, method: str, *args) -> list:
+        return self.gather(self.submit(method, *args))
+
+    @contextlib.contextmanager
+    def alongside(self, method: str, *args, lose_on_error: bool = False):
+        """Run ``method`` on every follower while the body runs it on the leader; yields the
+        list the followers' answers are put in once the body is done. With ``lose_on_error``
+        (a chunk's execute) a failure on any rank loses the instance: the ranks may stand at
+        different all-reduces. Otherwise (no communication: prepare, abort) the leader's error
+        wins and the followers' calls, queued in order on each, are not waited for."""
+        if not self.handles:
+            yield []
+            return
+        refs = self.submit(method, *args)
+        watch = _Watch(self, refs) if lose_on_error else None
+        answers: list = []
+        try:
+            yield answers
+        except BaseException as e:
+            if lose_on_error:
+                self.instance_lost(f"{method} failed on TP rank 0: {type(e).__name__}: {e}")
+            raise
+        try:
+            answers.extend(self.gather(refs))
+        except Exception as e:
+            if lose_on_error:
+                self.instance_lost(f"{method} failed on a TP rank: {type(e).__name__}")
+            raise
+        finally:
+            if watch is not None:
+                watch.stop()
+
+    def probe(self) -> None:
+        """Lose the instance if a follower is dead (a slow one is left alone)."""
+        refs = self.submit("alive")
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_PROBE_S)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                self.instance_lost(f"a TP rank died: {e}")
+
+    def instance_lost(self, why: str) -> None:
+        """End the leader's process: the pool finds the instance dead and replaces it; Ray ends
+        the followers with it."""
+        log.error("prefill instance %d (TP %d) is lost: %s", self.instance, self.tp_size, why)
+        for h in self.handles:
+            with contextlib.suppress(Exception):
+                ray.kill(h)
+        os._exit(1)
+
+    def shutdown(self) -> None:
+        with contextlib.suppress(Exception):
+            ray.get(self.submit("shutdown"), timeout=30)
+        for h in self.handles:
+            with contextlib.suppress(Exception):
+                ray.kill(h)
+        self.handles = []
+
+
+class _Watch:
+    """While the leader computes its share of a chunk, a follower that fails ends the instance
+    at once, instead of the leader waiting at its next all-reduce for the group's timeout."""
+
+    def __init__(self, followers: Followers, refs: list) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(followers, list(refs)),
+                                        daemon=True, name=f"tp-watch-{followers.instance}")
+        self._thread.start()
+
+    def _run(self, followers: Followers, refs: list) -> None:
+        while refs and not self._stop.is_set():
+            ready, refs = ray.wait(refs, num_returns=1, timeout=0.5)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - any failure breaks the group
+                    if not self._stop.is_set():
+                        followers.instance_lost(f"a TP rank failed mid-chunk: {type(e).__name__}")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def concat_heads(parts: list[tuple]) -> tuple:
+    """(positions, k, v) exported by each TP rank, in rank order -> the instance's
+    (positions, k [L, n, Hkv, D], v): the ranks hold the same positions, heads in rank order."""
+    pos = parts[0][0]
+    for p, _k, _v in parts[1:]:
+        if not torch.equal(p, pos):
+            raise RuntimeError("the TP ranks of a prefill instance hold different positions")
+    return (pos, torch.cat([k for _p, k, _v in parts], dim=2),
+            torch.cat([v for _p, _k, v in parts], dim=2))

@@ -1,0 +1,111 @@
+"""Prefill instances with TP 2 (actors/prefill/tp.py): a pool of 2 instances, 4 worker actors
+(gloo), against single-instance prefill of the unsharded model.
+
+Each TP rank holds one of the tiny model's two KV heads; the ring and the cache balancing of
+head slice t run between the TP ranks t of the chunk's members. The first token, the
+last-token logits (within the project's fp32 bound and ``tests/exactness.py``'s logprob bound)
+and every layer's KV, gathered over the ranks' head slices, equal the single instance's.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+from exactness import assert_logprob_close, logprobs_of_logits
+from prefill_reference import prompt, reference
+
+from tetris.actors.prefill.layout import forced_plan
+from tetris.actors.prefill.zigzag import ranges_to_list
+from tetris.config import load_deployment
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def deployment():
+    cfg = load_deployment("tiny-cpu.toml")
+    return msgspec.structs.replace(cfg, prefill=msgspec.structs.replace(cfg.prefill, tp_size=2))
+
+
+@pytest.fixture(scope="module")
+def pool(ray_session, deployment):
+    from tetris.actors.prefill.pool import PrefillPool
+
+    p = PrefillPool(deployment, num_instances=2, node_size=1, timeout_s=8.0)
+    yield p
+    p.shutdown()
+
+
+def _check(pool, model, plan, ids, balance="overlap"):
+    res = pool.run(plan, ids, return_logits=True, balance=balance)
+    ref_logits, ref_k, ref_v = reference(model, ids)
+    got = torch.tensor(res.logits)
+    rel = ((got - ref_logits).abs().max() / ref_logits.abs().max()).item()
+    assert rel < 1e-4, f"last-token logits differ by {rel:.2e} relative"
+    assert res.first_token == int(ref_logits.argmax())
+    token = res.first_token
+    assert_logprob_close(logprobs_of_logits([got], [token])[0],
+                         logprobs_of_logits([ref_logits], [token])[0], plan.request_id)
+    # Every instance's KV, its TP ranks' head slices side by side, is the single instance's.
+    parts = pool.export_kv(plan.request_id)
+    assert sorted(parts) == sorted(plan.instances)
+    pos = torch.cat([p for p, _, _ in parts.values()])
+    assert sorted(pos.tolist()) == list(range(len(ids)))
+    k = torch.cat([k for _, k, _ in parts.values()], dim=1)
+    v = torch.cat([v for _, _, v in parts.values()], dim=1)
+    torch.testing.assert_close(k, ref_k[:, pos], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(v, ref_v[:, pos], rtol=1e-4, atol=1e-5)
+    layout = dict(res.kv_layout)
+    for i, (p, _, _) in parts.items():
+        assert p.tolist() == ranges_to_list(layout[i])
+    pool.release(plan.request_id)
+    assert all(not held for held in pool.held_requests().values())
+    return res
+
+
+def test_each_instance_is_two_ranks_with_one_kv_head_each(pool):
+    import ray
+
+    assert [ray.get(w.kv_heads.remote()) for w in pool.workers] == [[1, 1], [1, 1]]
+
+
+@pytest.mark.parametrize("n,spec,balance", [
+    (600, "restx2", "overlap"),                  # one chunk, a ring per head slice
+    (900, "300x1,restx2", "overlap"),            # history on one instance, balanced to two
+    (900, "300x1,restx2", "off"),                # the ring reads history where it was made
+    (1100, "200x1,300x1,restx2", "blocking"),    # two chunks on one instance, then two
+])
+def test_forced_plans_match_single_instance(pool, model, n, spec, balance):
+    plan = forced_plan(f"tp-{spec}-{balance}", n, spec, pool.node_of)
+    res = _check(pool, model, plan, prompt(n, n), balance)
+    if balance == "off":
+        assert res.balance_moved_tokens == 0
+    elif len(plan.chunks[-1].instances) > len(plan.chunks[0].instances):
+        assert res.balance_moved_tokens > 0
+
+
+def test_kv_streaming_is_refused_at_start(pool):
+    import ray
+
+    from tetris.config import TransferConfig
+
+    with pytest.raises(Exception, match="TP 2: KV streaming .* not built yet"):
+        ray.get(pool.workers[0].enable_transfer.remote(TransferConfig()))
+
+
+def test_a_dead_tp_rank_loses_its_instance_and_the_replacement_serves(pool, model):
+    """Killing TP rank 1 of instance 1 loses the instance: the pool's probe finds it dead
+    (its leader ends itself), replaces it with a new TP group, and the next plan on both
+    instances matches the single instance again."""
+    import ray
+
+    victim = 1
+    follower, = ray.get(pool.workers[victim].tp_followers.remote())
+    before = pool.replacements
+    ray.kill(follower)
+    assert pool.heal(timeout_s=30.0) == [victim]
+    assert pool.replacements == before + 1
+    assert ray.get(pool.workers[victim].kv_heads.remote()) == [1, 1]
+    plan = forced_plan("tp-after-loss", 700, "300x1,restx2", pool.node_of)
+    _check(pool, model, plan, prompt(700, 7))
