@@ -23,7 +23,7 @@ from collections import deque
 
 import msgspec
 
-from tetris.engine.block_manager import BlockManager
+from tetris.engine.block_manager import BlockManager, OutOfBlocksError
 from tetris.engine.request import Sequence, SequenceStatus
 
 __all__ = ["Batcher", "BatchPlan", "ScheduledSeq"]
@@ -148,6 +148,9 @@ class Batcher:
     def _preempt(self, seq: Sequence, plan: BatchPlan) -> None:
         # Victims come from the end of ``running``, past every decode already placed in the
         # plan, so the plan never holds a sequence that lost its blocks.
+        if seq.kv_start:  # its earlier KV is on other instances: no recompute here
+            raise OutOfBlocksError(f"{seq.request_id}: a sharded request's master cannot be "
+                                   "preempted (its placement keeps room for its output)")
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.num_computed = 0

@@ -49,7 +49,7 @@ class BlockManager:
         """Give ``seq`` (holding no blocks) blocks for all of its current tokens."""
         if seq.block_table:
             raise ValueError(f"{seq.request_id}: already holds {len(seq.block_table)} blocks")
-        need = self.blocks_needed(seq.num_tokens)
+        need = self.blocks_needed(_held_tokens(seq))
         if need > len(self._free):
             raise OutOfBlocksError(
                 f"{seq.request_id}: needs {need} blocks, {len(self._free)} free"
@@ -82,9 +82,15 @@ class BlockManager:
         return self._take(owner)
 
     def _needs_block(self, seq: Sequence) -> int:
-        return int(seq.num_tokens > len(seq.block_table) * self.block_size)
+        return int(_held_tokens(seq) > len(seq.block_table) * self.block_size)
 
     def _take(self, owner: str) -> int:
         block = self._free.popleft()
         self._owner[block] = owner
         return block
+
+
+def _held_tokens(seq) -> int:
+    """Tokens whose KV the table holds: a sharded request's master holds its positions from
+    ``kv_start`` on (engine/elastic_rows.py); a ``KVShard`` counts its own range."""
+    return seq.num_tokens - getattr(seq, "kv_start", 0)

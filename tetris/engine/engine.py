@@ -194,16 +194,24 @@ class LLMEngine:
         return [table[p // bs] * bs + p % bs for p in range(n)]
 
     def reserve_blocks(self, request_id: str, prompt_token_ids: Seq[int],
-                       params: SamplingParams, generated: Seq[int] = ()) -> list[int]:
+                       params: SamplingParams, generated: Seq[int] = (), *,
+                       kv_start: int = 0) -> list[int]:
         """``reserve`` returning the block table (block ids in position order) instead of a slot
-        per position: a long prompt's slot list is ~36 bytes a token of short-lived ints."""
+        per position: a long prompt's slot list is ~36 bytes a token of short-lived ints.
+
+        ``kv_start``: this engine is the master of a request whose positions before it are held
+        by other decode instances (engine/elastic_rows.py): blocks for ``[kv_start, n)`` only,
+        the table's first block holding position ``kv_start``."""
         seq = self._new_sequence(request_id, prompt_token_ids, params)
         if generated:
             self._resume(seq, generated)
-        if not self.can_reserve(seq.num_tokens):
+        if not 0 <= kv_start < seq.num_tokens:
+            raise ValueError(f"{request_id}: kv_start {kv_start} outside [0, {seq.num_tokens})")
+        seq.kv_start = kv_start
+        if not self.can_reserve(seq.num_tokens - kv_start):
             raise OutOfBlocksError(
                 f"{request_id}: {seq.num_tokens} prompt tokens need "
-                f"{self.blocks.blocks_needed(seq.num_tokens + 1)} blocks, "
+                f"{self.blocks.blocks_needed(seq.num_tokens - kv_start + 1)} blocks, "
                 f"{self.blocks.num_free_blocks} free"
             )
         self.blocks.allocate(seq)

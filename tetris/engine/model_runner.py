@@ -88,6 +88,9 @@ class ModelRunner:
             sizes = graph_batch_sizes or default_batch_buckets(max_batch_size)
             self.graphs = self._graph_runner(sizes, scratch_slot, max_blocks_per_seq)
             self._graph_width = max_blocks_per_seq
+        # Elastic decode (engine/elastic_rows.py): merges the decode rows' remote partials and
+        # answers other masters' queries between this engine's layers; None: off.
+        self.elastic = None
 
     def _graph_runner(self, sizes: list[int], scratch_slot: int,
                       max_blocks: int) -> DecodeGraphRunner:
@@ -110,12 +113,15 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        lens: list[int] = []
         for sched in plan.decodes:
             seq = sched.seq
             pos = seq.num_computed
+            local = pos - seq.kv_start  # a sharded request's master holds [kv_start, pos]
             ids.append(seq.tokens[pos])
             positions.append(pos)
-            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            slots.append(seq.block_table[local // bs] * bs + local % bs)
+            lens.append(local + 1)
             sample_rows.append(len(ids) - 1)
             sample_seqs.append(seq)
         num_decodes = len(plan.decodes)
@@ -123,7 +129,7 @@ class ModelRunner:
         tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table))
                   for s in plan.decodes]
         block_tables = torch.tensor(tables, dtype=torch.int32).reshape(num_decodes, max_blocks)
-        context_lens = torch.tensor(positions, dtype=torch.int32) + 1
+        context_lens = torch.tensor(lens, dtype=torch.int32)
         prefills = []
         for sched in plan.prefills:
             span = self._prefill_span(sched.seq, sched.num_new_tokens, len(ids))
@@ -164,6 +170,8 @@ class ModelRunner:
         was 5% of a bf16 decode step on CPU; docs/benchmarks.md).
         """
         inputs = self.prepare(plan)
+        if self.elastic is not None:
+            self.elastic.begin(inputs.sample_seqs[:inputs.num_decodes])
         upcast = not all(seq.params.greedy for seq in inputs.sample_seqs)
         if not inputs.prefills:  # decode only: every row samples, in plan order
             logits = self._decode(inputs)
@@ -187,7 +195,8 @@ class ModelRunner:
                        slot_mapping=inputs.slot_mapping, block_tables=inputs.block_tables,
                        context_lens=inputs.context_lens)
         graphs = self.graphs
-        if graphs is None or graphs.bucket_for(inputs.num_decodes) is None:
+        eager = graphs is None or self.elastic is not None  # no exchange inside a graph
+        if eager or graphs.bucket_for(inputs.num_decodes) is None:
             self.eager_steps += 1
             return self.decode_step(**tensors)
         self.graph_steps += 1
@@ -210,7 +219,7 @@ class ModelRunner:
         context_lens int32 [B] (positions + 1 for live rows).
         """
         meta = None
-        if _torch_decode_path(self.device):
+        if _torch_decode_path(self.device) and self.elastic is None:
             # The torch kernel's per-step tensors (tables, mask), built once, not per layer.
             meta = decode_meta(block_tables, context_lens, self.block_size,
                                self.cache.num_blocks, int(context_lens.max()))
@@ -219,6 +228,9 @@ class ModelRunner:
             k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
             # Slots come from our own block tables (in range by construction).
             write_kv(k_cache, v_cache, k, v, slot_mapping, check_bounds=False)
+            if self.elastic is not None:
+                return self.elastic.decode_attention(layer, q, k_cache, v_cache, block_tables,
+                                                     context_lens)
             if meta is not None:
                 return paged_decode_attention_meta(q, k_cache, v_cache, meta)
             return dispatch.paged_decode_attention(q, k_cache, v_cache, block_tables,
@@ -234,7 +246,10 @@ class ModelRunner:
         write_kv(k_cache, v_cache, k, v, inputs.slot_mapping, check_bounds=False)
         nd = inputs.num_decodes
         out = torch.empty_like(q)
-        if nd:
+        if self.elastic is not None:  # every layer: it may answer other masters' queries
+            out[:nd] = self.elastic.decode_attention(layer, q[:nd], k_cache, v_cache,
+                                                     inputs.block_tables, inputs.context_lens)
+        elif nd:
             out[:nd] = dispatch.paged_decode_attention(q[:nd], k_cache, v_cache,
                                                        inputs.block_tables, inputs.context_lens)
         for span in inputs.prefills:

@@ -245,6 +245,10 @@ class Sequence:
         self.max_total_tokens = max_total_tokens
         self.num_computed = 0
         self.block_table: list[int] = []
+        # First position whose KV this engine holds: 0, except for the master of a request
+        # whose earlier ranges sit on other decode instances (engine/elastic_rows.py); its
+        # block table then starts at that position.
+        self.kv_start = 0
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.text = ""

@@ -1,0 +1,224 @@
+"""Elastic decode inside a running ``LLMEngine``: rows whose KV is split over decode instances.
+
+The live form of ``sharded_decode.py``'s multi-master step (loongserve-notes §1.4, csps-notes
+§1.11). Every decode instance of an *elastic world* runs its own ``LLMEngine`` with its own
+batch; an ``ElasticRows`` on its model runner (``ModelRunner.elastic``) plays both roles of a
+step, per layer, between the engine's own layers:
+
+- **master**: a request's newest range is an ordinary sequence of this engine whose table
+  starts at ``kv_start`` (``LLMEngine.reserve_blocks(kv_start=...)``); its new KV is
+  appended here as for any request. Its decode attention computes the local partial with the
+  LSE, sends the row's q to every other holder of the request (one ``q`` tensor per peer and
+  layer, rows of several requests together) and merges the returned partials by LSE
+  (kernels/merge.py: exact);
+- **holder**: it keeps ranges ``[start, end)`` of requests mastered elsewhere as ``KVShard``s
+  in its own block pool (``ShardHolder.of_engine``) and answers the queries of their masters
+  with the partial attention (out, LSE) over them.
+
+Lockstep: every instance of the world calls ``begin`` (inside its engine's forward) or
+``idle_step`` (when its engine ran no forward) exactly once per round, then meets its peers
+once per layer. ``begin`` exchanges a header with each peer (how many rows it will ask about
+and their keys), so each side knows the shapes it receives and which pairs carry traffic; a
+pair with nothing to ask in a step exchanges no layer messages.
+
+The transport is any *peer link* (``isend``/``irecv`` by world rank, each returning a work to
+``wait`` on), e.g. the prefill pool's ``World`` (a gloo group of its own): with TP, rank r of
+every instance joins one world and exchanges its head slice of q and of the partials. A
+request is named on the wire by an integer ``key`` the driver gives every member.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from tetris.engine.kv_shards import KVShard, ShardHolder
+from tetris.kernels import dispatch
+from tetris.kernels.merge import merge_attention
+from tetris.kernels.paged_decode import paged_decode_attention_with_lse
+
+__all__ = ["ElasticRows", "ExchangeCounts"]
+
+
+class ExchangeCounts(msgspec.Struct):
+    """Bytes this rank sent: ``data`` (q and partials) and ``header`` (row counts and keys)."""
+
+    data: int = 0
+    header: int = 0
+    messages: int = 0
+
+
+class _Master(msgspec.Struct):
+    key: int
+    holders: list[int]   # the other instances holding ranges of the request, ascending
+
+
+class _Held(msgspec.Struct):
+    request_id: str
+    master: int
+    shards: list[KVShard]
+
+
+class ElasticRows:
+    """Instance ``index`` of an elastic world of ``size`` decode instances, on ``engine``."""
+
+    def __init__(self, engine, index: int, size: int, link) -> None:
+        if not 0 <= index < size:
+            raise ValueError(f"instance {index} outside an elastic world of {size}")
+        if engine.runner.elastic is not None:
+            raise ValueError("this engine already takes part in an elastic world")
+        self.engine = engine
+        self.index = index
+        self.peers = [p for p in range(size) if p != index]
+        self.link = link
+        self.holder = ShardHolder.of_engine(index, engine)
+        cfg = engine.model.cfg
+        self._group = cfg.num_heads // cfg.num_kv_heads   # q heads per KV head
+        self._masters: dict[str, _Master] = {}
+        self._held: dict[int, _Held] = {}                  # key -> ranges held here
+        self.counts = ExchangeCounts()
+        self._step: _Step | None = None
+        engine.runner.elastic = self
+
+    # -- placement (the driver's commands) ----------------------------------------------------
+
+    def master(self, request_id: str, key: int, holders: list[int]) -> None:
+        """This engine masters ``request_id`` (reserved with ``kv_start`` > 0); ``holders``
+        keep its earlier ranges."""
+        if self.index in holders or not holders:
+            raise ValueError(f"{request_id}: holders {holders} must be other instances")
+        self._masters[request_id] = _Master(key, sorted(holders))
+
+    def hold(self, request_id: str, key: int, master: int, start: int,
+             num_tokens: int) -> KVShard:
+        """Keep tokens ``[start, start + num_tokens)`` of a request mastered by ``master``;
+        blocks from this engine's pool now (write its KV with ``self.holder.write``)."""
+        if master == self.index:
+            raise ValueError(f"{request_id}: a master keeps its own range as a sequence")
+        shard = self.holder.open_shard(request_id, start, num_tokens)
+        held = self._held.setdefault(key, _Held(request_id, master, []))
+        held.shards.append(shard)
+        return shard
+
+    def release(self, request_id: str) -> None:
+        """Forget ``request_id`` here (finished, aborted or lost): ranges held are freed; a
+        master's own sequence is the engine's to free."""
+        self._masters.pop(request_id, None)
+        for key in [k for k, h in self._held.items() if h.request_id == request_id]:
+            for shard in self._held.pop(key).shards:
+                self.holder.free(shard)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._masters or any(h.request_id == request_id
+                                                  for h in self._held.values())
+
+    # -- one round ----------------------------------------------------------------------------
+
+    def begin(self, seqs) -> None:
+        """The engine's decode rows this step, in batch order: the header exchange."""
+        asks = {p: [] for p in self.peers}   # peer -> [(row, key)]
+        for row, seq in enumerate(seqs):
+            entry = self._masters.get(seq.request_id)
+            for p in entry.holders if entry is not None else ():
+                asks[p].append((row, entry.key))
+        counts = self._exchange({p: [torch.tensor([len(asks[p])], dtype=torch.int64)]
+                                 for p in self.peers},
+                                {p: [((1,), torch.int64)] for p in self.peers}, header=True)
+        wanted = {p: int(c[0][0]) for p, c in counts.items()}
+        keys = self._exchange(
+            {p: [torch.tensor([k for _, k in asks[p]], dtype=torch.int64)]
+             for p in self.peers if asks[p]},
+            {p: [((n,), torch.int64)] for p, n in wanted.items() if n}, header=True)
+        answers = {}
+        for p, (ks,) in keys.items():
+            held = [self._held.get(int(k)) for k in ks]
+            if any(h is None or h.master != p for h in held):
+                raise RuntimeError(f"instance {self.index}: instance {p} asks about ranges "
+                                   f"it does not hold here (keys {ks.tolist()})")
+            answers[p] = [h.shards for h in held]
+        self._step = _Step({p: [r for r, _ in a] for p, a in asks.items() if a}, answers)
+
+    def decode_attention(self, layer: int, q, k_cache, v_cache, block_tables, context_lens):
+        """The engine's decode attention of ``q`` [B, Hq, D] at ``layer`` (its new KV already
+        written), merged with the holders' partials; answers the queries of other masters."""
+        step = self._step
+        if step is None:
+            raise RuntimeError("decode attention before begin(): not an elastic engine step")
+        if not step.asks:
+            out = (dispatch.paged_decode_attention(q, k_cache, v_cache, block_tables,
+                                                   context_lens) if q.shape[0] else q.clone())
+            self._answer(layer, step, {})
+            return out
+        out, lse = paged_decode_attention_with_lse(q, k_cache, v_cache, block_tables,
+                                                   context_lens)
+        lse = lse.transpose(0, 1).contiguous()           # [Hq, B], as merge_attention takes
+        parts = self._answer(layer, step, {p: [q[rows].contiguous()]
+                                           for p, rows in step.asks.items()})
+        for p in sorted(parts):                          # peer order: deterministic
+            rows = torch.tensor(step.asks[p], dtype=torch.int64)
+            part_out, part_lse = parts[p]
+            merged, merged_lse = merge_attention(out[rows], lse[:, rows], part_out, part_lse)
+            out[rows] = merged
+            lse[:, rows] = merged_lse
+        return out
+
+    def idle_step(self) -> None:
+        """A round in which the engine ran no forward: still answer every layer's queries."""
+        if self._step is None:
+            self.begin([])
+        for layer in range(self.engine.model.num_layers):
+            self._answer(layer, self._step, {})
+        self._step = None
+
+    def end_step(self) -> None:
+        """After the engine's step: an idle engine still answers (``idle_step``)."""
+        if self._step is None:
+            self.idle_step()
+        self._step = None
+
+    def _answer(self, layer: int, step: _Step, queries: dict[int, list[torch.Tensor]]):
+        """One layer's two exchanges: queries out and in, then partials out and back."""
+        heads, dim = self._heads()
+        dtype = self.engine.cache.k[layer].dtype
+        got = self._exchange(queries, {p: [((len(s), heads, dim), dtype)]
+                                       for p, s in step.answers.items()})
+        replies = {}
+        for p, (q,) in got.items():
+            out, lse = self.holder.partial(layer, q, step.answers[p])
+            replies[p] = [out.contiguous(), lse.contiguous()]
+        return {p: tuple(t) for p, t in self._exchange(
+            replies, {p: [((len(rows), heads, dim), dtype), ((heads, len(rows)), torch.float32)]
+                      for p, rows in step.asks.items()}).items()}
+
+    def _heads(self) -> tuple[int, int]:
+        """(local q heads, head dim) of this rank's cache slice."""
+        _, _, kv_heads, dim = self.engine.cache.k[0].shape
+        return kv_heads * self._group, dim
+
+    def _exchange(self, sends: dict[int, list[torch.Tensor]],
+                  recvs: dict[int, list[tuple[tuple[int, ...], torch.dtype]]], *,
+                  header: bool = False) -> dict[int, list[torch.Tensor]]:
+        """Post every send and receive at once (no pair order to deadlock on), wait for all."""
+        works = []
+        for p in sorted(sends):
+            for tag, t in enumerate(sends[p]):
+                works.append(self.link.isend(t, p, tag))
+                nbytes = t.numel() * t.element_size()
+                if header:
+                    self.counts.header += nbytes
+                else:
+                    self.counts.data += nbytes
+                self.counts.messages += 1
+        got = {p: [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+               for p, specs in sorted(recvs.items())}
+        for p, tensors in got.items():
+            for tag, t in enumerate(tensors):
+                works.append(self.link.irecv(t, p, tag))
+        for w in works:
+            w.wait()
+        return got
+
+
+class _Step(msgspec.Struct):
+    asks: dict[int, list[int]]                 # peer -> my batch rows whose ranges it holds
+    answers: dict[int, list[list[KVShard]]]    # peer -> per row it asks, my ranges of it
