@@ -10,9 +10,12 @@ Rules (docs/prefill.md, docs/decode.md):
    never spans nodes); rank r runs in bundle r.
 3. "auto" is "pack" on a multi-node cluster and "none" on a single node, where every actor is on
    the one node anyway and the tiny deployment must still start on a 2-core box. "none" places
-   nothing: actors reserve no CPU (they mostly wait on each other) and Ray picks their nodes.
+   nothing: actors reserve no CPU (they mostly wait on each other) and Ray picks their nodes;
+   an actor still asks for its bundle's GPUs, so that Ray gives it its devices.
 4. A placement group not ready within the timeout is removed and a ``PlacementError`` names
    the resources it lacks.
+   Bundles asking for more GPUs than the whole cluster has fail at once with a ``ConfigError``
+   naming CUDA (tetris/device.py), in every mode: such an actor would otherwise wait forever.
 5. The node map (``node_map``) comes from the Ray node each actor reports: distinct node ids in
    first-seen order. On one node the configured virtual nodes of ``node_size`` are kept; on
    several, the real nodes win (a WARNING when a node holds other than ``node_size``).
@@ -27,8 +30,10 @@ import ray
 
 from tetris.actors.process_env import runtime_env
 from tetris.config import DecodeConfig, PrefillConfig
+from tetris.device import check_device_bundles
 
 __all__ = ["Placement", "PlacementError", "node_map", "place_prefill", "place_decode",
+           "prefill_bundles", "decode_bundles",
            "resolve_mode", "explain_unplaced", "alive_nodes", "PLACEMENT_TIMEOUT_S"]
 
 log = logging.getLogger(__name__)
@@ -59,14 +64,14 @@ class Placement:
         """``ActorClass.options(...)`` for member ``member``."""
         # num_cpus=0: the bundle holds the reservation; actors in it may share its CPUs.
         opts: dict = {"num_cpus": 0, "runtime_env": runtime_env()}
+        if self.gpus:
+            opts["num_gpus"] = self.gpus   # so that Ray assigns the bundle's devices to it
         if self.pg is None:
             return opts
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement_group=self.pg, placement_group_bundle_index=self.bundle_of[member])
-        if self.gpus:
-            opts["num_gpus"] = self.gpus   # so that Ray assigns the bundle's devices to it
         return opts
 
     def remove(self) -> None:
@@ -115,17 +120,34 @@ def _bundle(cpus: float, gpus: float) -> dict[str, float]:
     return out
 
 
+def prefill_bundles(pc: PrefillConfig, num_instances: int) -> list[dict[str, float]]:
+    """The pool's bundles (rule 1): one per instance, its CPUs and GPUs (GPUs as
+    ``tetris.device.with_device_defaults`` filled them in from ``model.device``)."""
+    return [_bundle(pc.cpus_per_instance, pc.gpus_per_instance) for _ in range(num_instances)]
+
+
+def decode_bundles(dc: DecodeConfig) -> list[dict[str, float]]:
+    """One decode instance's bundles (rule 2): one per TP rank."""
+    return [_bundle(dc.cpus_per_rank, dc.gpus_per_rank) for _ in range(dc.tp_size)]
+
+
+def _check_gpus(bundles: list[dict[str, float]], nodes: list[dict], what: str) -> None:
+    check_device_bundles(bundles, sum(n["resources"].get("GPU", 0.0) for n in nodes), what)
+
+
 def place_prefill(pc: PrefillConfig, num_instances: int, *, mode: str | None = None,
                   timeout_s: float = PLACEMENT_TIMEOUT_S) -> Placement:
     """The pool's placement (rule 1): instance i in bundle ``bundle_of[i]``."""
-    mode = resolve_mode(mode or pc.placement, len(alive_nodes()))
+    nodes_alive = alive_nodes()
+    bundles = prefill_bundles(pc, num_instances)
+    what = f"the prefill pool ({num_instances} instances)"
+    _check_gpus(bundles, nodes_alive, what)
+    mode = resolve_mode(mode or pc.placement, len(nodes_alive))
     if mode == "none":
-        return Placement("none")
+        return Placement("none", gpus=pc.gpus_per_instance)
     if mode not in _STRATEGY:
         raise ValueError(f"prefill placement must be auto, pack, spread or none, got {mode!r}")
-    bundle = _bundle(pc.cpus_per_instance, pc.gpus_per_instance)
-    pg, nodes = _place([bundle] * num_instances, _STRATEGY[mode], timeout_s,
-                       f"the prefill pool ({num_instances} instances)")
+    pg, nodes = _place(bundles, _STRATEGY[mode], timeout_s, what)
     first_seen = {n: k for k, n in enumerate(dict.fromkeys(nodes))}
     order = sorted(range(num_instances), key=lambda b: (first_seen[nodes[b]], b))
     return Placement(mode, pg, order, [nodes[b] for b in order], pc.gpus_per_instance)
@@ -134,14 +156,16 @@ def place_prefill(pc: PrefillConfig, num_instances: int, *, mode: str | None = N
 def place_decode(dc: DecodeConfig, instance: int, *, mode: str | None = None,
                  timeout_s: float = PLACEMENT_TIMEOUT_S) -> Placement:
     """Decode instance ``instance``'s placement (rule 2): rank r in bundle r, one node."""
-    mode = resolve_mode(mode or dc.placement, len(alive_nodes()))
+    nodes_alive = alive_nodes()
+    bundles = decode_bundles(dc)
+    what = f"decode instance {instance} (TP {dc.tp_size})"
+    _check_gpus(bundles, nodes_alive, what)
+    mode = resolve_mode(mode or dc.placement, len(nodes_alive))
     if mode == "none":
-        return Placement("none")
+        return Placement("none", gpus=dc.gpus_per_rank)
     if mode != "pack":
         raise ValueError(f"decode placement must be auto, pack or none, got {mode!r}")
-    bundle = _bundle(dc.cpus_per_rank, dc.gpus_per_rank)
-    pg, nodes = _place([bundle] * dc.tp_size, "STRICT_PACK", timeout_s,
-                       f"decode instance {instance} (TP {dc.tp_size})")
+    pg, nodes = _place(bundles, "STRICT_PACK", timeout_s, what)
     return Placement(mode, pg, range(dc.tp_size), nodes, dc.gpus_per_rank)
 
 

@@ -83,7 +83,11 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rope_scaling: RopeScaling | None = None
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # "auto": bfloat16 on CUDA, float32 on the CPU (tetris/device.py, docs/gpu.md)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # "auto": CUDA when Ray gave the actor a GPU (prefill.gpus_per_instance,
+    # decode.gpus_per_rank), else the CPU; "cuda" without CUDA fails at start
+    device: Literal["auto", "cuda", "cpu"] = "auto"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -129,12 +133,20 @@ class PrefillConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # anyway and a 2-core box must still run the tiny deployment. One bundle per instance.
     placement: Literal["auto", "pack", "spread", "none"] = "auto"
     cpus_per_instance: float = 1.0
-    gpus_per_instance: float = 0.0   # tp_size on a GPU cluster
+    gpus_per_instance: float = 0.0   # model.device = "cuda" and 0: tp_size (tetris/device.py)
+    # On CUDA the instance's KV store must fit this share of its GPU after the weights and the
+    # activation reserve (tetris/device.py); kv_blocks_per_instance = 0 takes all that fits.
+    gpu_memory_utilization: float = 0.9
+    activation_reserve_gib: float = 4.0
 
     def __post_init__(self) -> None:
         if self.num_instances <= 0 or self.tp_size <= 0 or self.node_size <= 0:
             raise ValueError("prefill.num_instances, tp_size and node_size must be positive")
         _check_bundle("prefill", self.cpus_per_instance, self.gpus_per_instance)
+        _check_memory("prefill", self.gpu_memory_utilization, self.activation_reserve_gib)
+        if self.kv_blocks_per_instance < 0:
+            raise ValueError("prefill.kv_blocks_per_instance must be >= 0 (0: all that fits "
+                             f"on CUDA), got {self.kv_blocks_per_instance}")
         if self.emulated_measurements is not None and self.executor != "emulated":
             raise ValueError("prefill.emulated_measurements needs prefill.executor = "
                              f"'emulated' (a real model takes its own time), got {self.executor!r}")
@@ -158,13 +170,18 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # spans nodes); "auto" = "pack" on a multi-node cluster, "none" on one node.
     placement: Literal["auto", "pack", "none"] = "auto"
     cpus_per_rank: float = 1.0
-    gpus_per_rank: float = 0.0   # 1 on a GPU cluster
+    gpus_per_rank: float = 0.0   # model.device = "cuda" and 0: 1 (tetris/device.py)
+    # On CUDA kv_blocks must fit this share of the rank's GPU after the weights and the
+    # activation reserve, or the rank fails at start with the numbers (tetris/device.py).
+    gpu_memory_utilization: float = 0.9
+    activation_reserve_gib: float = 2.0
 
     def __post_init__(self) -> None:
         if min(self.num_instances, self.tp_size, self.max_batch_size, self.block_size,
                self.kv_blocks) <= 0:
             raise ValueError("decode.* sizes must be positive")
         _check_bundle("decode", self.cpus_per_rank, self.gpus_per_rank)
+        _check_memory("decode", self.gpu_memory_utilization, self.activation_reserve_gib)
 
 
 def _check_bundle(table: str, cpus: float, gpus: float) -> None:
@@ -172,6 +189,12 @@ def _check_bundle(table: str, cpus: float, gpus: float) -> None:
     if cpus < 0 or gpus < 0 or cpus + gpus <= 0:
         raise ValueError(f"{table}: CPUs and GPUs per bundle must be >= 0 and not both 0, "
                          f"got {cpus} CPUs and {gpus} GPUs")
+
+
+def _check_memory(table: str, utilization: float, reserve_gib: float) -> None:
+    if not 0 < utilization <= 1 or reserve_gib < 0:
+        raise ValueError(f"{table}.gpu_memory_utilization must be in (0, 1] and "
+                         f"{table}.activation_reserve_gib >= 0, got {utilization} and {reserve_gib}")
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -386,6 +409,12 @@ def load_deployment(path: str | Path | None = None) -> DeploymentConfig:
             resolve_model_file(model.path)
         except ConfigError as e:
             raise ConfigError(f"{p}: model.path: {e}") from None
+    from tetris.device import with_device_defaults
+
+    try:   # GPUs per bundle from model.device (tetris/device.py rule 3)
+        cfg = with_device_defaults(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
     return msgspec.structs.replace(cfg, model=model, source_path=str(p))
 
 

@@ -40,7 +40,8 @@ WIRE_HEAD_DIM = 1          # head_dim of emulated KV on the wire: control plane 
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+            "auto": torch.float32}[name]   # "auto": emulated actors hold no GPU tensors
 
 
 def decode_model_spec(model: ModelConfig) -> DecodeModelSpec:

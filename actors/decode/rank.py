@@ -121,7 +121,7 @@ class DecodeRank:
         """Form the instance's gloo world (all ranks at once), load the sharded model and
         connect the lockstep (``lockstep.py``; rank 0 waits ``lockstep_timeout_s`` for a
         follower's reply)."""
-        from tetris.model.loader import load_model
+        from tetris.actors.device import decode_kv_blocks, load_model_on_device
 
         if self.deployment.decode.executor == "emulated":
             return self._init_emulated()
@@ -132,11 +132,13 @@ class DecodeRank:
             dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=self.tp_rank,
                                     world_size=self.tp_size, timeout=timedelta(seconds=timeout_s))
             group = dist.group.WORLD
-        model, tokenizer = load_model(self.deployment.model, tp_group=group)
+        # model.device: CUDA when Ray gave this rank a GPU (actors/device.py, docs/gpu.md)
+        model, tokenizer, device = load_model_on_device(self.deployment.model, tp_group=group)
         dc = self.deployment.decode
         # CUDA graphs capture only single-rank decode for now: capturing the TP all-reduce
         # inside a graph has not been tried on a GPU.
-        self.engine = LLMEngine(model, tokenizer, num_blocks=dc.kv_blocks, block_size=dc.block_size,
+        self.engine = LLMEngine(model, tokenizer, num_blocks=decode_kv_blocks(dc, model, device),
+                                block_size=dc.block_size,
                                 max_num_seqs=dc.max_batch_size, seed=self.seed,
                                 cuda_graphs=None if group is None else False)
         if group is not None:

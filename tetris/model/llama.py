@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tetris.config import ModelConfig
+from tetris.device import dtype_for_device
 from tetris.model.layers import RMSNorm, RotaryEmbedding
 from tetris.model.packed import PackedWeight, can_pack, linear
 from tetris.model.parallel import ColumnParallelLinear, RowParallelLinear, tp_rank_size
@@ -38,6 +39,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def torch_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
+    if name == "auto":   # the CPU's default; a model on CUDA takes bfloat16 (tetris/device.py)
+        return torch.float32
     try:
         return _DTYPES[name]
     except KeyError:
@@ -141,8 +144,9 @@ class LlamaModel(torch.nn.Module):
                     f"model.{what} ({n}) is not divisible by the tensor-parallel size "
                     f"{self.tp_size}: heads are split across ranks and KV heads are not replicated"
                 )
-        self.dtype = torch_dtype(dtype if dtype is not None else cfg.dtype)
         self.device = torch.device(device)
+        self.dtype = torch_dtype(dtype if dtype is not None
+                                 else dtype_for_device(cfg.dtype, self.device.type))
         self.num_layers = cfg.num_layers
         self.head_dim = cfg.attention_head_dim
         self.local_num_heads = cfg.num_heads // self.tp_size
