@@ -196,6 +196,8 @@ class Followers:
 
     def probe(self) -> None:
         """Lose the instance if a follower is dead (a slow one is left alone)."""
+        if not self.handles:
+            return
         refs = self.submit("alive")
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_PROBE_S)
         for ref in ready:
