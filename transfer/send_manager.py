@@ -219,6 +219,14 @@ class SendManager:
     def close(self) -> None:
         self.agent.deregister(self._staging)
 
+    def _stage_on(self, device: torch.device) -> None:
+        """Move the staging buffer to where the KV is computed (no write is on the wire: one at
+        a time): on a GPU a piece is then a device-side copy and the agent registers and sends
+        device memory (VRAM), with no trip through host memory."""
+        self.agent.deregister(self._staging)
+        self._staging = torch.zeros(self.config.send_buffer_bytes, dtype=torch.uint8, device=device)
+        self.agent.register(self._staging)
+
     # ---- lookup ----------------------------------------------------------------------------
     def _matching(self, request_id: str, chunk_index: int, receiver_id: int | None) -> list[_OutgoingShard]:
         if receiver_id is not None:
@@ -270,6 +278,8 @@ class SendManager:
         shard = next(s for s in self.shards.values() if s.tag == chunk.tag and s.queued)
         num = self._piece_tokens(shard)
         src = shard.layers[shard.layer][shard.offset:shard.offset + num].reshape(-1).view(torch.uint8)
+        if src.device != self._staging.device:
+            self._stage_on(src.device)
         staging = self._staging[:src.numel()]
         staging.copy_(src)
         g = shard.grants.popleft()

@@ -1,6 +1,9 @@
 """NIXL backend over UCX: one NIXL agent per manager, writes with notifications.
 
-CPU tensors register as DRAM, CUDA tensors as VRAM (GPUDirect where UCX supports it). Agent
+CPU tensors register as DRAM, CUDA tensors as VRAM (GPUDirect where UCX supports it): the
+memory type and the descriptors come from the tensor's device (``nixl_segment``), so on a GPU
+the sender's staging buffer and the receiver's backend buffers are device memory and NIXL moves
+KV from GPU to GPU with no host copy on either side. Agent
 metadata (``get_agent_metadata``) travels through Ray as ``AgentInfo.metadata``; the receiver
 never needs the sender's metadata because the sender initiates every write.
 
@@ -27,7 +30,7 @@ import torch
 from tetris.transfer.backends.base import BackendCapabilities, TransferAgent, WriteStatus
 from tetris.transfer.messages import AgentInfo, RegionDesc
 
-__all__ = ["NixlAgent", "new_nixl_agent", "PROGRESS_DELAY_MS"]
+__all__ = ["NixlAgent", "new_nixl_agent", "nixl_segment", "PROGRESS_DELAY_MS"]
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +108,27 @@ def _warn_once(why: str) -> None:
 _STATUS: dict[str, WriteStatus] = {"PROC": "proc", "DONE": "done", "ERR": "err"}
 
 
+def nixl_segment(addr: int, nbytes: int, device: torch.device) -> tuple[str, int]:
+    """(NIXL memory type, device id) of ``nbytes`` at ``addr`` on ``device``: "VRAM" on the
+    tensor's own GPU for CUDA memory, "DRAM" (device 0) for host memory. Anything else has no
+    NIXL segment here."""
+    if nbytes < 0 or addr < 0:
+        raise ValueError(f"a segment needs addr, nbytes >= 0, got {addr}, {nbytes}")
+    if device.type == "cuda":
+        return "VRAM", 0 if device.index is None else device.index
+    if device.type == "cpu":
+        return "DRAM", 0
+    raise ValueError(f"NIXL cannot register memory on {device}")
+
+
+def _segment_of(tensor: torch.Tensor) -> tuple[int, int, str, int]:
+    """(addr, nbytes, memory type, device id) of a contiguous tensor."""
+    if not tensor.is_contiguous():
+        raise ValueError("only contiguous tensors can be registered or written")
+    addr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    return (addr, nbytes, *nixl_segment(addr, nbytes, tensor.device))
+
+
 class NixlAgent(TransferAgent):
     backend = "nixl-ucx"
     capabilities = BackendCapabilities(cross_process=True, device_memory=True)
@@ -138,15 +162,13 @@ class NixlAgent(TransferAgent):
             del self._peers[name]
 
     def register(self, buffer: torch.Tensor) -> RegionDesc:
-        if not buffer.is_contiguous():
-            raise ValueError("only contiguous tensors can be registered")
-        if buffer.data_ptr() not in self._registered:
-            self._registered[buffer.data_ptr()] = self._agent.register_memory(buffer)
-        on_gpu = buffer.device.type == "cuda"
-        return RegionDesc(agent=self.name, addr=buffer.data_ptr(),
-                          nbytes=buffer.numel() * buffer.element_size(),
-                          device_id=buffer.get_device() if on_gpu else 0,
-                          mem="VRAM" if on_gpu else "DRAM")
+        addr, nbytes, mem, device_id = _segment_of(buffer)
+        if addr not in self._registered:
+            descs = self._agent.register_memory([(addr, nbytes, device_id, "")], mem)
+            if descs is None:
+                raise RuntimeError(f"NIXL agent {self.name!r} could not register {nbytes} B of {mem}")
+            self._registered[addr] = descs
+        return RegionDesc(agent=self.name, addr=addr, nbytes=nbytes, device_id=device_id, mem=mem)
 
     def deregister(self, buffer: torch.Tensor) -> None:
         descs = self._registered.pop(buffer.data_ptr(), None)
@@ -156,14 +178,10 @@ class NixlAgent(TransferAgent):
     def write(self, src: torch.Tensor, dst: RegionDesc, dst_offset: int, notif: bytes) -> object:
         if dst.agent not in self._peers:
             raise ValueError(f"agent {self.name!r} does not know peer {dst.agent!r}")
-        if not src.is_contiguous():
-            raise ValueError("write needs a contiguous source tensor")
-        nbytes = src.numel() * src.element_size()
+        addr, nbytes, mem, device_id = _segment_of(src)
         if dst_offset + nbytes > dst.nbytes:
             raise ValueError(f"write of {nbytes} B at offset {dst_offset} overflows a {dst.nbytes} B region")
-        on_gpu = src.device.type == "cuda"
-        local = self._agent.get_xfer_descs([(src.data_ptr(), nbytes, src.get_device() if on_gpu else 0)],
-                                           "VRAM" if on_gpu else "DRAM")
+        local = self._agent.get_xfer_descs([(addr, nbytes, device_id)], mem)
         remote = self._agent.get_xfer_descs([(dst.addr + dst_offset, nbytes, dst.device_id)], dst.mem)
         handle = self._agent.initialize_xfer("WRITE", local, remote, dst.agent, notif)
         if self._agent.transfer(handle) == "ERR":
