@@ -64,16 +64,18 @@ class _GlooPeers:
 
 
 @torch.inference_mode()
-def _hand_off(engine, elastic, model, rid, prompt, ranges):
+def _hand_off(engine, elastic, model, rid, prompt, ranges, generated=()):
     """Stand-in for the prefill's streaming: compute the prompt's KV (this rank's heads) and
-    keep each range only on its instance; the master commits the first token."""
+    keep each range only on its instance; the master commits the first token. ``generated``:
+    a resumed request (its KV computed with the prompt's, as the resume path does)."""
     kv = []
+    prompt, full = list(prompt), list(prompt) + list(generated)
 
     def attention(layer, q, k, v):
         kv.append((k, v))
         return dispatch.attention_with_lse(q, k, v, causal=True)[0]
 
-    hidden = model.forward(torch.tensor(prompt), torch.arange(len(prompt)), attention)
+    hidden = model.forward(torch.tensor(full), torch.arange(len(full)), attention)
     row = model.logits(hidden[-1:], upcast=True)[0]
     first = int(row.argmax())
     master, start, _ = ranges[-1]
@@ -86,9 +88,9 @@ def _hand_off(engine, elastic, model, rid, prompt, ranges):
                 elastic.holder.write(layer, shard, 0, k[s:e], v[s:e])
             held.append(shard)
     if master == elastic.index:
-        table = engine.reserve_blocks(rid, prompt, _params(), kv_start=start)
+        table = engine.reserve_blocks(rid, prompt, _params(), generated, kv_start=start)
         slots = torch.tensor([table[(p - start) // BS] * BS + (p - start) % BS
-                              for p in range(start, len(prompt))])
+                              for p in range(start, len(full))])
         for layer, (k, v) in enumerate(kv):
             write_kv(engine.cache.k[layer], engine.cache.v[layer], k[start:], v[start:], slots)
         engine.commit_prefilled(rid, first, logprobs_of_logits([row], [first])[0])
@@ -170,3 +172,50 @@ def test_sharded_rows_decode_beside_the_engines_own_batch(tmp_path):
         assert got["header"] == [16] * (MAX_TOKENS - 1) + [8] * (ROUNDS - MAX_TOKENS + 1)
         assert got["unchanged"] and not got["unfinished"]
         assert got["free"] == BLOCKS
+
+
+LOST_AFTER = 3       # instance 1 (a's holder, b's master) exits after this many rounds
+
+
+def _worker_lost(instance: int, tmp: str) -> None:
+    """TP 1: instance 1 dies after ``LOST_AFTER`` rounds; instance 0 goes on alone."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    model, _ = load_model(TINY)
+    engine = LLMEngine(model, None, num_blocks=BLOCKS, block_size=BS)
+    elastic = ElasticRows(engine, instance, 2, _GlooPeers(f"{tmp}/x", instance, 2))
+    prompts = _prompts()
+    for rid, ranges in PLACEMENTS.items():
+        _hand_off(engine, elastic, model, rid, prompts[rid], ranges)
+    runs = {rid: [] for rid in "abcde"}
+    failed_at = {}
+    for r in range(ROUNDS):
+        if r == LOST_AFTER and instance == 1:
+            os._exit(0)                                  # no goodbye: a crashed instance
+        outputs, failed = elastic.round()
+        failed_at.update({rid: r for rid in failed})
+        for rid in failed:   # the resume path: the client's tokens, the whole KV here
+            _hand_off(engine, elastic, model, rid, prompts[rid], [(0, 0, len(prompts[rid]))],
+                      generated=runs[rid])
+        for out in outputs:
+            runs[out.request_id] += list(out.new_token_ids)
+    free_before_release = engine.num_free_blocks
+    with open(f"{tmp}/lost{instance}.json", "w") as f:
+        json.dump({"runs": runs, "failed_at": failed_at, "lost": sorted(elastic.lost),
+                   "free": free_before_release, "unfinished": engine.has_unfinished()}, f)
+
+
+def test_a_lost_holder_fails_its_requests_and_they_resume_whole(tmp_path):
+    """Instance 0 masters a (a range on 1) and holds b's range (mastered by 1). Instance 1
+    dies: a is failed at the next round with only its correct tokens out, resumes whole on
+    instance 0 from them and ends with the engine's tokens; b's range is freed; c goes on."""
+    mp.spawn(_worker_lost, args=(str(tmp_path),), nprocs=2)
+    model, tok = _load_tiny()
+    prompts = _prompts()
+    engine = LLMEngine(model, tok, num_blocks=128, block_size=BS)
+    want = dict(zip(prompts, engine_runs(engine, list(prompts.values()), _params()), strict=True))
+    got = json.loads((tmp_path / "lost0.json").read_text())
+    assert got["lost"] == [1] and got["failed_at"] == {"a": LOST_AFTER}
+    assert got["runs"]["a"] == want["a"][0] and got["runs"]["c"] == want["c"][0]
+    assert got["runs"]["b"] == [] and not got["unfinished"]
+    assert got["free"] == BLOCKS                     # b's range went with its master

@@ -77,6 +77,8 @@ class ElasticRows:
         self._masters: dict[str, _Master] = {}
         self._held: dict[int, _Held] = {}                  # key -> ranges held here
         self.counts = ExchangeCounts()
+        self.lost: set[int] = set()        # peers whose link broke: never asked again
+        self.failed: list[str] = []        # masters' requests that lost a holder (``round``)
         self._step: _Step | None = None
         engine.runner.elastic = self
 
@@ -114,20 +116,38 @@ class ElasticRows:
 
     # -- one round ----------------------------------------------------------------------------
 
+    def round(self):
+        """One engine step in the world's lockstep: (outputs, failed request ids). A request
+        that lost a holder this step is aborted here and its output of the step dropped (its
+        merge missed a range): the caller sends it down the resume path."""
+        outputs = self.engine.step() if self.engine.has_unfinished() else []
+        self.end_step()
+        failed, self.failed = self.failed, []
+        for rid in failed:
+            self.engine.abort_request(rid)
+        gone = set(failed)
+        return [o for o in outputs if o.request_id not in gone], failed
+
+    @property
+    def live_peers(self) -> list[int]:
+        return [p for p in self.peers if p not in self.lost]
+
     def begin(self, seqs) -> None:
         """The engine's decode rows this step, in batch order: the header exchange."""
-        asks = {p: [] for p in self.peers}   # peer -> [(row, key)]
+        peers = self.live_peers
+        asks = {p: [] for p in peers}   # peer -> [(row, key)]
         for row, seq in enumerate(seqs):
             entry = self._masters.get(seq.request_id)
             for p in entry.holders if entry is not None else ():
-                asks[p].append((row, entry.key))
+                if p in asks:
+                    asks[p].append((row, entry.key))
         counts = self._exchange({p: [torch.tensor([len(asks[p])], dtype=torch.int64)]
-                                 for p in self.peers},
-                                {p: [((1,), torch.int64)] for p in self.peers}, header=True)
+                                 for p in peers},
+                                {p: [((1,), torch.int64)] for p in peers}, header=True)
         wanted = {p: int(c[0][0]) for p, c in counts.items()}
         keys = self._exchange(
             {p: [torch.tensor([k for _, k in asks[p]], dtype=torch.int64)]
-             for p in self.peers if asks[p]},
+             for p in self.live_peers if asks[p]},
             {p: [((n,), torch.int64)] for p, n in wanted.items() if n}, header=True)
         answers = {}
         for p, (ks,) in keys.items():
@@ -136,7 +156,8 @@ class ElasticRows:
                 raise RuntimeError(f"instance {self.index}: instance {p} asks about ranges "
                                    f"it does not hold here (keys {ks.tolist()})")
             answers[p] = [h.shards for h in held]
-        self._step = _Step({p: [r for r, _ in a] for p, a in asks.items() if a}, answers)
+        self._step = _Step({p: [r for r, _ in a] for p, a in asks.items()
+                            if a and p not in self.lost}, answers)
 
     def decode_attention(self, layer: int, q, k_cache, v_cache, block_tables, context_lens):
         """The engine's decode attention of ``q`` [B, Hq, D] at ``layer`` (its new KV already
@@ -198,11 +219,15 @@ class ElasticRows:
     def _exchange(self, sends: dict[int, list[torch.Tensor]],
                   recvs: dict[int, list[tuple[tuple[int, ...], torch.dtype]]], *,
                   header: bool = False) -> dict[int, list[torch.Tensor]]:
-        """Post every send and receive at once (no pair order to deadlock on), wait for all."""
+        """Post every send and receive at once (no pair order to deadlock on), wait for all.
+        A peer whose send or receive fails is lost (``_lose``); only live peers' tensors are
+        returned."""
+        sends = {p: t for p, t in sends.items() if p not in self.lost}
+        recvs = {p: s for p, s in recvs.items() if p not in self.lost}
         works = []
         for p in sorted(sends):
             for tag, t in enumerate(sends[p]):
-                works.append(self.link.isend(t, p, tag))
+                works.append((p, self.link.isend(t, p, tag)))
                 nbytes = t.numel() * t.element_size()
                 if header:
                     self.counts.header += nbytes
@@ -213,10 +238,29 @@ class ElasticRows:
                for p, specs in sorted(recvs.items())}
         for p, tensors in got.items():
             for tag, t in enumerate(tensors):
-                works.append(self.link.irecv(t, p, tag))
-        for w in works:
-            w.wait()
-        return got
+                works.append((p, self.link.irecv(t, p, tag)))
+        for p, w in works:
+            try:
+                w.wait()
+            except RuntimeError as exc:   # gloo: the peer closed or timed out
+                self._lose(p, exc)
+        return {p: t for p, t in got.items() if p not in self.lost}
+
+    def _lose(self, peer: int, exc: Exception) -> None:
+        """``peer`` is gone: its masters' ranges here are freed at once, and every request
+        mastered here with a range there fails (``round`` aborts it; not asked again)."""
+        if peer in self.lost:
+            return
+        self.lost.add(peer)
+        for key in [k for k, h in self._held.items() if h.master == peer]:
+            for shard in self._held.pop(key).shards:
+                self.holder.free(shard)
+        for rid in sorted(r for r, m in self._masters.items() if peer in m.holders):
+            del self._masters[rid]
+            self.failed.append(rid)
+        if self._step is not None:
+            self._step.asks.pop(peer, None)
+            self._step.answers.pop(peer, None)
 
 
 class _Step(msgspec.Struct):
