@@ -157,14 +157,32 @@ def test_no_leak_after_a_random_mixed_run():
             running.append(run)
         released.update(idx.drain_released())
         idx.check()
-    for run in running:
+    for run in running:   # still in prefill: aborted, so nothing is coming from them
         idx.release(run)
+        idx.forget(run)
     released.update(idx.clear())
     idx.check()
     assert len(idx) == 0 and idx.stats()["sources"] == 0
     assert idx.stats()["hits"] > 0
     # Every run that was a source was let go once nothing needed its KV, and no other.
     assert inserted <= released <= inserted | announced
+
+
+def test_a_run_in_prefill_is_not_released_when_its_blocks_are_evicted():
+    # Announced at commit, its blocks readable; another run's blocks evict all of them while
+    # its prefill still writes its KV: freeing that KV would fail the run (seen through HTTP).
+    idx = PrefixIndex(B, capacity_blocks=2)
+    a, b = idx.hashes(list(range(2 * B))), idx.hashes(list(range(100, 100 + 2 * B)))
+    assert idx.insert("a", a, KvLocation((0,)), rebind=False) == 2
+    assert idx.insert("b", b, KvLocation((1,)), rebind=False) == 2
+    assert idx.stats()["evictions"] == 2 and idx.match(a).blocks == 0
+    assert idx.drain_released() == [] and idx.holds("a")   # "a" is still computing
+    idx.check()
+    idx.insert("a", a, KvLocation((0,)))   # its prefill ended: indexed again, evicting b's
+    assert idx.match(a).blocks == 2 and idx.drain_released() == []
+    idx.forget("b")                         # b never prefilled (aborted): let go at once
+    assert idx.drain_released() == ["b"] and idx.sources() == ["a"]
+    idx.check()
 
 
 def test_config_section_defaults_and_validation():

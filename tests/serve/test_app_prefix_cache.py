@@ -3,7 +3,9 @@ a TP-2 decode instance): requests sharing prefixes are planned from the cache, a
 outputs equal the single engine's (which computes every prompt whole); once the cache is
 cleared nothing is held.
 
-One app for the module; the deployment is test_app_e2e's with ``[prefix_cache] enabled``.
+One app for the module; the deployment is test_app_e2e's with ``[prefix_cache] enabled`` and an
+index of 48 blocks (768 tokens): the first test's requests fit (46 blocks), the second's make it
+evict.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def _write_deployment(tmp) -> str:
 [prefix_cache]
 enabled = true
 block_tokens = 16
-capacity_blocks = 512
+capacity_blocks = 48
 """)
 
 
@@ -125,4 +127,92 @@ def test_shared_prefixes_are_served_from_the_cache_token_for_token(app):
     while not idle and time.monotonic() < deadline:   # cleanups finish asynchronously
         time.sleep(0.2)
         idle, held = _held_idle(base)
+    assert idle, json.dumps(held, indent=1)
+
+
+async def _complete(c, base, prompt, max_tokens=12) -> dict:
+    r = await c.post(f"{base}/v1/completions", json={
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+async def _abort_after_first(c, base, prompt) -> None:
+    """Stream a long completion and hang up after its first event: the run is aborted
+    wherever it is then (planned, in prefill or decoding)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    async with c.stream("POST", f"{base}/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                break
+
+
+def _wait_idle(base, want) -> dict:
+    """Poll ``/admin/held`` until ``want(held)`` (cleanups finish asynchronously), 30 s at most."""
+    deadline = time.monotonic() + 30
+    held = httpx.get(f"{base}/admin/held", timeout=60).json()
+    while not want(held) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        held = httpx.get(f"{base}/admin/held", timeout=60).json()
+    return held
+
+
+def _nothing_in_flight(held) -> bool:
+    d = held["dispatcher"]
+    return (d["inflight"] == d["queue_bookings"] == d["virtual_usage"] == d["prefix_refs"] == 0
+            and d["cleanups"] == 0
+            and all(rank["empty"] for inst in held["decode"] for rank in inst["ranks"]))
+
+
+def test_partial_eviction_interleaving_and_aborts_stay_exact_and_leak_nothing(app):
+    cfg, base = app
+    httpx.delete(f"{base}/admin/prefix_cache", timeout=60)   # the first test's blocks
+    engine = LLMEngine.from_deployment(cfg, num_blocks=256)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    doc_a, doc_c, doc_d = _tokens(560, 5), _tokens(320, 9), _tokens(320, 10)
+    # A's first question indexes 37 blocks, B's 22 more evict A's 11 deepest: A's second
+    # question hits the 26 left (416 tokens), reading a prefix of a source that holds more.
+    serial = {"a1": doc_a + _tokens(40, 6), "b": _tokens(352, 8), "a2": doc_a + _tokens(24, 7)}
+    # Then two documents' questions at once, 56 new blocks into a full index: it evicts while
+    # they run, some of them running from a prefix still being prefilled; two hang up early.
+    together = {"c1": doc_c + _tokens(40, 11), "d1": doc_d + _tokens(40, 13),
+                "c2": doc_c + _tokens(56, 12), "d2": doc_d + _tokens(56, 14),
+                "c3": doc_c + _tokens(72, 16), "d3": doc_d + _tokens(24, 17)}
+    aborted = [doc_c + _tokens(48, 15), doc_d + _tokens(48, 18)]
+    prompts = serial | together
+    ref = {k: engine.generate([p], params)[0].text for k, p in prompts.items()}
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as c:
+            out = {k: await _complete(c, base, serial[k]) for k in serial}
+            evictions = (await c.get(f"{base}/admin/prefix_cache")).json()["evictions"]
+            got = await asyncio.gather(*(_complete(c, base, p) for p in together.values()),
+                                       *(_abort_after_first(c, base, p) for p in aborted))
+            out |= dict(zip(together, got))
+            return out, evictions, (await c.get(f"{base}/admin/prefix_cache")).json()
+
+    out, evictions_serial, cache = asyncio.run(run())
+    assert {k: r["choices"][0]["text"] for k, r in out.items()} == ref
+    cached = {k: (r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+              for k, r in out.items()}
+    assert (cached["a1"], cached["b"], cached["a2"]) == (0, 0, 416), cached
+    assert evictions_serial == 11 + 10   # b evicts 11 of a1's blocks, a2's 10 new evict b's
+    assert cache["evictions"] > evictions_serial and cache["blocks"] <= 48, cache
+    assert any(cached[k] for k in together), cached   # each document's later questions hit
+    # at most the document's 20 blocks (its questions differ from there), fewer if evicted
+    assert all(cached[k] in range(0, 321, 16) for k in together), cached
+    # Idle: every cached block referenced or free, and the prefill pool holds exactly the
+    # runs the index keeps (nothing an eviction, an abort or a failure let go is left).
+    held = _wait_idle(base, _nothing_in_flight)
+    assert _nothing_in_flight(held), json.dumps(held, indent=1)
+    cache = httpx.get(f"{base}/admin/prefix_cache", timeout=60).json()
+    assert cache["consistent"] is True and cache["referenced_blocks"] == 0, cache
+    on_pool = {run for runs in held["prefill"].values() for run in runs}
+    assert on_pool == set(cache["source_runs"]) and on_pool, (on_pool, cache)
+    cleared = httpx.delete(f"{base}/admin/prefix_cache", timeout=60).json()
+    assert cleared["blocks"] == cleared["sources"] == 0 and cleared["consistent"] is True
+    idle, held = _held_idle(base)
     assert idle, json.dumps(held, indent=1)

@@ -103,9 +103,13 @@ class PrefixIndex:
         self._source_pins: dict[str, int] = {}
         self._released: list[str] = []
         self._dead: set[str] = set()            # forgotten sources still referenced
+        # Announced at commit, prefill still running: never released, even with all its blocks
+        # evicted (its KV is being written; freeing it would fail the run).
+        self._computing: set[str] = set()
         self.queries = 0
         self.hits = 0
         self.hit_tokens = 0
+        self.evictions = 0
 
     # -- queries ------------------------------------------------------------------------------
     def hashes(self, tokens: Sequence[int]) -> list[int]:
@@ -210,11 +214,14 @@ class PrefixIndex:
                 self._free.pop(h, None)
                 self._free[h] = None
         if rebind:
+            self._computing.discard(run_id)   # its KV is complete
             self._maybe_release(run_id)   # its KV exists: free it if nothing is indexed there
         elif not self._source_blocks.get(run_id) and run_id not in self._source_pins:
             # Announced before its KV exists, with nothing new: not a source, nothing to free.
             del self._sources[run_id]
             self._source_blocks.pop(run_id, None)
+        else:
+            self._computing.add(run_id)
         return n
 
     def _evict_one(self, keep: list[int]) -> bool:
@@ -225,6 +232,7 @@ class PrefixIndex:
         if victim is None:
             return False
         del self._free[victim]
+        self.evictions += 1
         source = self._blocks.pop(victim).source
         self._source_blocks[source] -= 1
         self._maybe_release(source)
@@ -232,7 +240,7 @@ class PrefixIndex:
 
     def _maybe_release(self, source: str) -> None:
         if self._source_blocks.get(source, 0) == 0 and source not in self._source_pins \
-                and source in self._sources:
+                and source in self._sources and source not in self._computing:
             del self._sources[source]
             self._source_blocks.pop(source, None)
             self._dead.discard(source)
@@ -249,6 +257,7 @@ class PrefixIndex:
         when the last run referencing them lets go); released as usual once none is left."""
         if source not in self._sources:
             return
+        self._computing.discard(source)   # no KV is coming from it
         self._dead.add(source)
         for h in [h for h, b in self._blocks.items() if b.source == source and not b.refs]:
             del self._free[h]
@@ -275,7 +284,11 @@ class PrefixIndex:
                 "referenced_blocks": len(self._blocks) - len(self._free),
                 "capacity_blocks": self.capacity_blocks, "sources": len(self._sources),
                 "held_runs": len(self._held), "queries": self.queries, "hits": self.hits,
-                "hit_tokens": self.hit_tokens}
+                "hit_tokens": self.hit_tokens, "evictions": self.evictions}
+
+    def sources(self) -> list[str]:
+        """The runs whose KV the index keeps (sorted): what the pools may hold for it."""
+        return sorted(self._sources)
 
     def check(self) -> None:
         """Raise AssertionError unless every block is exactly one of referenced or free, the
@@ -297,7 +310,9 @@ class PrefixIndex:
         kept = {s: c for s, c in self._source_blocks.items() if c}
         assert kept == per_source, "per-source block counts disagree"
         for s in self._sources:
-            assert per_source.get(s) or pins.get(s), f"source {s!r} kept for nothing"
+            assert per_source.get(s) or pins.get(s) or s in self._computing, \
+                f"source {s!r} kept for nothing"
+        assert self._computing <= set(self._sources), "a computing run is no source"
         assert self._dead <= set(self._sources), "a forgotten source outlived its release"
         for h, b in self._blocks.items():
             assert b.source not in self._dead or b.refs, f"block {h:x} of a forgotten source"

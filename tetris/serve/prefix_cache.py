@@ -82,8 +82,17 @@ async def clear(control: ControlPlane, prefill) -> dict:
 
 
 def view(control: ControlPlane) -> dict:
-    """``/admin/prefix_cache``: whether it is on and the index's counts."""
+    """``/admin/prefix_cache``: whether it is on, the index's counts, the runs whose KV it
+    keeps (``source_runs``: with nothing in flight, exactly the runs the prefill pool holds)
+    and whether its bookkeeping holds (``consistent``: ``PrefixIndex.check``, every block
+    referenced or free)."""
     index = control.prefix_index
     if index is None:
         return {"enabled": False}
-    return {"enabled": True, "block_tokens": index.block_tokens, **index.stats()}
+    try:
+        index.check()
+        consistent = True
+    except AssertionError as e:
+        consistent = str(e)
+    return {"enabled": True, "block_tokens": index.block_tokens, **index.stats(),
+            "source_runs": index.sources(), "consistent": consistent}
