@@ -2,7 +2,8 @@
 
 Lifecycle of a rank (driven by ``DecodeInstance``):
 
-1. ``init_group``: join the instance's own gloo world (tp_size ranks; none for TP 1) and load
+1. ``init_group``: join the instance's own world (tp_size ranks; none for TP 1; NCCL or gloo
+   by ``actors/collectives.py``; CUDA graphs or eager by ``engine/graph_mode.py``) and load
    the TP-sharded model; rank r's cache holds KV heads ``[r*h, (r+1)*h)``, h = Hkv / tp_size.
 2. ``enable_transfer``: a NIXL agent ``decode-<receiver_id>`` and a receive manager over the
    engine's cache, driven by a ``TransferPump`` thread; ``connect_senders`` names the prefill
@@ -30,7 +31,6 @@ import logging
 import socket
 import threading
 import time
-from datetime import timedelta
 
 import msgspec
 import ray
@@ -107,6 +107,7 @@ class DecodeRank:
         self._step_lock = threading.Lock()
         self._leader: Leader | None = None
         self._follower: Follower | None = None
+        self.elastic = None   # actors/decode/elastic.py's ElasticMember, once joined
 
     # -- setup ----------------------------------------------------------------------------
     def rendezvous(self) -> tuple[str, int]:
@@ -118,29 +119,33 @@ class DecodeRank:
 
     def init_group(self, host: str, port: int, timeout_s: float,
                    lockstep_timeout_s: float | None = None) -> int:
-        """Form the instance's gloo world (all ranks at once), load the sharded model and
+        """Form the instance's TP world (all ranks at once; NCCL or gloo, chosen by
+        ``actors/collectives.py``), load the sharded model and
         connect the lockstep (``lockstep.py``; rank 0 waits ``lockstep_timeout_s`` for a
         follower's reply)."""
-        from tetris.actors.device import decode_kv_blocks, load_model_on_device
+        from tetris.actors.collectives import form_tp_group, rank_device
+        from tetris.actors.device import actor_device, decode_kv_blocks, load_model_on_device
+        from tetris.engine.graph_mode import decode_graph_mode
 
         if self.deployment.decode.executor == "emulated":
             return self._init_emulated()
-        group = None
+        group = backend = None
         if self.tp_size > 1:
             if dist.is_initialized():
                 dist.destroy_process_group()
-            dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=self.tp_rank,
-                                    world_size=self.tp_size, timeout=timedelta(seconds=timeout_s))
+            # NCCL or gloo, the same on every rank: chosen from every rank's device
+            backend = form_tp_group(host, port, self.tp_rank, self.tp_size, timeout_s,
+                                    rank_device(actor_device(self.deployment.model)[0]))
             group = dist.group.WORLD
         # model.device: CUDA when Ray gave this rank a GPU (actors/device.py, docs/gpu.md)
         model, tokenizer, device = load_model_on_device(self.deployment.model, tp_group=group)
         dc = self.deployment.decode
-        # CUDA graphs capture only single-rank decode for now: capturing the TP all-reduce
-        # inside a graph has not been tried on a GPU.
+        mode = decode_graph_mode(device, self.tp_size, backend)   # engine/graph_mode.py
+        log.info("decode instance %d TP rank %d: %s", self.instance, self.tp_rank, mode.reason)
         self.engine = LLMEngine(model, tokenizer, num_blocks=decode_kv_blocks(dc, model, device),
                                 block_size=dc.block_size,
                                 max_num_seqs=dc.max_batch_size, seed=self.seed,
-                                cuda_graphs=None if group is None else False)
+                                cuda_graphs=mode.cuda_graphs)
         if group is not None:
             dist.barrier()
             wait_s = lockstep_timeout_s or timeout_s
@@ -163,6 +168,17 @@ class DecodeRank:
                                            kv_heads=heads,
                                            time_scale=_time_scale(self.deployment))
         return heads
+
+    def join_elastic(self, index: int, size: int, host: str, port: int,
+                     timeout_s: float) -> None:
+        """Join the elastic world of rank ``tp_rank`` of every decode instance (instance
+        ``index`` of ``size``; instance 0's rank serves the store at ``host:port``). Every
+        member calls it at once; from then on each round meets the other members."""
+        from tetris.actors.decode.elastic import ElasticMember
+        from tetris.actors.prefill.world import World
+
+        world = World(0, host, port, index, size, timeout_s)
+        self.elastic = ElasticMember(self, index, size, world)
 
     def enable_transfer(self, config: TransferConfig) -> AgentInfo:
         from tetris.transfer.backends import make_agent
@@ -234,11 +250,15 @@ class DecodeRank:
         # With only RECEIVING requests the plan is empty: no model call, no collective, just
         # the outputs queued by this round's commands (aborts, committed first tokens).
         t0 = time.perf_counter()
-        outputs = engine.step() if engine.has_unfinished() else []
+        lost: list[Failed] = []
+        if self.elastic is not None:   # every round, work or not: peers may ask this rank
+            outputs, lost = self.elastic.round()
+        else:
+            outputs = engine.step() if engine.has_unfinished() else []
         step_s = time.perf_counter() - t0 if outputs else 0.0
         with self._events_lock:
             ready, self._ready = self._ready, []
-            failed, self._failed = self._failed, []
+            failed, self._failed = self._failed + lost, []
             first, self._first = self._first, []
         # deltas, not the engine's cumulative outputs: O(new tokens) per step on the wire
         deltas = [OutputDelta.of(o) for o in outputs] if self.tp_rank == 0 else []
@@ -258,6 +278,8 @@ class DecodeRank:
                 engine.add_request(rid, cmd.prompt_token_ids, cmd.sampling)
             elif isinstance(cmd, Abort):
                 self._abort(rid, cmd.reason)
+            elif self.elastic is not None and hasattr(cmd, "key") or type(cmd).__name__ == "Release":
+                return self._elastic().apply(cmd)
             else:
                 raise TypeError(f"unknown decode command {type(cmd).__name__}")
         except ValueError as exc:
@@ -268,7 +290,7 @@ class DecodeRank:
         engine = self._engine()
         if self.pump is None:
             return Rejected(cmd.request_id, "this decode instance has no KV transfer enabled")
-        kv_tokens = len(cmd.prompt_token_ids) + len(cmd.generated)
+        kv_tokens = len(cmd.prompt_token_ids) + len(cmd.generated) - cmd.kv_start
         if not engine.can_reserve(kv_tokens):
             stats = engine.stats()
             return Rejected(cmd.request_id, f"{kv_tokens} prompt tokens do not fit "
@@ -276,7 +298,8 @@ class DecodeRank:
         # Under the pump's lock: no handshake may see the engine's blocks before the manager does.
         with self.pump.locked() as manager:
             self._blocks.lend(engine.reserve_blocks(cmd.request_id, cmd.prompt_token_ids,
-                                                    cmd.sampling, cmd.generated))
+                                                    cmd.sampling, cmd.generated,
+                                                    kv_start=cmd.kv_start))
             try:
                 ok = manager.reserve(cmd.request_id, kv_tokens, time.monotonic())
             finally:
