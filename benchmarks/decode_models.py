@@ -15,6 +15,11 @@ import torch
 SHAPES = {
     "small": dict(hidden=768, intermediate=2048, layers=6, heads=12, kv_heads=4, vocab=32000),
     "tiny": dict(hidden=256, intermediate=688, layers=4, heads=8, kv_heads=2, vocab=512),
+    # Llama-3.2-1B and Llama-3-8B geometry (random weights), for the GPU benchmark
+    "llama-1b": dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8,
+                     vocab=128256),
+    "llama-8b": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
+                     vocab=128256),
 }
 
 # Engine options that turn its CPU decode speed-ups off: the "before" of --baseline.
@@ -33,32 +38,35 @@ def model_config(args) -> dict:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def build_checkpoint(out: Path, config: dict, seed: int, dtype: str = "float32") -> Path:
-    """A seeded random checkpoint saved in ``dtype`` (initialised in fp32, then rounded)."""
+def build_checkpoint(out: Path, config: dict, seed: int, dtype: str = "float32",
+                     device: str = "cpu") -> Path:
+    """A seeded random checkpoint saved in ``dtype`` (initialised in fp32 on ``device``, then
+    rounded; a GPU initialises a billion-parameter model in a moment)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**config)).float().eval().to(DTYPES[dtype])
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**config)).float().eval().to(DTYPES[dtype])
     model.save_pretrained(out, safe_serialization=True)
     return out
 
 
-def load_ours(path: Path, dtype: str = "float32"):
+def load_ours(path: Path, dtype: str = "float32", device: str = "cpu"):
     from tetris.config import ModelConfig
     from tetris.model.hf_config import model_config_from_hf
     from tetris.model.llama import LlamaModel
     from tetris.model.weights import load_hf_weights
 
     cfg = model_config_from_hf(path, ModelConfig(source="hf", path=str(path), dtype=dtype))
-    model = LlamaModel(cfg)
+    model = LlamaModel(cfg, device=device)
     load_hf_weights(model, path)
     return model.eval()
 
 
-def load_hf(path: Path, dtype: str = "float32"):
+def load_hf(path: Path, dtype: str = "float32", device: str = "cpu"):
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
+    model = LlamaForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
@@ -114,7 +122,8 @@ def stamps_ours(model, prompts: torch.Tensor, new_tokens: int, clock=time.perf_c
 
     b, length = prompts.shape
     block_size = 16
-    blocks = b * -(-(length + new_tokens + 1) // block_size)
+    # one spare block: with CUDA graphs on, the engine keeps one as the padded rows' scratch
+    blocks = b * -(-(length + new_tokens + 1) // block_size) + 1
     # The token budget holds every prompt, so all first tokens come from one step.
     engine = LLMEngine(model, None, num_blocks=blocks, block_size=block_size, max_num_seqs=b,
                        max_num_batched_tokens=b * length, **(engine_options or {}))

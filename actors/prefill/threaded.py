@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tetris.actors.collectives import RankDevice, choose_backend, nccl_available, peer_link
+from tetris.actors.collectives import rank_device
 from tetris.actors.prefill.chunks import RunOptions, chunk_task, prefill_result
 from tetris.actors.prefill.executor import ModelExecutor
 from tetris.actors.prefill.kv_store import PagedKVStore
@@ -48,18 +48,19 @@ class ThreadedPool:
                                     dtype=model.dtype, device=device)
                        for _ in range(num_instances)]
         self.executors = [ModelExecutor(model, s) for s in self.stores]
-        # One process shares one device: gloo (NCCL refuses two ranks on one GPU), staged on CUDA.
-        self.backend = choose_backend([RankDevice("local", device)] * num_instances,
-                                      nccl_available())
-        self.links = [peer_link(w, self.backend, device) for w in self._form_world()]
+        # Every rank on one device: the seam picks gloo (NCCL refuses two ranks on one GPU) and
+        # stages CUDA tensors through host memory.
+        self.links = self._form_world(rank_device(device))
+        self.backend = self.links[0].backend
         self._seq = 0
 
-    def _form_world(self) -> list[World]:
+    def _form_world(self, me) -> list[World]:
         port, worlds, errors = free_port(), [None] * self.size, []
 
         def join(rank: int) -> None:
             try:
-                worlds[rank] = World(0, "127.0.0.1", port, rank, self.size, self.timeout_s)
+                worlds[rank] = World(0, "127.0.0.1", port, rank, self.size, self.timeout_s,
+                                     device=me)
             except Exception as e:  # noqa: BLE001 - raised below, with the rank
                 errors.append((rank, e))
 
