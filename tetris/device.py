@@ -37,8 +37,10 @@ __all__ = [
     "GIB",
     "KVMemoryError",
     "bundle_gpus",
+    "check_cluster_gpus",
     "check_device_bundles",
     "check_kv_blocks",
+    "deployment_gpus",
     "dtype_for_device",
     "kv_blocks_that_fit",
     "resolve_device",
@@ -113,6 +115,21 @@ def check_device_bundles(bundles: Sequence[dict[str, float]], cluster_gpus: floa
                           "model.device = 'cpu' (or 'auto' with no GPUs per bundle)")
 
 
+def deployment_gpus(cfg: DeploymentConfig) -> float:
+    """GPUs the whole deployment asks of Ray: every prefill bundle and every decode rank."""
+    pc, dc = cfg.prefill, cfg.decode
+    return pc.num_instances * pc.gpus_per_instance + dc.num_instances * dc.tp_size * dc.gpus_per_rank
+
+
+def check_cluster_gpus(cfg: DeploymentConfig, cluster_gpus: float) -> None:
+    """At start (``tetris serve``, once Ray is up): the deployment's GPUs must exist."""
+    need = deployment_gpus(cfg)
+    if need > 0 and cluster_gpus + 1e-9 < need:
+        raise ConfigError(f"model.device = {cfg.model.device!r}: the deployment asks for "
+                          f"{need:g} GPUs (CUDA) but the Ray cluster has {cluster_gpus:g}: run "
+                          "it on nodes with CUDA GPUs, or set model.device = 'cpu'")
+
+
 def kv_blocks_that_fit(*, total_bytes: float, utilization: float, weight_bytes: float,
                        reserve_bytes: float, block_bytes: float, share: float = 1.0) -> int:
     """KV blocks one actor's device memory holds after its weights (rule 4; may be <= 0)."""
@@ -141,5 +158,5 @@ def check_kv_blocks(configured: int, *, total_bytes: float, utilization: float,
     if configured > fit:
         raise KVMemoryError(f"{what} = {configured} blocks of {block_bytes / (1 << 20):.2f} MiB "
                             f"({configured * block_bytes / GIB:.2f} GiB) do not fit: {budget} "
-                            f"holds {fit}; lower {what} or set it to 0 (every block that fits)")
+                            f"holds {fit}; lower {what} or raise gpu_memory_utilization")
     return configured or fit

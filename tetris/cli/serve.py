@@ -68,6 +68,14 @@ def run(args: argparse.Namespace) -> int:
         print("error: --prefill-check-s must be >= 0", file=sys.stderr)
         return 2
     ray.init(address=args.address, include_dashboard=False, configure_logging=False)
+    from tetris.device import check_cluster_gpus
+
+    try:   # GPUs no node has would leave actors waiting forever: fail now, naming CUDA
+        check_cluster_gpus(deployment, ray.cluster_resources().get("GPU", 0.0))
+    except ConfigError as e:
+        ray.shutdown()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         print(f"deploying {deployment.model.name} ({deployment.prefill.num_instances} prefill "
