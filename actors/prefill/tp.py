@@ -42,8 +42,8 @@ from datetime import timedelta
 import ray
 import torch
 import torch.distributed as dist
-from tetris.actors.collectives import RankDevice, choose_backend, nccl_available
-from tetris.actors.prefill.world import PeerLink
+from tetris.actors.collectives import form_tp_group, rank_device
+from tetris.actors.prefill.world import World
 
 __all__ = [
     "TP_GROUP_TIMEOUT_S",
@@ -61,18 +61,18 @@ _START_TIMEOUT_S = 300.0     # followers started and their model loaded
 _PROBE_S = 10.0              # a follower's liveness probe
 
 
-class SliceWorld(PeerLink):
+class SliceWorld(World):
     """Head slice ``tp_rank``'s group of generation ``generation`` of the pool's world, as
     instance ``rank`` sees it: the TP ranks ``tp_rank`` of every instance, ranked by instance
-    (the ring and the balancer address their peers as on a TP-1 ``World``).
+    (the ring and the balancer address their peers as on a TP-1 ``World``), its backend agreed
+    through ``actors/collectives.py`` from every member's ``device`` as a ``World``'s is.
 
     One store serves every slice of a generation (instance 0's leader hosts it at
     ``host:port``, the address the pool asks it for); each slice keys its rendezvous apart.
-    gloo on CPU tensors: the model loads on the CPU here (see ``start_followers``).
     """
 
     def __init__(self, generation: int, host: str, port: int, rank: int, size: int,
-                 timeout_s: float, tp_rank: int) -> None:
+                 timeout_s: float, tp_rank: int, device=None, nccl: bool | None = None) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} outside a world of {size}")
         self.generation = generation
@@ -82,19 +82,7 @@ class SliceWorld(PeerLink):
         timeout = timedelta(seconds=timeout_s)
         self._store = dist.TCPStore(host, port, None, rank == 0 and tp_rank == 0,
                                     timeout=timeout, wait_for_workers=False)
-        self._group = dist.ProcessGroupGloo(
-            dist.PrefixStore(f"slice{tp_rank}/", self._store), rank, size, timeout)
-
-    def isend(self, tensor, peer, tag):
-        return self._group.send([tensor], peer, tag)
-
-    def irecv(self, tensor, peer, tag):
-        return self._group.recv([tensor], peer, tag)
-
-    def close(self) -> None:
-        """Drop the group's connections and the store (no chunk may be using it)."""
-        self._group = None
-        self._store = None
+        self._join(dist.PrefixStore(f"slice{tp_rank}/", self._store), timeout, device, nccl)
 
 
 def _free_address() -> tuple[str, int]:
@@ -104,34 +92,33 @@ def _free_address() -> tuple[str, int]:
         return host, s.getsockname()[1]
 
 
-def join_instance_group(host: str, port: int, tp_rank: int, tp_size: int, backend: str):
-    """Form the instance's TP group as this process's default group; returns it."""
+def join_instance_group(host: str, port: int, tp_rank: int, tp_size: int, device: str):
+    """Form the instance's TP group as this process's default group, its backend agreed from
+    every rank's ``device`` (``collectives.form_tp_group``); returns it."""
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=tp_rank,
-                            world_size=tp_size, timeout=timedelta(seconds=TP_GROUP_TIMEOUT_S))
+    form_tp_group(host, port, tp_rank, tp_size, TP_GROUP_TIMEOUT_S, rank_device(device))
     return dist.group.WORLD
 
 
-def start_followers(instance: int, node: int, model_cfg, prefill_cfg, profile, threads: int):
-    """On the leader: start TP ranks ``1..tp-1`` on this node and form the instance's TP group
-    with them. Returns (``Followers``, the group); the caller loads its model shard then and
-    calls ``Followers.wait_started``."""
+def start_followers(instance: int, node: int, model_cfg, prefill_cfg, profile, threads: int,
+                    device: str):
+    """On the leader (computing on ``device``): start TP ranks ``1..tp-1`` on this node and
+    form the instance's TP group with them. Returns (``Followers``, the group); the caller
+    loads its model shard then and calls ``Followers.wait_started``."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     from tetris.actors.prefill.worker import PrefillWorkerActor
     from tetris.actors.process_env import runtime_env
 
     tp = prefill_cfg.tp_size
     node_id = ray.get_runtime_context().get_node_id()
-    # The model loads on the CPU today (load_model's default device): every rank is a CPU rank.
-    backend = choose_backend([RankDevice(node_id, "cpu")] * tp, nccl_available())
     host, port = _free_address()
     opts = {"num_cpus": 0, "runtime_env": runtime_env(),
             "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
     handles = [PrefillWorkerActor.options(**opts).remote(
         instance, node, model_cfg, prefill_cfg, profile=profile, threads=threads,
-        tp_rank=t, tp_leader=(host, port, backend)) for t in range(1, tp)]
-    group = join_instance_group(host, port, 0, tp, backend)
+        tp_rank=t, tp_leader=(host, port)) for t in range(1, tp)]
+    group = join_instance_group(host, port, 0, tp, device)
     return Followers(instance, handles), group
 
 

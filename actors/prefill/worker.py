@@ -124,7 +124,7 @@ class PrefillWorker:
     def __init__(self, instance: int, node: int, model_cfg: ModelConfig,
                  prefill_cfg: PrefillConfig, *, profile: str | None = None,
                  threads: int = 1, tp_rank: int = 0,
-                 tp_leader: tuple[str, int, str] | None = None) -> None:
+                 tp_leader: tuple[str, int] | None = None) -> None:
         # Several workers share few cores: one intra-op thread each avoids oversubscription.
         # (torch.set_num_threads sizes the pool torch uses; the process's OMP_NUM_THREADS,
         # read when OpenMP started, is not changed by writing it now)
@@ -153,19 +153,20 @@ class PrefillWorker:
                 timing = execution_latency("measured", timing, prefill_cfg.emulated_measurements)
             self.executor = EmulatedExecutor(timing, model_cfg, tp_size=prefill_cfg.tp_size)
         else:
-            from tetris.model.loader import load_model
+            from tetris.actors.device import actor_device, load_model_on_device, prefill_kv_blocks
 
-            group = None
+            group, (device, _cfg) = None, actor_device(model_cfg)
             if tp_leader is not None:   # a follower: TP rank ``tp_rank`` of the instance
-                group = join_instance_group(*tp_leader[:2], tp_rank, prefill_cfg.tp_size,
-                                            tp_leader[2])
+                group = join_instance_group(*tp_leader, tp_rank, prefill_cfg.tp_size, device)
             elif self.tp_size > 1:
                 self.tp, group = start_followers(instance, node, model_cfg, prefill_cfg,
-                                                 profile, threads)
-            model, _tok = load_model(model_cfg, tp_group=group)
+                                                 profile, threads, device)
+            # model.device: CUDA when Ray gave this worker a GPU (actors/device.py)
+            model, _tok, device = load_model_on_device(model_cfg, tp_group=group)
             self.store = PagedKVStore(
-                model.num_layers, prefill_cfg.kv_blocks_per_instance, prefill_cfg.block_size,
-                model.local_num_kv_heads, model.head_dim, dtype=model.dtype,
+                model.num_layers, prefill_kv_blocks(prefill_cfg, model, device),
+                prefill_cfg.block_size, model.local_num_kv_heads, model.head_dim,
+                dtype=model.dtype, device=device,
             )
             self.executor = ModelExecutor(model, self.store)
             self.tp.wait_started()

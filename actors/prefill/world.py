@@ -71,9 +71,6 @@ class World(PeerLink):
 
     def __init__(self, generation: int, host: str, port: int, rank: int, size: int,
                  timeout_s: float, device=None, nccl: bool | None = None) -> None:
-        # imported here: collectives builds on PeerLink, defined above
-        from tetris.actors import collectives
-
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} outside a world of {size}")
         self.generation = generation
@@ -81,10 +78,19 @@ class World(PeerLink):
         self.size = size
         timeout = timedelta(seconds=timeout_s)
         self._store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
+        self._join(self._store, timeout, device, nccl)
+
+    def _join(self, store, timeout: timedelta, device, nccl: bool | None) -> None:
+        """Agree on the backend through ``store`` and connect the group (every member at once;
+        ``tp.SliceWorld`` joins through a prefix of a shared store)."""
+        # imported here: collectives builds on PeerLink, defined above
+        from tetris.actors import collectives
+
+        rank, size = self.rank, self.size
         me = device or collectives.rank_device("cpu")
         able = collectives.nccl_available() if nccl is None else nccl
-        self.backend = collectives.agree_backend(self._store, rank, size, me, able)
-        self._group = collectives.process_group(self._store, rank, size, self.backend, timeout)
+        self.backend = collectives.agree_backend(store, rank, size, me, able)
+        self._group = collectives.process_group(store, rank, size, self.backend, timeout)
         self._link = collectives.group_link(self._group, rank, self.backend, me.device)
 
     def isend(self, tensor, peer, tag):
