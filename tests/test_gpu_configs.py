@@ -76,8 +76,8 @@ def test_the_70b_deployment_on_40gb_gpus_fails_with_the_numbers():
 
 def test_serve_refuses_a_gpu_deployment_on_a_cluster_without_gpus(monkeypatch, capsys):
     import ray
-
     from tetris.actors.process_env import SERVE_ENV_VARS
+
     from tetris.cli.main import main
 
     for key in SERVE_ENV_VARS:   # run() sets them for the Ray it starts: undone after the test
