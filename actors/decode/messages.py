@@ -29,6 +29,9 @@ class Reserve(msgspec.Struct, frozen=True, tag="reserve"):
     # output tokens the client already has (a request resumed after its instance was lost):
     # their KV comes with the prompt's (``LLMEngine.reserve``)
     generated: tuple[int, ...] = ()
+    # elastic decode (actors/decode/elastic.py): this instance masters the request and holds
+    # only positions [kv_start, n); the KV arrives in range-local positions
+    kv_start: int = 0
 
 
 class Commit(msgspec.Struct, frozen=True, tag="commit"):

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from tetris.actors.decode.counts import ControlCounts, CountingPeer
+from tetris.actors.decode.elastic import ELASTIC_COMMANDS, ElasticMember
 from tetris.actors.decode.lockstep import Follower, Leader
 from tetris.actors.decode.messages import (Abort, Add, Command, Commit, Failed, FirstTokenArrived,
                                            RankHeld, Rejected, Reserve, StepReply)
@@ -107,7 +108,7 @@ class DecodeRank:
         self._step_lock = threading.Lock()
         self._leader: Leader | None = None
         self._follower: Follower | None = None
-        self.elastic = None   # actors/decode/elastic.py's ElasticMember, once joined
+        self.elastic: ElasticMember | None = None   # once joined (actors/decode/elastic.py)
 
     # -- setup ----------------------------------------------------------------------------
     def rendezvous(self) -> tuple[str, int]:
@@ -174,7 +175,6 @@ class DecodeRank:
         """Join the elastic world of rank ``tp_rank`` of every decode instance (instance
         ``index`` of ``size``; instance 0's rank serves the store at ``host:port``). Every
         member calls it at once; from then on each round meets the other members."""
-        from tetris.actors.decode.elastic import ElasticMember
         from tetris.actors.prefill.world import World
 
         world = World(0, host, port, index, size, timeout_s)
@@ -278,8 +278,8 @@ class DecodeRank:
                 engine.add_request(rid, cmd.prompt_token_ids, cmd.sampling)
             elif isinstance(cmd, Abort):
                 self._abort(rid, cmd.reason)
-            elif self.elastic is not None and hasattr(cmd, "key") or type(cmd).__name__ == "Release":
-                return self._elastic().apply(cmd)
+            elif isinstance(cmd, ELASTIC_COMMANDS) and self.elastic is not None:
+                return self.elastic.apply(cmd)
             else:
                 raise TypeError(f"unknown decode command {type(cmd).__name__}")
         except ValueError as exc:
