@@ -174,20 +174,28 @@ class PrefillWorker:
     @ray.method(concurrency_group=WORLD_GROUP)
     def join_world(self, generation: int, host: str, port: int, world_size: int,
                    timeout_s: float) -> int:
-        """Join generation ``generation`` of the pool's world (gloo; its store at
+        """Join generation ``generation`` of the pool's world (NCCL or gloo; its store at
         ``host:port``, served by instance 0); every worker of it must call this at the same
         time. Runs beside a chunk, which goes on on its own generation. Returns the rank."""
         with self._worlds_lock:
             if generation in self._worlds:
                 raise ValueError(f"prefill instance {self.instance} already joined world {generation}")
         with self.tp.alongside("join_world", generation, host, port, world_size, timeout_s):
-            world = (World(generation, host, port, self.instance, world_size, timeout_s)
+            me = self._rank_device()   # the worlds' backend follows it (collectives.py)
+            world = (World(generation, host, port, self.instance, world_size, timeout_s,
+                           device=me)
                      if self.tp_size == 1 else
                      SliceWorld(generation, host, port, self.instance, world_size, timeout_s,
-                                self.tp_rank))
+                                self.tp_rank, device=me))
         with self._worlds_lock:
             self._worlds[generation] = world
         return self.instance
+
+    def _rank_device(self):
+        """Where this worker computes: its model's device (the emulated body: the CPU)."""
+        from tetris.actors.collectives import rank_device
+
+        return rank_device(self.executor.model.device if self.store is not None else "cpu")
 
     @ray.method(concurrency_group=WORLD_GROUP)
     def drop_worlds(self, below: int) -> list[int]:
