@@ -5,7 +5,7 @@ connections gloo closed for good) needs the world formed again. One world made w
 ``init_process_group`` can only be torn down and made again by every worker at once, so the
 pool used to stop: new chunks held, running ones waited for (up to a long prompt's whole
 prefill), then everyone re-joined. Here each world is a *generation*: its own store (on a
-fresh port, served by instance 0's worker) and its own ``ProcessGroupGloo``, joined by every
+fresh port, served by instance 0's worker) and its own process group (gloo or NCCL), joined by every
 worker on a thread beside the one that runs chunks. A chunk names the generation its members
 use (``ChunkTask.world``); the pool starts new chunks on the newest one as soon as every worker
 has joined it, while chunks already running finish on theirs, and drops a generation once no
