@@ -1,0 +1,190 @@
+"""Elastic decode through the decode rank's commands (actors/decode/elastic.py), without Ray:
+two TP-1 ``DecodeRank``s in two processes, joined by ``join_elastic`` (a gloo ``World``), the
+KV of every range streamed by a real ``SendManager`` over the in-process transfer backend in
+range-local positions: the master's ``[kv_start, n)`` as the request's transfer
+(``Reserve(kv_start=...)``), a held range ``[start, end)`` as ``<id>@<start>`` (``Hold``).
+Request a is mastered by instance 0 with tokens [0, 15) on instance 1, b the other way round,
+c and d unsplit; every request's deltas give the single engine's tokens and logprobs, and
+after ``Release`` nothing is held on either rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from types import SimpleNamespace
+
+import msgspec
+import torch
+import torch.multiprocessing as mp
+from exactness import TOP, assert_same_run, engine_runs, logprobs_of_logits
+from tetris.actors.decode.elastic import Hold, Lead, Release, range_transfer_id
+from tetris.actors.decode.messages import Commit, Reserve
+from tetris.actors.decode.rank import DecodeRank
+from tetris.actors.prefill.world import free_port
+from tetris.actors.transfer_pump import TransferPump
+from tetris.kernels.attention import attention_with_lse
+from tetris.transfer.backends import make_agent
+from tetris.transfer.send_manager import SendManager
+from tetris.transfer.states import ShardSent, TransferFailed
+
+from tetris.config import DecodeConfig, DeploymentConfig, ModelConfig, TransferConfig
+from tetris.engine.engine import LLMEngine
+from tetris.engine.request import TokenLogprob
+from tetris.model.loader import load_model
+from tetris.sampling_params import SamplingParams
+
+MODEL = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2,
+                    num_heads=4, num_kv_heads=2, seed=5)
+BLOCKS, BS = 24, 4
+DEPLOYMENT = DeploymentConfig(model=MODEL, decode=DecodeConfig(
+    tp_size=1, max_batch_size=4, block_size=BS, kv_blocks=BLOCKS))
+TRANSFER = TransferConfig(num_backends=2, pool_size=2, backend_buffer_bytes=4096,
+                          send_buffer_bytes=4096, bulk_chunk_bytes=4096, timeout_s=20.0,
+                          backend="inproc")
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=TOP)
+ROUNDS = 10
+# request -> [(instance, start, end)], the last range's instance masters it
+PLACEMENTS = {"a": [(1, 0, 15), (0, 15, 33)], "b": [(0, 0, 10), (1, 10, 27)],
+              "c": [(0, 0, 19)], "d": [(1, 0, 13)]}
+KEYS = {"a": 1, "b": 2}
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(9)
+    return {rid: torch.randint(0, MODEL.vocab_size, (ranges[-1][2],), generator=g).tolist()
+            for rid, ranges in PLACEMENTS.items()}
+
+
+class _Direct:
+    """A peer in this process: its ``deliver_transfer.remote`` is a direct call."""
+
+    def __init__(self, obj) -> None:
+        self.deliver_transfer = SimpleNamespace(remote=obj.deliver_transfer)
+
+
+class _Sender:
+    """A prefill instance's transfer side: a SendManager on a pump, in range-local positions."""
+
+    def __init__(self, sender_id: int) -> None:
+        self.agent = make_agent(f"prefill-{sender_id}", backend="inproc")
+        self.pump = TransferPump(SendManager(sender_id, self.agent, TRANSFER),
+                                 name=f"sender-{sender_id}", on_events=self._done).start()
+
+    def _done(self, events) -> None:
+        with self.pump.locked() as mgr:
+            for e in events:
+                if isinstance(e, (ShardSent, TransferFailed)):
+                    mgr.forget(e.request_id)
+
+    def deliver_transfer(self, msgs) -> None:
+        self.pump.deliver(msgs)
+
+    def send(self, transfer_id: str, receiver: int, kv: list[torch.Tensor]) -> None:
+        n = kv[0].shape[0]
+        with self.pump.locked() as mgr:
+            mgr.add_shard(request_id=transfer_id, chunk_index=0, receiver_id=receiver,
+                          prompt_tokens=n, chunk=(0, n), ranges=[(0, n)], num_layers=len(kv),
+                          kv_heads=kv[0].shape[2], head_dim=kv[0].shape[3], dtype=kv[0].dtype,
+                          now=time.monotonic())
+            for layer, layer_kv in enumerate(kv):
+                mgr.layer_ready(transfer_id, 0, layer, layer_kv.clone())
+
+
+@torch.inference_mode()
+def _prefill(model, prompt):
+    """Per layer [T, 2, Hkv, D] of the prompt's KV, the first token and its logprob."""
+    kv = []
+
+    def attention(i, q, k, v):
+        kv.append(torch.stack([k, v], dim=1))
+        return attention_with_lse(q, k, v, causal=True)[0]
+
+    hidden = model(torch.tensor(prompt), torch.arange(len(prompt)), attention)
+    row = model.logits(hidden[-1:], upcast=True)[0]
+    first = int(row.argmax())
+    return kv, first, logprobs_of_logits([row], [first])[0]
+
+
+def _commands(me: int, prompts):
+    """Round 0's reservations on instance ``me``, the KV it is sent, and round 1's commits."""
+    reserve, sends, commits = [], [], []
+    for rid, ranges in PLACEMENTS.items():
+        master, kv_start, _ = ranges[-1]
+        for inst, s, e in ranges[:-1]:
+            if inst == me:
+                reserve.append(Hold(rid, KEYS[rid], master, s, e))
+                sends.append((range_transfer_id(rid, s), s, e))
+        if master == me:
+            reserve.append(Reserve(rid, tuple(prompts[rid]), PARAMS, kv_start=kv_start))
+            if kv_start:
+                reserve.append(Lead(rid, KEYS[rid], tuple(i for i, _, _ in ranges[:-1])))
+            sends.append((rid, kv_start, len(prompts[rid])))
+            commits.append(rid)
+    return reserve, sends, commits
+
+
+def _worker(me: int, port: int, tmp: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    rank = DecodeRank(me, 0, 1, DEPLOYMENT)
+    rank.init_group("127.0.0.1", 0, 30.0)
+    info = rank.enable_transfer(TRANSFER)
+    sender = _Sender(me)
+    try:
+        sender.agent.add_peer(info)
+        rank.connect_senders({me: _Direct(sender)})
+        sender.pump.connect({rank.receiver_id: _Direct(rank)})
+        rank.join_elastic(me, 2, "127.0.0.1", port, 30.0)
+        model, _ = load_model(MODEL)
+        prompts = _prompts()
+        reserve, sends, commits = _commands(me, prompts)
+        prefills = {rid: _prefill(model, prompts[rid]) for rid in PLACEMENTS}
+        replies = [rank.step(reserve)]
+        for tid, s, e in sends:
+            sender.send(tid, rank.receiver_id, [kv[s:e] for kv in prefills[tid.split("@")[0]][0]])
+        deadline = time.monotonic() + 30.0
+        while rank.held().receiving:   # the pump thread places the pieces; no round needed
+            assert time.monotonic() < deadline, rank.held()
+            time.sleep(0.01)
+        # the first exchange of round 1 waits for the peer, whose KV has arrived too
+        replies.append(rank.step([Commit(rid, prefills[rid][1], prefills[rid][2])
+                                  for rid in commits]))
+        replies += [rank.step([]) for _ in range(ROUNDS)]
+        replies.append(rank.step([Release(rid) for rid in KEYS]))
+        runs = {}
+        for reply in replies:
+            for d in reply.outputs:
+                tokens, lps = runs.setdefault(d.request_id, ([], []))
+                tokens += d.new_token_ids
+                lps += [msgspec.to_builtins(lp) for lp in d.new_logprobs]
+        held = rank.held()
+        out = {"runs": runs, "rejected": [r.request_id for x in replies for r in x.rejected],
+               "failed": [f.request_id for x in replies for f in x.failed],
+               "free": held.free_blocks, "empty": held.engine_requests == 0 and not held.receiving,
+               "data": rank.elastic.rows.counts.data}
+        with open(f"{tmp}/rank{me}.json", "w") as f:
+            json.dump(out, f)
+    finally:
+        sender.pump.stop()
+        rank.shutdown()
+
+
+def test_elastic_ranks_decode_split_requests_fed_through_the_transfer_layer(tmp_path):
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    model, tok = load_model(MODEL)
+    prompts = _prompts()
+    engine = LLMEngine(model, tok, num_blocks=64, block_size=BS)
+    want = dict(zip(prompts, engine_runs(engine, list(prompts.values()), PARAMS), strict=True))
+    hq, d = MODEL.num_heads, MODEL.hidden_size // MODEL.num_heads
+    per_step = MODEL.num_layers * (hq * d * 4 + hq * d * 4 + hq * 4)  # q out, (out, LSE) back
+    for me in range(2):
+        got = json.loads((tmp_path / f"rank{me}.json").read_text())
+        mine = {rid for rid, ranges in PLACEMENTS.items() if ranges[-1][0] == me}
+        assert set(got["runs"]) == mine and got["rejected"] == [] and got["failed"] == []
+        for rid in sorted(mine):
+            tokens, entries = got["runs"][rid]
+            lps = [msgspec.convert(e, TokenLogprob) for e in entries]
+            assert_same_run(tokens, lps, want[rid], f"instance {me} {rid}")
+        # 7 decode steps of one sharded row each way (the first token came from the prefill)
+        assert got["data"] == (PARAMS.max_tokens - 1) * per_step
+        assert got["free"] == BLOCKS and got["empty"]
