@@ -13,10 +13,12 @@ its backend chosen by ``actors/collectives.py``.
 
 Who is who. The pool sees one actor per instance, its TP rank 0, the *leader*: the pool's
 code (chunk driver, generations, replacement, node map) is the same for every TP size. The
-leader starts the other ranks (*followers*) itself, on its own node, so they share its fate:
-Ray kills the actors an actor started when it dies. Every call the pool makes that touches
-KV or the world (prepare, execute, join/drop a world, abort, release, export, prefix copy)
-is run by the leader on itself and on every follower (``Followers``).
+leader starts the other ranks (*followers*) itself, in its own placement bundle (on its node
+without one), each rank with ``1/tp`` of the instance's GPUs (``rank_options``); started by
+it, they share its fate: Ray kills the actors an actor started when it dies. Every call the
+pool makes that touches KV or the world (prepare, execute, join/drop a world, abort,
+release, export, prefix copy) is run by the leader on itself and on every follower
+(``Followers``).
 
 A lost TP rank loses the instance. A dead follower, or a chunk that failed inside an
 instance (its ranks may then stand at different all-reduces of a group gloo cannot resume),
@@ -26,8 +28,7 @@ failed chunk therefore costs each of its TP member instances a replacement (TP 1
 workers and forms a new world).
 
 Not built yet: KV streaming to decode ranks from a TP instance (``enable_transfer`` refuses
-it, so a deployment asking for it fails at start), and GPU placement of the followers in the
-instance's bundle (they run on the leader's node with no reservation of their own).
+it, so a deployment asking for it fails at start).
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ __all__ = [
     "SliceWorld",
     "concat_heads",
     "join_instance_group",
+    "rank_options",
     "start_followers",
+    "workers_per_instance",
 ]
 
 log = logging.getLogger(__name__)
@@ -101,20 +104,40 @@ def join_instance_group(host: str, port: int, tp_rank: int, tp_size: int, device
     return dist.group.WORLD
 
 
+def workers_per_instance(prefill_cfg) -> int:
+    """The TP ranks an instance runs as actors: ``tp_size`` for the real model, 1 for the
+    emulated executor (its TP is only its latency profile's)."""
+    return 1 if prefill_cfg.executor == "emulated" else prefill_cfg.tp_size
+
+
+def rank_options(instance_options: dict, tp_size: int, node_id: str | None = None) -> dict:
+    """One TP rank's actor options from its instance's (``Placement.options``): the same
+    bundle, ``1/tp_size`` of the instance's GPUs (``prefill.gpus_per_instance``: one GPU per
+    rank by default on CUDA, a fraction where several ranks share one). A follower with no
+    bundle (placement "none") is pinned to its leader's node ``node_id``."""
+    opts = dict(instance_options)
+    if opts.get("num_gpus"):
+        opts["num_gpus"] = opts["num_gpus"] / tp_size
+    if node_id is not None and "scheduling_strategy" not in opts:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    return opts
+
+
 def start_followers(instance: int, node: int, model_cfg, prefill_cfg, profile, threads: int,
-                    device: str):
-    """On the leader (computing on ``device``): start TP ranks ``1..tp-1`` on this node and
-    form the instance's TP group with them. Returns (``Followers``, the group); the caller
-    loads its model shard then and calls ``Followers.wait_started``."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+                    device: str, instance_options: dict | None = None):
+    """On the leader (computing on ``device``): start TP ranks ``1..tp-1`` in its bundle (or
+    on its node) and form the instance's TP group with them. Returns (``Followers``, the
+    group); the caller loads its model shard then and calls ``Followers.wait_started``."""
     from tetris.actors.prefill.worker import PrefillWorkerActor
     from tetris.actors.process_env import runtime_env
 
     tp = prefill_cfg.tp_size
     node_id = ray.get_runtime_context().get_node_id()
     host, port = _free_address()
-    opts = {"num_cpus": 0, "runtime_env": runtime_env(),
-            "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+    opts = rank_options(instance_options or {"num_cpus": 0, "runtime_env": runtime_env()},
+                        tp, node_id)
     handles = [PrefillWorkerActor.options(**opts).remote(
         instance, node, model_cfg, prefill_cfg, profile=profile, threads=threads,
         tp_rank=t, tp_leader=(host, port)) for t in range(1, tp)]

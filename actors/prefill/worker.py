@@ -33,7 +33,7 @@ from tetris.actors.prefill.executor import EmulatedExecutor, ModelExecutor
 from tetris.actors.prefill.kv_store import PagedKVStore
 from tetris.actors.prefill.messages import ChunkResult, ChunkTask
 from tetris.actors.prefill.tp import (Followers, SliceWorld, concat_heads, join_instance_group,
-                                      start_followers)
+                                      start_followers, workers_per_instance)
 from tetris.actors.prefill.world import World
 from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
 from tetris.config import ModelConfig, PrefillConfig, TransferConfig
@@ -124,7 +124,8 @@ class PrefillWorker:
     def __init__(self, instance: int, node: int, model_cfg: ModelConfig,
                  prefill_cfg: PrefillConfig, *, profile: str | None = None,
                  threads: int = 1, tp_rank: int = 0,
-                 tp_leader: tuple[str, int] | None = None) -> None:
+                 tp_leader: tuple[str, int] | None = None,
+                 instance_options: dict | None = None) -> None:
         # Several workers share few cores: one intra-op thread each avoids oversubscription.
         # (torch.set_num_threads sizes the pool torch uses; the process's OMP_NUM_THREADS,
         # read when OpenMP started, is not changed by writing it now)
@@ -138,8 +139,7 @@ class PrefillWorker:
         self._world_in_use: int | None = None  # the running chunk's generation
         self._worlds_lock = threading.Lock()   # joins and drops run beside chunks
         self.tp_rank = tp_rank
-        # an emulated instance's TP is only its latency profile's: one actor stands for it
-        self.tp_size = 1 if prefill_cfg.executor == "emulated" else prefill_cfg.tp_size
+        self.tp_size = workers_per_instance(prefill_cfg)
         self.tp = Followers(instance, [])   # the other TP ranks, on TP rank 0 (tp.py)
         if prefill_cfg.executor == "emulated":
             from tetris.scheduler.latency import load_profile
@@ -160,7 +160,7 @@ class PrefillWorker:
                 group = join_instance_group(*tp_leader, tp_rank, prefill_cfg.tp_size, device)
             elif self.tp_size > 1:
                 self.tp, group = start_followers(instance, node, model_cfg, prefill_cfg,
-                                                 profile, threads, device)
+                                                 profile, threads, device, instance_options)
             # model.device: CUDA when Ray gave this worker a GPU (actors/device.py)
             model, _tok, device = load_model_on_device(model_cfg, tp_group=group)
             self.store = PagedKVStore(

@@ -33,6 +33,7 @@ import ray
 
 from tetris.actors.placement import Placement, node_map, place_prefill
 from tetris.actors.prefill.messages import first_line
+from tetris.actors.prefill.tp import rank_options, workers_per_instance
 from tetris.actors.prefill.wiring import TransferWiring
 from tetris.actors.prefill.worker import PrefillWorkerActor
 from tetris.config import DeploymentConfig
@@ -161,9 +162,11 @@ class WorldKeeper:
     def _spawn(self, i: int):
         # Placement options reserve no CPU for the actor itself (num_cpus=0): workers mostly
         # wait on each other; a bundle, when there is one, holds the instance's reservation.
-        return PrefillWorkerActor.options(**self.placement.options(i)).remote(
+        # A TP instance's rank 0 starts its other ranks in its bundle (actors/prefill/tp.py).
+        opts, tp = self.placement.options(i), workers_per_instance(self.deployment.prefill)
+        return PrefillWorkerActor.options(**rank_options(opts, tp)).remote(
             i, self.node_of[i], self.deployment.model, self.deployment.prefill,
-            profile=self._profile)
+            profile=self._profile, instance_options=opts if tp > 1 else None)
 
     def _form_world(self, workers: list, generation: int) -> dict[int, object]:
         """Have ``workers`` join generation ``generation`` of the world, its store in worker 0
