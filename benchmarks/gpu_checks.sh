@@ -5,7 +5,8 @@
 #   3. the kernel benchmark at 8k/32k/128k.
 # Wheels the machine lacks (msgspec) travel in .whl/; the package installs from this tree.
 # Logs and JSON go to $OUT (default /tmp/gpu_checks). Each phase has its own time limit, so a
-# slow phase cannot starve the next; a phase can be skipped with SKIP="tests decode kernels".
+# slow phase cannot starve the next; a phase can be skipped with SKIP="tests decode kernels",
+# and DECODE_ARGS passes options to the decode benchmark (e.g. "--shape llama-8b").
 #
 #     bash benchmarks/gpu_checks.sh
 set -u
@@ -40,7 +41,7 @@ if [[ " $SKIP " != *" tests "* ]]; then
 fi
 if [[ " $SKIP " != *" decode "* ]]; then
   stamp "decode benchmark (limit ${T_DECODE}s)"
-  (cd benchmarks && timeout "$T_DECODE" python3 bench_decode_gpu.py --json \
+  (cd benchmarks && timeout "$T_DECODE" python3 bench_decode_gpu.py ${DECODE_ARGS:-} --json \
     >"$OUT/decode_gpu.json" 2>"$OUT/decode_gpu.err"; echo "exit $?" >>"$OUT/decode_gpu.err")
   tail -6 "$OUT/decode_gpu.err"
 fi

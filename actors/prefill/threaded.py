@@ -106,8 +106,8 @@ class ThreadedPool:
         def member(j: int) -> None:
             t = tasks[j]
             try:
-                if self.model.device.type == "cuda":
-                    torch.cuda.set_device(self.model.device)
+                if self.model.device.type == "cuda":   # this thread's current device
+                    torch.cuda.set_device(self.model.device.index or 0)
                 out[j] = self.executors[t.instance].execute(t, self.links[t.instance])
             except Exception as e:  # noqa: BLE001 - raised below, with the instance
                 errors.append((t.instance, e))
