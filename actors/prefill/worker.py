@@ -1,6 +1,6 @@
 """The prefill worker: one Ray actor per prefill instance of the SP pool.
 
-The pool's workers form a gloo world (``join_world``, in generations: ``actors/prefill/world.py``); a
+The pool's workers form a world (``join_world``, in generations: ``actors/prefill/world.py``); a
 chunk's ring and its cache balancing use point-to-point operations on the generation the chunk
 names, between the chunk's members only. A new generation is joined on a thread of its own
 (the ``"world"`` concurrency group) while a chunk runs on an older one. A worker runs one chunk

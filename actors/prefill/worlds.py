@@ -1,4 +1,4 @@
-"""The prefill pool's workers and their gloo world, in generations: spawning, probing, replacing.
+"""The prefill pool's workers and their world, in generations: spawning, probing, replacing.
 
 Lifecycle of a dead worker (``reform``):
 
@@ -48,8 +48,9 @@ log = logging.getLogger(__name__)
 
 class WorldKeeper:
     """``num_instances`` prefill workers placed by ``placement`` (default ``prefill.placement``;
-    see actors/placement.py), joined in one gloo world that is formed again, in generations,
-    whenever dead workers are replaced; ``node_of`` is their node map."""
+    see actors/placement.py), joined in one world (NCCL or gloo: actors/collectives.py) that
+    is formed again, in generations, whenever dead workers are replaced; ``node_of`` is their
+    node map."""
 
     def __init__(self, deployment: DeploymentConfig, num_instances: int, node_size: int, *,
                  profile: str, timeout_s: float, placement: str | None,
