@@ -18,6 +18,7 @@ T_TESTS=${T_TESTS:-240} T_DECODE=${T_DECODE:-150} T_KERNELS=${T_KERNELS:-60}
 stamp() { echo "[$(date +%T)] $*"; }
 
 stamp install
+rm -rf /tmp/site   # pip --target keeps what is there: a warm machine would run the last call's code
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
