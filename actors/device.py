@@ -76,10 +76,12 @@ def decode_kv_blocks(dc: DecodeConfig, model, device: str) -> int:
 
 def prefill_kv_blocks(pc: PrefillConfig, model, device: str) -> int:
     """A prefill worker's KV store blocks (``prefill.kv_blocks_per_instance``; on CUDA 0 takes
-    every block that fits)."""
+    every block that fits). Each of an instance's TP ranks holds 1/tp of its GPUs
+    (``actors/prefill/tp.py`` rank_options)."""
     return kv_blocks_on_device(pc.kv_blocks_per_instance, device=device, model=model,
                                block_size=pc.block_size, utilization=pc.gpu_memory_utilization,
-                               reserve_gib=pc.activation_reserve_gib, gpus=pc.gpus_per_instance,
+                               reserve_gib=pc.activation_reserve_gib,
+                               gpus=pc.gpus_per_instance / pc.tp_size,
                                what="prefill.kv_blocks_per_instance")
 
 

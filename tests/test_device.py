@@ -173,3 +173,34 @@ def test_on_cpu_the_configured_block_count_is_used_and_zero_is_refused():
     assert kv_blocks_on_device(4096, **kw) == 4096
     with pytest.raises(ConfigError, match="needs CUDA"):
         kv_blocks_on_device(0, **kw)
+
+
+def test_actor_kv_blocks_on_cuda_from_a_fake_gpu(monkeypatch):
+    """The CUDA branch on this machine: the GPU's total is faked, the model and its weights real."""
+    from tetris.actors.decode.emulated import decode_model_spec
+    from tetris.actors.device import decode_kv_blocks, prefill_kv_blocks, weight_bytes
+
+    from tetris.config import PrefillConfig
+    from tetris.model.llama import LlamaModel
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 1 << 30))
+    model = LlamaModel(ModelConfig(num_layers=2))
+    block = 2 * 2 * 16 * 2 * 32 * 4   # K and V, 2 layers, 16 tokens, 2 KV heads, D 32, fp32
+    weights = weight_bytes(model)
+    # the Llama geometry's parameters (decode_model_spec) in fp32, and the RoPE frequencies
+    assert weights == decode_model_spec(ModelConfig(num_layers=2)).weight_bytes + 16 * 4
+
+    def prefill(**kw):
+        pc = PrefillConfig(kv_blocks_per_instance=0, gpu_memory_utilization=0.5,
+                           activation_reserve_gib=0.0, **kw)
+        return prefill_kv_blocks(pc, model, "cuda")
+
+    half = int((0.5 * 0.5 * (1 << 30) - weights) // block)
+    assert prefill(gpus_per_instance=0.5) == half
+    assert prefill(gpus_per_instance=1.0, tp_size=2) == half   # each TP rank holds half a GPU
+    assert prefill(gpus_per_instance=2.0, tp_size=2) == int((0.5 * (1 << 30) - weights) // block)
+    dc = DecodeConfig(kv_blocks=10**6, gpus_per_rank=1.0, activation_reserve_gib=0.5)
+    with pytest.raises(KVMemoryError, match=r"decode.kv_blocks = 1000000 blocks .* 0.50 GiB "
+                                            r"activation reserve holds \d+;"):
+        decode_kv_blocks(dc, model, "cuda")
