@@ -67,7 +67,7 @@ def test_a_decode_rank_asked_for_cuda_fails_at_start_on_this_machine():
     assert rank.engine is None
 
 
-def test_a_decode_rank_on_auto_runs_on_cpu_with_the_configured_blocks():
+def test_a_decode_rank_on_auto_takes_the_device_it_has():
     from tetris.actors.decode.rank import DecodeRank
 
     deployment = DeploymentConfig(model=ModelConfig(num_layers=2),
