@@ -3,9 +3,10 @@
 Rules (docs/gpu.md):
 
 1. ``model.device``: "cpu" runs on the CPU; "cuda" needs CUDA in the actor's process; "auto"
-   (the default) is CUDA when the actor was given a GPU (by Ray: its GPU ids, or, outside Ray,
-   when CUDA is available) and the CPU otherwise (``resolve_device``). "cuda" without CUDA is a
-   ``ConfigError`` at start naming CUDA, not a failure on the first request.
+   (the default) is CUDA when Ray gave the actor a GPU (its GPU ids) and CUDA is available, and
+   the CPU otherwise, outside Ray too: a worker or rank built in-process (tests) stays on the
+   CPU even on a GPU machine (``resolve_device``). "cuda" without CUDA is a ``ConfigError`` at
+   start naming CUDA, not a failure on the first request.
 2. ``model.dtype = "auto"`` (the default) is bfloat16 on CUDA and float32 on the CPU, today's
    CPU default (``dtype_for_device``).
 3. GPUs asked of Ray per placement bundle (``bundle_gpus``): the configured
@@ -69,8 +70,7 @@ def resolve_device(requested: str, cuda_available: bool,
         return "cuda"
     if requested != "auto":
         raise ConfigError(f"model.device must be auto, cuda or cpu, got {requested!r}")
-    given = ray_gpu_ids is None or len(ray_gpu_ids) > 0
-    return "cuda" if cuda_available and given else "cpu"
+    return "cuda" if cuda_available and ray_gpu_ids else "cpu"
 
 
 def dtype_for_device(dtype: str, device: str) -> str:
