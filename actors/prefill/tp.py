@@ -27,8 +27,14 @@ worker, and replaces it: the new leader starts new followers and joins the next 
 failed chunk therefore costs each of its TP member instances a replacement (TP 1 keeps its
 workers and forms a new world).
 
-Not built yet: KV streaming to decode ranks from a TP instance (``enable_transfer`` refuses
-it, so a deployment asking for it fails at start).
+KV streaming. Decode receiver ``j`` of ``R`` (a decode instance's TP ranks, in order) takes KV
+heads ``[j·Hkv/R, (j+1)·Hkv/R)``; with ``R`` a multiple of ``T`` those lie in one prefill TP
+rank's slice, so TP rank ``t`` streams to receivers ``[t·R/T, (t+1)·R/T)`` (``own_receivers``)
+its own heads, split as a TP-1 member splits all of them. Every rank has its own agent and send
+manager under the instance's sender id, so a receiver sees one sender per instance, as with TP
+1. The receivers' messages reach the leader (the actor they know), which routes each to the
+rank streaming to that receiver, and one that names no receiver to every rank
+(``Followers.route``); the send manager ignores what is not its own.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ __all__ = [
     "SliceWorld",
     "concat_heads",
     "join_instance_group",
+    "merge_states",
+    "own_receivers",
     "rank_options",
     "start_followers",
     "workers_per_instance",
@@ -152,10 +160,34 @@ class Followers:
     def __init__(self, instance: int, handles: list) -> None:
         self.instance = instance
         self.handles = list(handles)
+        self._route: dict[int, int] = {}   # receiver id -> the TP rank streaming to it
 
     @property
     def tp_size(self) -> int:
         return len(self.handles) + 1
+
+    def note_receivers(self, receivers: tuple[int, ...]) -> None:
+        """Remember which rank streams to each of a chunk's receivers (``route``)."""
+        if self.handles and receivers and len(receivers) % self.tp_size == 0:
+            k = len(receivers) // self.tp_size
+            for j, r in enumerate(receivers):
+                self._route[r] = j // k
+
+    def route(self, msgs: list) -> list:
+        """Send the followers their share of the receivers' messages; returns the leader's.
+        A message naming a receiver goes to the rank streaming to it, any other to every
+        rank (a send manager ignores grants and errors of shards it does not hold)."""
+        if not self.handles:
+            return list(msgs)
+        parts: list[list] = [[] for _ in range(self.tp_size)]
+        for m in msgs:
+            t = self._route.get(getattr(m, "receiver_id", -1))
+            for part in ([parts[t]] if t is not None else parts):
+                part.append(m)
+        for h, part in zip(self.handles, parts[1:]):
+            if part:
+                h.deliver_transfer.remote(part)
+        return parts[0]
 
     def wait_started(self) -> None:
         if self.handles:
@@ -256,6 +288,25 @@ class _Watch:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def own_receivers(receivers: tuple[int, ...], tp_rank: int, tp_size: int) -> tuple[int, ...]:
+    """The receivers TP rank ``tp_rank`` of ``tp_size`` streams to: ``[t·R/T, (t+1)·R/T)``
+    of the chunk's ``R`` (the ones whose KV heads lie in its slice)."""
+    n = len(receivers)
+    if n % tp_size:
+        raise ValueError(f"a TP-{tp_size} prefill instance streams whole head slices: its "
+                         f"{n} receivers {tuple(receivers)} must be a multiple of {tp_size}")
+    k = n // tp_size
+    return tuple(receivers[tp_rank * k:(tp_rank + 1) * k])
+
+
+def merge_states(states: list[dict]) -> dict:
+    """An instance's ``transfer_state`` from its ranks' (counts added, failures listed)."""
+    return {"shards": sum(s["shards"] for s in states),
+            "unfinished": sum(s["unfinished"] for s in states),
+            "sent": sum(s["sent"] for s in states),
+            "failed": [f for s in states for f in s["failed"]]}
 
 
 def concat_heads(parts: list[tuple]) -> tuple:

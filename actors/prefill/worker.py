@@ -26,6 +26,7 @@ import contextlib
 import logging
 import threading
 
+import msgspec
 import ray
 import torch
 
@@ -33,7 +34,8 @@ from tetris.actors.prefill.executor import EmulatedExecutor, ModelExecutor
 from tetris.actors.prefill.kv_store import PagedKVStore
 from tetris.actors.prefill.messages import ChunkResult, ChunkTask
 from tetris.actors.prefill.tp import (Followers, SliceWorld, concat_heads, join_instance_group,
-                                      start_followers, workers_per_instance)
+                                      merge_states, own_receivers, start_followers,
+                                      workers_per_instance)
 from tetris.actors.prefill.world import World
 from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
 from tetris.config import ModelConfig, PrefillConfig, TransferConfig
@@ -54,14 +56,15 @@ class _Streaming:
     actor's ``release``/``abort`` cannot interleave.
     """
 
-    def __init__(self, instance: int, config: TransferConfig) -> None:
+    def __init__(self, instance: int, config: TransferConfig, name: str | None = None) -> None:
         from tetris.transfer.backends import make_agent
         from tetris.transfer.send_manager import SendManager
 
         self.config = config
-        self.agent = make_agent(f"prefill-{instance}", backend=config.backend, config=config)
+        name = name or f"prefill-{instance}"   # a TP rank > 0 has its own agent (tp.py)
+        self.agent = make_agent(name, backend=config.backend, config=config)
         self.mgr = SendManager(instance, self.agent, config)
-        self.pump = TransferPump(self.mgr, name=f"prefill-{instance}", on_events=self._on_events)
+        self.pump = TransferPump(self.mgr, name=name, on_events=self._on_events)
         self.sent: dict[str, int] = {}
         self.failed: dict[str, list[str]] = {}
         self.released: set[str] = set()   # shards still on the wire are forgotten once finished
@@ -213,10 +216,8 @@ class PrefillWorker:
     def prepare(self, task: ChunkTask) -> None:
         self._check(task)
         with self._exclusive(task), self.tp.alongside("prepare", task):
-            if task.kv_receivers and self.tp_size > 1:
-                raise ValueError("KV streaming from a prefill instance with TP > 1 is not "
-                                 "built yet (actors/prefill/tp.py)")
-            self.executor.prepare(task)
+            self.tp.note_receivers(task.kv_receivers)
+            self.executor.prepare(self._own_share(task))
 
     def execute(self, task: ChunkTask) -> ChunkResult:
         self._check(task)
@@ -230,9 +231,16 @@ class PrefillWorker:
                         f"prefill instance {self.instance} got chunk {task.chunk_index} of "
                         f"{task.request_id} on world {task.world}, which it has not joined "
                         f"(it has {sorted(self._worlds)})")
-                return self.executor.execute(task, link)
+                return self.executor.execute(self._own_share(task), link)
             finally:
                 self._world_in_use = None
+
+    def _own_share(self, task: ChunkTask) -> ChunkTask:
+        """The task as this TP rank runs it: streaming its head slice to its own receivers."""
+        if self.tp_size == 1 or not task.kv_receivers:
+            return task
+        return msgspec.structs.replace(task, kv_receivers=own_receivers(
+            task.kv_receivers, self.tp_rank, self.tp_size))
 
     @contextlib.contextmanager
     def _exclusive(self, task: ChunkTask):
@@ -250,12 +258,13 @@ class PrefillWorker:
     # -- KV streaming -------------------------------------------------------------------------
     def enable_transfer(self, config: TransferConfig) -> AgentInfo:
         """Start the send side (agent ``prefill-<instance>``); idempotent for the same config."""
-        if self.tp_size > 1:
-            raise NotImplementedError(
-                f"prefill instance {self.instance} runs TP {self.tp_size}: KV streaming from "
-                "a prefill instance with TP > 1 is not built yet (actors/prefill/tp.py)")
+        with self.tp.alongside("enable_transfer", config):
+            return self._enable_transfer(config)
+
+    def _enable_transfer(self, config: TransferConfig) -> AgentInfo:
         if self.streaming is None:
-            self.streaming = _Streaming(self.instance, config)
+            name = f"prefill-{self.instance}" + (f"-tp{self.tp_rank}" if self.tp_rank else "")
+            self.streaming = _Streaming(self.instance, config, name)
             # Both bodies stream: the emulated one with KV of the wire geometry (EMULATION).
             self.executor.pump = self.streaming.pump
         elif self.streaming.config != config:
@@ -269,6 +278,11 @@ class PrefillWorker:
         A receiver whose agent cannot be added (its process died since the table was made:
         the transfer library cannot load a dead agent's metadata) is skipped; its owner
         restarts it and connects the workers to the new one. Returns the skipped ids."""
+        with self.tp.alongside("connect_receivers", peers) as others:
+            skipped = self._connect_receivers(peers)
+        return sorted(set(skipped).union(*others))
+
+    def _connect_receivers(self, peers: dict) -> list[int]:
         st = self._streaming()
         skipped = []
         with st.pump.locked():
@@ -283,14 +297,16 @@ class PrefillWorker:
 
     @ray.method(concurrency_group=TRANSFER_GROUP)
     def deliver_transfer(self, msgs: list[ControlMessage]) -> None:
-        self._streaming().pump.deliver(msgs)
+        mine = self.tp.route(msgs)   # a TP instance's other ranks get theirs (tp.py)
+        if mine:
+            self._streaming().pump.deliver(mine)
 
     @ray.method(concurrency_group=TRANSFER_GROUP)
     def transfer_state(self, request_id: str) -> dict:
         """{"shards": held, "unfinished": n, "sent": n, "failed": [reasons]} of the request."""
-        if self.streaming is None:
-            return {"shards": 0, "unfinished": 0, "sent": 0, "failed": []}
-        return self.streaming.state(request_id)
+        mine = ({"shards": 0, "unfinished": 0, "sent": 0, "failed": []}
+                if self.streaming is None else self.streaming.state(request_id))
+        return merge_states([mine, *self.tp.run("transfer_state", request_id)])
 
     @ray.method(concurrency_group=TRANSFER_GROUP)
     def alive(self) -> int:
@@ -333,14 +349,16 @@ class PrefillWorker:
                 self.executor.stream_prefix(request_id, ranges, prompt_tokens, upto,
                                             tuple(kv_receivers))
             return ranges
-        with self.tp.alongside("adopt_prefix", source, request_id, upto):
+        with self.tp.alongside("adopt_prefix", source, request_id, upto, prompt_tokens,
+                               kv_receivers):
             ranges = self.store.copy_prefix(source, request_id, upto)
-        if ranges and kv_receivers:
-            from tetris.actors.prefill.prefix import stream_prefix
+            if ranges and kv_receivers:
+                from tetris.actors.prefill.prefix import stream_prefix
 
-            with self._streaming().pump.locked() as mgr:
-                stream_prefix(mgr, self.store, request_id, ranges, prompt_tokens, upto,
-                              tuple(kv_receivers))
+                mine = (tuple(kv_receivers) if self.tp_size == 1 else
+                        own_receivers(tuple(kv_receivers), self.tp_rank, self.tp_size))
+                with self._streaming().pump.locked() as mgr:
+                    stream_prefix(mgr, self.store, request_id, ranges, prompt_tokens, upto, mine)
         return ranges
 
     def export_kv(self, request_id: str):

@@ -85,15 +85,6 @@ def test_forced_plans_match_single_instance(pool, model, n, spec, balance):
         assert res.balance_moved_tokens > 0
 
 
-def test_kv_streaming_is_refused_at_start(pool):
-    import ray
-
-    from tetris.config import TransferConfig
-
-    with pytest.raises(Exception, match="TP 2: KV streaming .* not built yet"):
-        ray.get(pool.workers[0].enable_transfer.remote(TransferConfig()))
-
-
 def test_a_dead_tp_rank_loses_its_instance_and_the_replacement_serves(pool, model):
     """Killing TP rank 1 of instance 1 loses the instance: the pool's probe finds it dead
     (its leader ends itself), replaces it with a new TP group, and the next plan on both
