@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from tetris.cli import bench_chaos, bench_policies, bench_soak
+from tetris.cli import bench_chaos, bench_kunserve, bench_policies, bench_soak
 from tetris.cli.args import add_emulated_trace_args, positive_int, positive_list
 
 __all__ = ["register"]
@@ -104,6 +104,8 @@ BENCHES = {
                  _add_transfer, _run_transfer, _print_transfer),
     "fidelity": ("EMULATION: live emulated cluster vs simulator, TTFT P50/P99 on one seeded trace",
                  _add_fidelity, _run_fidelity, _print_fidelity),
+    "kunserve": ("SIMULATION (+ EMULATION with --emulated): KunServe vs baselines, KV burst",
+                 bench_kunserve.add_args, bench_kunserve.run, bench_kunserve.show),
 }
 
 

@@ -19,6 +19,7 @@ from tetris.control.drop_plan import (
     Group,
     RestorePlan,
     plan_drop,
+    plan_forced,
     plan_restore,
 )
 from tetris.control.kunserve_memory import InstanceLoad, InstanceMemory, OverloadMonitor
@@ -85,3 +86,30 @@ class KunServeController:
                 self.restores += 1
                 return Decision("restore", restore=restore, restored_group=g)
         return None
+
+    # -- an operator's actions (admin routes) --------------------------------------------------
+    def force_drop(self, groups: list[Group]) -> Decision:
+        """Merge undropped instances into ``groups`` now. ``DropRefused`` (and nothing
+        changes) if a member is already in a group or unknown, or a group would not hold
+        every layer exactly once (the last copy of a layer is never dropped)."""
+        singles = {g.members[0] for g in self.groups if g.size == 1}
+        busy = sorted(m for g in groups for m in g.members if m not in singles)
+        if busy:
+            raise DropRefused(f"instances {busy} are not undropped instances of this pool")
+        plan = plan_forced(self.mem, groups)
+        merged = {m for g in plan.groups for m in g.members}
+        self.groups = sorted([g for g in self.groups if g.members[0] not in merged]
+                             + list(plan.groups), key=lambda g: g.members[0])
+        self.drops += 1
+        return Decision("drop", drop=plan)
+
+    def force_restore(self, leader: int) -> Decision:
+        """Split the group led by ``leader`` back into replicas now."""
+        group = next((g for g in self.groups if g.members[0] == leader and g.size > 1), None)
+        if group is None:
+            raise DropRefused(f"no group is led by instance {leader}")
+        restore = plan_restore(self.mem, [group])
+        self.groups = sorted([g for g in self.groups if g is not group] + list(restore.groups),
+                             key=lambda g: g.members[0])
+        self.restores += 1
+        return Decision("restore", restore=restore, restored_group=group)

@@ -36,7 +36,7 @@ import numpy as np
 from tetris.control.kunserve import KunServeController
 from tetris.control.kunserve_memory import InstanceLoad, InstanceMemory
 
-__all__ = ["POLICIES", "KunRequest", "KunServeSim", "PoolProfile"]
+__all__ = ["POLICIES", "KunRequest", "KunServeSim", "PoolProfile", "iteration_time"]
 
 POLICIES = ("queue", "recompute", "swap", "kunserve")
 
@@ -55,6 +55,20 @@ class PoolProfile(msgspec.Struct, frozen=True):
     bubble: float = 0.083            # KunServe §6.4, with lookahead
     max_batch: int = 256
     tick_s: float = 0.5              # the artifact's load-report interval
+
+
+def iteration_time(m: InstanceMemory, p: PoolProfile, g: int, b: int, ctx: int) -> float:
+    """One decode iteration of a unit of ``g`` members over ``b`` sequences holding ``ctx``
+    tokens (the module docstring's formulas); the EMULATION's emulated engines sleep it too."""
+    kv_tok = m.block_bytes / m.block_size
+
+    def t(bb, cc):
+        return m.param_bytes / p.hbm_bytes_per_s + bb * p.per_seq_s \
+            + cc * kv_tok / p.hbm_bytes_per_s
+    if g == 1:
+        return t(b, ctx)
+    act = b / g * p.activation_bytes_per_token / p.link_bytes_per_s
+    return t(b / g, ctx / g) * (1 + p.bubble) + g * act
 
 
 class KunRequest:
@@ -217,16 +231,7 @@ class KunServeSim:
         self._push(now + dur, 0, (u, batch, u.epoch))
 
     def _iteration(self, g: int, b: int, ctx: int) -> float:
-        p, m = self.prof, self.mem
-        kv_tok = m.block_bytes / m.block_size
-
-        def t(bb, cc):
-            return m.param_bytes / p.hbm_bytes_per_s + bb * p.per_seq_s \
-                + cc * kv_tok / p.hbm_bytes_per_s
-        if g == 1:
-            return t(b, ctx)
-        act = b / g * p.activation_bytes_per_token / p.link_bytes_per_s
-        return t(b / g, ctx / g) * (1 + p.bubble) + g * act
+        return iteration_time(self.mem, self.prof, g, b, ctx)
 
     def _grow(self, now: float, u: _Unit) -> None:
         """Decodes whose next token opens a block take one; preempt the newest when none."""

@@ -1,0 +1,127 @@
+"""EMULATION: one KunServe decode unit (an instance, or a group run as a pipeline).
+
+``PipelinedEmulatedEngine`` is an ``EmulatedDecodeEngine`` (no model, no KV tensors; the
+engine's own ``Batcher`` and ``BlockManager`` do admission, paged growth and preemption by
+recompute) whose step sleeps the time a caller-given model assigns to the unit's size, batch
+and context: for KunServe the simulator's pipelined iteration (``round = T(b/g, ctx/g) (1 +
+bubble) + g t_act``), so emulated and simulated units share one timing model. A group is one
+engine whose block manager holds the group's capacity (one block table serves every member,
+docs/kunserve.md); recomputed prompts (a preempted sequence re-admitted) add their prefill.
+
+``take`` and ``give`` move a decoding sequence between units with its blocks' worth of KV
+(the drop's and the restore's KV exchange): nothing is recomputed, ``give`` holds it out of
+the batch until its exchange has finished (``ready_at``).
+
+Thread use: the driver holds one lock around every call; ``step`` releases it (``lock``)
+while it sleeps, so reservations and commits go on during an iteration, as on a GPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+from collections.abc import Callable
+
+from tetris.engine.batcher import Batcher
+from tetris.engine.block_manager import BlockManager
+from tetris.engine.request import Sequence, SequenceStatus
+
+from .emulated import PLACEHOLDER_TOKEN, EmulatedDecodeEngine
+
+__all__ = ["PipelinedEmulatedEngine", "StepModel"]
+
+StepModel = Callable[[int, int, int], float]   # (members, batch, context tokens) -> seconds
+
+
+class PipelinedEmulatedEngine(EmulatedDecodeEngine):
+    def __init__(self, members: tuple[int, ...], *, num_blocks: int, block_size: int,
+                 max_batch: int, step_model: StepModel, prefill_s_per_token: float,
+                 time_scale: float = 1.0, lock: threading.Lock | None = None,
+                 vocab_size: int = 256, max_model_len: int = 1 << 20) -> None:
+        # EmulatedDecodeEngine.__init__ reads a DeploymentConfig; a unit is given its sizes.
+        self.members = members
+        self.step_model = step_model
+        self.prefill_s_per_token = prefill_s_per_token
+        self.time_scale = time_scale
+        self.sleep = time.sleep
+        self.lock = lock
+        self.model = self.runner = self.tokenizer = None
+        self.max_model_len, self.vocab_size = max_model_len, vocab_size
+        self.blocks = BlockManager(num_blocks, block_size)
+        self._usable_blocks = num_blocks
+        self.batcher = Batcher(self.blocks, max_num_seqs=max_batch * len(members),
+                               max_num_batched_tokens=num_blocks * block_size)
+        self.cache = None
+        self._rng = random.Random(0)
+        self._seqs: dict[str, Sequence] = {}
+        self._pending = []
+        self._ids = itertools.count()
+        self._eos = frozenset()
+        self.emulated_s = 0.0
+        self.steps = 0
+        self.held: list[tuple[float, Sequence]] = []    # arriving by KV exchange
+
+    def step_seconds(self, plan) -> float:
+        scheduled = plan.decodes + plan.prefills
+        context = sum(s.seq.num_tokens for s in scheduled)
+        recompute = sum(s.num_new_tokens for s in plan.prefills)
+        return (self.step_model(len(self.members), len(scheduled), context)
+                + recompute * self.prefill_s_per_token) * self.time_scale
+
+    def _execute(self, plan) -> tuple[list[Sequence], list[int]]:
+        seconds = self.step_seconds(plan)
+        if self.lock is not None:       # the iteration runs "on the GPU": others may go on
+            self.lock.release()
+        try:
+            self.sleep(seconds)
+        finally:
+            if self.lock is not None:
+                self.lock.acquire()
+        self.emulated_s += seconds
+        self.steps += 1
+        scheduled = plan.decodes + plan.prefills
+        sampling = [s.seq for s in scheduled if s.samples]
+        for sched in scheduled:
+            sched.seq.num_computed += sched.num_new_tokens
+        return sampling, [PLACEHOLDER_TOKEN] * len(sampling)
+
+    # -- KV exchange between units ------------------------------------------------------------
+    def take(self) -> list[tuple[Sequence, int]]:
+        """Every unfinished sequence leaves this unit with its state, and the blocks it held
+        here (its KV to exchange), which are freed."""
+        seqs = [*self.batcher.running, *self.batcher.ready, *self.batcher.waiting,
+                *(s for _, s in self.held)]
+        listed = {id(s) for s in seqs}
+        seqs += [s for s in self._seqs.values() if id(s) not in listed]   # prompts in prefill
+        out = []
+        for seq in seqs:
+            out.append((seq, len(seq.block_table)))
+            self.batcher.remove(seq)
+            self._seqs.pop(seq.request_id, None)
+        self.held = []
+        return out
+
+    def give(self, seq: Sequence, ready_at: float) -> None:
+        """Place ``seq`` here; a decoding one joins the batch at ``ready_at`` (its KV
+        exchange), a preempted one waits for re-admission (its KV is recomputed anyway)."""
+        self._seqs[seq.request_id] = seq
+        if seq.status is SequenceStatus.RECEIVING:     # its prompt's KV lands here
+            self.blocks.allocate(seq)
+        elif seq.num_computed == 0:
+            self.batcher.waiting.append(seq)
+        else:
+            self.blocks.allocate(seq)
+            self.held.append((ready_at, seq))
+
+    def release_held(self, now: float) -> float | None:
+        """Sequences whose exchange is over join the batch; the next ``ready_at``, if any."""
+        keep = []
+        for ready_at, seq in self.held:
+            if ready_at <= now:
+                self.batcher.add_prefilled(seq)
+            else:
+                keep.append((ready_at, seq))
+        self.held = keep
+        return min((t for t, _ in keep), default=None)

@@ -1,0 +1,339 @@
+"""EMULATION of a KunServe decode pool: emulated engines on the wall clock, the control plane's
+``KunServeController`` deciding drops and restores from their real block counts.
+
+What runs (one process, one thread per decode unit): each unit is a
+``PipelinedEmulatedEngine`` (actors/decode/kunserve_emulated.py): the engine's own batcher and
+block manager, its step sleeping the simulator's pipelined iteration time
+(``tetris.sim.kunserve.iteration_time``, same profile), so an emulated unit of g members takes
+the simulator's time for its batch. Around them, as in the served system's P/D shape:
+
+- the dispatcher (the arrival loop): FCFS, head never skipped, Llumnix routing to the unit
+  with the most free blocks, ``reserve`` of the prompt's blocks, then ``commit_prefilled``
+  after the prompt's prefill time (the prefill pool is not the bottleneck here);
+- the monitor (``kunserve`` only): every ``tick_s`` each unit's KV report (``InstanceLoad``
+  from its block manager) goes to ``KunServeController.decide``; a drop or restore waits for
+  the iterations in flight of the units it replaces, takes their sequences (``take``) and
+  gives them to the new units, held out of the batch for the KV exchange
+  (``bytes (g - 1) / g / link``, the simulator's formula).
+
+Policies: ``queue`` (blocks for the whole output promised at admission, never preempted),
+``recompute`` (the engine's own preemption, re-admitted prompts pay their prefill) and
+``kunserve`` (recompute plus the controller). ``swap`` has no emulated engine here. Times are
+multiplied by ``time_scale`` on the wall clock and divided back in the results.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import threading
+import time
+from collections import deque
+
+import numpy as np
+
+from tetris.actors.decode.kunserve_emulated import PipelinedEmulatedEngine
+from tetris.control.kunserve import KunServeController
+from tetris.control.kunserve_memory import InstanceLoad, InstanceMemory
+from tetris.sampling_params import SamplingParams
+from tetris.sim.kunserve import KunRequest, PoolProfile, iteration_time
+
+__all__ = ["EMULATED_POLICIES", "KunServeEmulation"]
+
+EMULATED_POLICIES = ("queue", "recompute", "kunserve")
+
+
+class _Unit:
+    def __init__(self, engine: PipelinedEmulatedEngine) -> None:
+        self.engine = engine
+        self.members = engine.members
+        self.step_lock = threading.Lock()     # held for a whole iteration
+        self.stopped = False
+        self.promised = 0                     # queue: blocks promised to admitted requests
+        self.thread: threading.Thread | None = None
+
+
+class KunServeEmulation:
+    def __init__(self, requests: list[KunRequest], mem: InstanceMemory, prof: PoolProfile,
+                 policy: str, *, time_scale: float = 1.0) -> None:
+        if policy not in EMULATED_POLICIES:
+            raise ValueError(f"policy {policy!r} is not one of {EMULATED_POLICIES}")
+        self.reqs, self.mem, self.prof, self.policy = requests, mem, prof, policy
+        self.scale = time_scale
+        self.lock = threading.Lock()
+        self.cv = threading.Condition(self.lock)
+        self.control = (KunServeController(mem, list(range(prof.instances)))
+                        if policy == "kunserve" else None)
+        self.units = [self._unit((i,), mem.kv_blocks) for i in range(prof.instances)]
+        self.waiting: deque[KunRequest] = deque()
+        self.unit_of: dict[int, _Unit] = {}
+        self.seq_of: dict[int, object] = {}
+        self.need: dict[int, int] = {}
+        self.prefills: list[tuple[float, int]] = []
+        self.done = 0
+        self.exchange_bytes = 0.0
+        self.dropped_layers_log: list[tuple[float, dict[int, int]]] = []
+        self.group_blocks_seen: dict[tuple[int, ...], int] = {}
+        self.t0 = 0.0
+        self.closing = False
+
+    @property
+    def controller(self) -> KunServeController | None:
+        return self.control
+
+    # -- time ---------------------------------------------------------------------------------
+    def now(self) -> float:
+        """Trace seconds since the start (wall clock / time scale)."""
+        return (time.monotonic() - self.t0) / self.scale
+
+    def _unit(self, members: tuple[int, ...], blocks: int) -> _Unit:
+        p = self.prof
+        engine = PipelinedEmulatedEngine(
+            members, num_blocks=blocks, block_size=self.mem.block_size, max_batch=p.max_batch,
+            step_model=lambda g, b, ctx: iteration_time(self.mem, p, g, b, ctx),
+            prefill_s_per_token=p.prefill_s_per_token, time_scale=self.scale, lock=self.lock)
+        return _Unit(engine)
+
+    # -- the run ------------------------------------------------------------------------------
+    def run(self) -> dict:
+        self.t0 = time.monotonic()
+        threads = [threading.Thread(target=self._prefill_loop, daemon=True)]
+        if self.control is not None:
+            threads.append(threading.Thread(target=self._monitor_loop, daemon=True))
+        for u in self.units:
+            self._start(u)
+        for t in threads:
+            t.start()
+        for r in self.reqs:
+            wait = r.arrival * self.scale - (time.monotonic() - self.t0)
+            if wait > 0:
+                time.sleep(wait)
+            with self.lock:
+                self.waiting.append(r)
+                self._admit()
+        with self.lock:
+            while self.done < len(self.reqs):
+                self.cv.wait(timeout=1.0)
+            self.closing = True
+            for u in self.units:
+                u.stopped = True
+            self.cv.notify_all()
+        for t in threads + [u.thread for u in self.units]:
+            t.join()
+        return self._result()
+
+    def _start(self, u: _Unit) -> None:
+        u.thread = threading.Thread(target=self._unit_loop, args=(u,), daemon=True)
+        u.thread.start()
+
+    def _unit_loop(self, u: _Unit) -> None:
+        e = u.engine
+        while True:
+            with self.lock:
+                if u.stopped:
+                    return
+                nxt = e.release_held(self.now())
+                if not self._runnable(e):
+                    timeout = 0.05 if nxt is None else max(0.0, nxt - self.now()) * self.scale
+                    self.cv.wait(timeout=timeout)
+                    continue
+            with u.step_lock, self.lock:
+                if u.stopped:
+                    return
+                outputs = e.step()     # releases self.lock while the iteration sleeps
+                now = self.now()
+                for out in outputs:
+                    if out.finished:
+                        self._finish(int(out.request_id), now)
+                self._admit()
+
+    @staticmethod
+    def _runnable(e: PipelinedEmulatedEngine) -> bool:
+        """Something to step: running or ready sequences, or a preempted one that fits now
+        (blocks still reserved for prompts in prefill can keep it out until they commit)."""
+        b = e.batcher
+        return bool(b.running or b.ready
+                    or (b.waiting and e.blocks.can_allocate(b.waiting[0].num_tokens + 1)))
+
+    def _finish(self, rid: int, now: float) -> None:
+        r = self.reqs[rid]
+        if not math.isnan(r.finish):
+            return
+        r.finish = now
+        self.unit_of[rid].promised -= self.need.get(rid, 0)
+        self.done += 1
+        self.cv.notify_all()
+
+    def _prefill_loop(self) -> None:
+        """The prefill pool: each reserved prompt's KV is in place after its prefill time."""
+        with self.lock:
+            while not self.closing:
+                now = self.now()
+                while self.prefills and self.prefills[0][0] <= now:
+                    _, rid = heapq.heappop(self.prefills)
+                    self._commit(rid, now)
+                nxt = self.prefills[0][0] if self.prefills else now + 0.05
+                self.cv.wait(timeout=max(0.0, nxt - now) * self.scale)
+
+    def _commit(self, rid: int, now: float) -> None:
+        r, u = self.reqs[rid], self.unit_of[rid]
+        u.engine.commit_prefilled(str(rid), u.engine.vocab_size - 1)
+        if math.isnan(r.first_token):
+            r.first_token = now      # the prefill samples the first token
+        if str(rid) not in u.engine._seqs:     # one-token output: done at the prefill
+            self._finish(rid, now)
+            self._admit()
+        self.cv.notify_all()
+
+    # -- the dispatcher -------------------------------------------------------------------------
+    def _free(self, u: _Unit) -> int:
+        if self.policy == "queue":
+            return u.engine.blocks.num_blocks - u.promised
+        return u.engine.blocks.num_free_blocks
+
+    def _admit(self) -> None:
+        """FCFS with the head never skipped, to the open unit with the most free blocks; a unit
+        whose own preempted sequences wait is closed until they are back."""
+        bs = self.mem.block_size
+        while self.waiting:
+            r = self.waiting[0]
+            open_units = [u for u in self.units if not u.stopped and not u.engine.batcher.waiting
+                          and len(u.engine._seqs) < self.prof.max_batch * len(u.members)]
+            if not open_units:
+                return
+            u = max(open_units, key=lambda x: (self._free(x), -x.members[0]))
+            tokens = r.prompt + r.output if self.policy == "queue" else r.prompt + 1
+            need = -(-tokens // bs)
+            if need > self._free(u):
+                return
+            self.waiting.popleft()
+            if len(u.members) == 1 and r.home < 0:
+                r.home = u.members[0]
+            params = SamplingParams(max_tokens=r.output, ignore_eos=True)
+            u.engine.reserve(str(r.rid), [1] * r.prompt, params)
+            self.seq_of[r.rid] = u.engine._seqs[str(r.rid)]
+            self.unit_of[r.rid] = u
+            if self.policy == "queue":
+                self.need[r.rid] = need
+                u.promised += need
+            heapq.heappush(self.prefills, (self.now() + r.prompt * self.prof.prefill_s_per_token,
+                                           r.rid))
+            self.cv.notify_all()
+
+    # -- the monitor and the regrouping ----------------------------------------------------------
+    def _load(self, u: _Unit, queued: int, total: int) -> InstanceLoad:
+        """A unit's KV report, read from its block manager (as ``KunServeSim._tick``)."""
+        b = u.engine.blocks
+        growth = sum(1 for s in u.engine.batcher.running
+                     if b.blocks_needed(s.num_tokens + 1) > len(s.block_table))
+        return InstanceLoad(b.num_blocks, b.num_blocks - b.num_free_blocks, growth,
+                            queued * b.num_blocks // total)
+
+    def _monitor_loop(self) -> None:
+        tick = self.prof.tick_s
+        k = 1
+        while True:
+            wait = k * tick * self.scale - (time.monotonic() - self.t0)
+            if wait > 0:
+                time.sleep(wait)
+            k += 1
+            with self.lock:
+                if self.closing:
+                    return
+                bs = self.mem.block_size
+                queued = sum(-(-(r.prompt + 1) // bs) for r in self.waiting)
+                total = sum(u.engine.blocks.num_blocks for u in self.units)
+                loads = {u.members[0]: self._load(u, queued, total) for u in self.units}
+                if self.control.decide(loads) is None:
+                    continue
+            self.regroup()
+
+    def regroup(self) -> None:
+        """Make the units match ``control.groups`` (after a decision or an operator's action):
+        the units to replace finish their iteration in flight first."""
+        while True:
+            with self.lock:
+                member_sets = [g.members for g in self.control.groups]
+                old = [u for u in self.units if u.members not in member_sets]
+            if not old:
+                return
+            for u in old:
+                u.step_lock.acquire()
+            try:
+                with self.lock:
+                    if [g.members for g in self.control.groups] != member_sets:
+                        continue           # changed meanwhile (the monitor, or an operator)
+                    self._move(old, member_sets)
+                    self.dropped_layers_log.append((self.now(), self.control.dropped_layers()))
+                    self._admit()
+                    self.cv.notify_all()
+                    return
+            finally:
+                for u in old:
+                    u.step_lock.release()
+
+    def unit_blocks(self) -> dict[int, int]:
+        """KV blocks of each serving unit, by leader (``tetris:kunserve_kv_capacity_blocks``)."""
+        with self.lock:
+            return {u.members[0]: u.engine.blocks.num_blocks for u in self.units}
+
+    def close(self) -> None:
+        """Stop the unit threads of a driver that was not ``run`` (admin-route use)."""
+        with self.lock:
+            self.closing = True
+            for u in self.units:
+                u.stopped = True
+            self.cv.notify_all()
+        for u in self.units:
+            if u.thread is not None:
+                u.thread.join()
+
+    def _move(self, old: list[_Unit], member_sets: list[tuple[int, ...]]) -> None:
+        kept = {u.members: u for u in self.units if u not in old}
+        fresh = []
+        for members in member_sets:
+            if members not in kept:
+                group = self.control.group_of(members[0])
+                held = [e - s for s, e in group.layer_ranges]
+                blocks = (self.mem.group_kv_blocks(held) if len(members) > 1
+                          else self.mem.kv_blocks)
+                fresh.append(self._unit(members, blocks))
+                if len(members) > 1:
+                    self.group_blocks_seen[members] = blocks
+        g = max(len(m) for m in [*(u.members for u in old), *(u.members for u in fresh)])
+        now = self.now()
+        for o in old:
+            o.stopped = True
+            for seq, blocks in o.engine.take():
+                rid = int(seq.request_id)
+                u = self._target(self.reqs[rid], blocks, fresh)
+                nbytes = blocks * self.mem.block_bytes * (g - 1) / g
+                self.exchange_bytes += nbytes
+                u.engine.give(seq, now + nbytes / self.prof.link_bytes_per_s)
+                self.unit_of[rid] = u
+        self.units = sorted([*kept.values(), *fresh], key=lambda u: u.members[0])
+        for u in fresh:
+            self._start(u)
+
+    def _target(self, r: KunRequest, blocks: int, fresh: list[_Unit]) -> _Unit:
+        homes = [u for u in fresh if r.home in u.members]
+        if homes and homes[0].engine.blocks.num_free_blocks >= blocks:
+            return homes[0]
+        return max(fresh, key=lambda x: (x.engine.blocks.num_free_blocks, -x.members[0]))
+
+    # -- results ------------------------------------------------------------------------------
+    def _result(self) -> dict:
+        ttft = np.array([r.first_token - r.arrival for r in self.reqs])
+        tpot = np.array([(r.finish - r.first_token) / (r.output - 1)
+                         for r in self.reqs if r.output > 1])
+        return {"policy": self.policy, "mode": "EMULATION", "requests": len(self.reqs),
+                "unfinished": int(sum(math.isnan(r.finish) for r in self.reqs)),
+                "p50_ttft": float(np.nanpercentile(ttft, 50)),
+                "p99_ttft": float(np.nanpercentile(ttft, 99)),
+                "p50_tpot": float(np.nanpercentile(tpot, 50)),
+                "p99_tpot": float(np.nanpercentile(tpot, 99)),
+                "preemptions": sum(s.num_preemptions for s in self.seq_of.values()),
+                "drops": self.control.drops if self.control else 0,
+                "restores": self.control.restores if self.control else 0,
+                "refusals": len(self.control.refusals) if self.control else 0,
+                "exchange_gb": self.exchange_bytes / 1e9}
