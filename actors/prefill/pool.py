@@ -51,6 +51,7 @@ from tetris.actors.prefill.layout import plan_layout
 from tetris.actors.prefill.messages import (BalanceMode, ChunkResult, PrefillPlanOutdated,
                                             PrefillResult)
 from tetris.actors.prefill.prefix import adopt_prefix
+from tetris.actors.prefill.tp import check_streaming
 from tetris.actors.prefill.wiring import TransferWiring
 from tetris.actors.prefill.worlds import WorldKeeper
 from tetris.config import DeploymentConfig, TransferConfig
@@ -370,6 +371,7 @@ class PrefillPool:
     # -- KV streaming -------------------------------------------------------------------------
     def enable_transfer(self, config: TransferConfig) -> dict[int, AgentInfo]:
         """Start every worker's send side; instance -> its agent's info."""
+        check_streaming(self.deployment)   # TP instances stream whole head slices (tp.py)
         return self._wiring.enable(self.workers, config)
 
     def connect_receivers(self, peers: dict[int, tuple]) -> None:

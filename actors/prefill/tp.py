@@ -56,6 +56,7 @@ __all__ = [
     "TP_GROUP_TIMEOUT_S",
     "Followers",
     "SliceWorld",
+    "check_streaming",
     "concat_heads",
     "join_instance_group",
     "merge_states",
@@ -299,6 +300,21 @@ def own_receivers(receivers: tuple[int, ...], tp_rank: int, tp_size: int) -> tup
                          f"{n} receivers {tuple(receivers)} must be a multiple of {tp_size}")
     k = n // tp_size
     return tuple(receivers[tp_rank * k:(tp_rank + 1) * k])
+
+
+def check_streaming(deployment) -> None:
+    """Refuse, when the pool's send side starts, a deployment whose decode instances have a
+    number of receivers (TP ranks) that TP prefill instances cannot stream whole head slices
+    to (``own_receivers``)."""
+    from tetris.errors import ConfigError
+
+    tp = workers_per_instance(deployment.prefill)
+    dc = deployment.decode
+    receivers = 1 if dc.executor == "emulated" else dc.tp_size
+    if tp > 1 and receivers % tp:
+        raise ConfigError(f"prefill.tp_size = {tp}: each prefill TP rank streams whole KV head "
+                          f"slices, so a decode instance's {receivers} TP ranks (decode.tp_size)"
+                          f" must be a multiple of {tp}")
 
 
 def merge_states(states: list[dict]) -> dict:

@@ -96,3 +96,23 @@ def test_the_instance_kv_is_its_ranks_head_slices_side_by_side():
     assert torch.equal(got[0], pos) and torch.equal(got[1], k) and torch.equal(got[2], v)
     with pytest.raises(RuntimeError, match="different positions"):
         concat_heads([parts[0], (torch.tensor([3, 4, 10]), *parts[1][1:])])
+
+
+def test_streaming_needs_decode_ranks_a_multiple_of_the_prefill_tp():
+    import msgspec
+
+    from tetris.actors.prefill.tp import check_streaming
+    from tetris.errors import ConfigError
+
+    cfg = load_deployment("tiny-cpu.toml")   # decode TP 2
+
+    def with_tp(prefill_tp: int, decode_tp: int):
+        return msgspec.structs.replace(
+            cfg, prefill=msgspec.structs.replace(cfg.prefill, tp_size=prefill_tp),
+            decode=msgspec.structs.replace(cfg.decode, tp_size=decode_tp))
+
+    for prefill_tp, decode_tp in [(1, 1), (1, 2), (2, 2), (2, 4), (4, 4)]:
+        check_streaming(with_tp(prefill_tp, decode_tp))
+    for prefill_tp, decode_tp in [(2, 1), (2, 3), (4, 2)]:
+        with pytest.raises(ConfigError, match=rf"prefill.tp_size = {prefill_tp}.* {decode_tp} TP"):
+            check_streaming(with_tp(prefill_tp, decode_tp))
