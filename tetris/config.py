@@ -305,8 +305,13 @@ class PrefixCacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     enabled: bool = False
     block_tokens: int = 16
     capacity_blocks: int = 4096
+    # finished runs each decode instance keeps the KV of, for a conversation's next turn
+    # (tetris/control/decode_kept.py); 0: no decode-side reuse
+    decode_runs: int = 0
 
     def __post_init__(self) -> None:
+        if self.decode_runs < 0:
+            raise ValueError(f"prefix_cache.decode_runs must be >= 0, got {self.decode_runs}")
         if self.block_tokens <= 0 or self.capacity_blocks < 0:
             raise ValueError("prefix_cache.block_tokens must be positive and capacity_blocks "
                              f">= 0, got {self.block_tokens} and {self.capacity_blocks}")

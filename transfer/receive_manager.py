@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from tetris.config import TransferConfig
@@ -29,7 +30,10 @@ from tetris.transfer.protocol import (IncomingRequest, IncomingShard, ReceiveBac
 from tetris.transfer.states import (ChunkArrived, FirstTokenIn, MessageRejected, RequestReady, TransferEvent,
                                     TransferFailed, TransferState)
 
-__all__ = ["ReceiveManager", "BlockAllocator", "SimpleBlockAllocator"]
+__all__ = ["PRESET_CHUNK", "BlockAllocator", "ReceiveManager", "SimpleBlockAllocator"]
+
+# The chunk index ``preset`` counts its positions under (the prefill's cached prefix is -1).
+PRESET_CHUNK = -2
 
 
 class BlockAllocator(Protocol):
@@ -104,6 +108,17 @@ class ReceiveManager:
     def reserve(self, request_id: str, prompt_tokens: int, now: float) -> bool:
         """Allocate the request's blocks ahead of its first handshake (e.g. by the router)."""
         return self._get_or_create(request_id, prompt_tokens, now) is not None
+
+    def preset(self, request_id: str, upto: int) -> None:
+        """Positions ``[0, upto)`` of every layer are already in the request's blocks (copied
+        from a kept run: prefix caching's decode side); no shard may claim them."""
+        req = self.requests[request_id]
+        if not 0 < upto < req.prompt_tokens or req.shards:
+            raise ValueError(f"{request_id}: cannot preset [0, {upto}) of {req.prompt_tokens} "
+                             f"positions with {len(req.shards)} shards open")
+        req.claimed[:upto] = True
+        for layer in range(req.coverage.shape[0]):
+            req.cover(layer, np.arange(upto), PRESET_CHUNK)
 
     def deliver(self, msg: ControlMessage, now: float) -> None:
         if isinstance(msg, Handshake):

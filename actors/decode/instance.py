@@ -186,17 +186,23 @@ class DecodeInstance:
 
     # -- requests -------------------------------------------------------------------------
     async def reserve(self, request_id: str, prompt_token_ids, sampling: SamplingParams,
-                      generated=()) -> None:
+                      generated=(), *, keep: bool = False, prefix_from: str = "",
+                      prefix_tokens: int = 0) -> None:
         """Hold blocks on every rank for a prompt prefilled elsewhere; ``DecodeFull`` if no room.
 
         ``generated``: output tokens the client already has (resuming a request whose instance
         was lost); the prefill computes their KV with the prompt's, and the outputs go on
-        from them (their ``num_tokens`` counts them)."""
+        from them (their ``num_tokens`` counts them).
+
+        Prefix caching's decode side (engine/kept_kv.py): ``keep`` keeps the KV once the request
+        finishes (``drop_kept`` frees it); ``prefix_from`` is a kept run whose positions
+        ``[0, prefix_tokens)`` are copied to this request instead of streamed."""
         prompt = compact_tokens(prompt_token_ids)
         generated = tuple(int(t) for t in generated)
         req = self._open(request_id, receiving=True)
         req.num_tokens = len(generated)
-        self._book.submit(Reserve(request_id, prompt, sampling, generated))
+        self._book.submit(Reserve(request_id, prompt, sampling, generated, keep=keep,
+                                  prefix_from=prefix_from, prefix_tokens=prefix_tokens))
         await req.admitted
 
     async def add(self, request_id: str, prompt_token_ids, sampling: SamplingParams) -> None:
@@ -272,6 +278,10 @@ class DecodeInstance:
             return
         req.aborting = True
         self._book.submit(Abort(request_id, reason))
+
+    def drop_kept(self, run_id: str) -> None:
+        """Free a finished run's kept KV on every rank (an abort of it; idempotent)."""
+        self._book.submit(Abort(run_id, "dropped from the prefix cache"))
 
     def stats(self) -> EngineStats | None:
         """The last engine stats (rank 0), for the decode router; None before the first round."""

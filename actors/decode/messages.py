@@ -32,6 +32,11 @@ class Reserve(msgspec.Struct, frozen=True, tag="reserve"):
     # elastic decode (actors/decode/elastic.py): this instance masters the request and holds
     # only positions [kv_start, n); the KV arrives in range-local positions
     kv_start: int = 0
+    # prefix caching's decode side (engine/kept_kv.py): keep the KV once finished (``keep``);
+    # positions [0, prefix_tokens) are copied from the kept run ``prefix_from`` and not streamed
+    keep: bool = False
+    prefix_from: str = ""
+    prefix_tokens: int = 0
 
 
 class Commit(msgspec.Struct, frozen=True, tag="commit"):
@@ -111,6 +116,7 @@ class RankHeld(msgspec.Struct, frozen=True):
     backends_held: list[int]
     free_blocks: int
     total_blocks: int
+    kept: list[str] = []   # finished runs whose KV is kept for a later prefix (kept_kv.py)
 
     @property
     def empty(self) -> bool:

@@ -109,6 +109,7 @@ class DecodeRank:
         self._leader: Leader | None = None
         self._follower: Follower | None = None
         self.elastic: ElasticMember | None = None   # once joined (actors/decode/elastic.py)
+        self.kept = None   # engine/kept_kv.py's KeptKV: prefix caching's decode side
 
     # -- setup ----------------------------------------------------------------------------
     def rendezvous(self) -> tuple[str, int]:
@@ -295,20 +296,37 @@ class DecodeRank:
             stats = engine.stats()
             return Rejected(cmd.request_id, f"{kv_tokens} prompt tokens do not fit "
                             f"{stats.free_blocks} free blocks of {stats.block_size}", full=True)
+        kept = self._kept() if cmd.keep or cmd.prefix_tokens else None
+        if cmd.prefix_tokens and not kept.covers(cmd.prefix_from, cmd.prompt_token_ids,
+                                                 cmd.prefix_tokens):
+            return Rejected(cmd.request_id, f"no kept KV of {cmd.prefix_from!r} holding the "
+                            f"prompt's first {cmd.prefix_tokens} tokens here")
         # Under the pump's lock: no handshake may see the engine's blocks before the manager does.
         with self.pump.locked() as manager:
-            self._blocks.lend(engine.reserve_blocks(cmd.request_id, cmd.prompt_token_ids,
-                                                    cmd.sampling, cmd.generated,
-                                                    kv_start=cmd.kv_start))
+            table = engine.reserve_blocks(cmd.request_id, cmd.prompt_token_ids, cmd.sampling,
+                                          cmd.generated, kv_start=cmd.kv_start)
+            self._blocks.lend(table)
             try:
                 ok = manager.reserve(cmd.request_id, kv_tokens, time.monotonic())
+                if ok and cmd.prefix_tokens:   # copied here, so not streamed (kept_kv.py)
+                    kept.copy_prefix(cmd.prefix_from, table, cmd.prefix_tokens)
+                    manager.preset(cmd.request_id, cmd.prefix_tokens)
             finally:
                 self._blocks.lend(None)
             if not ok:
                 engine.abort_request(cmd.request_id)
                 return Rejected(cmd.request_id, "the receive manager refused the reservation "
                                 "(request id already used for a transfer)")
+        if cmd.keep:
+            kept.want(cmd.request_id)
         return None
+
+    def _kept(self):
+        if self.kept is None:
+            from tetris.engine.kept_kv import KeptKV
+
+            self.kept = KeptKV(self._engine())
+        return self.kept
 
     def _abort(self, request_id: str, reason: str) -> None:
         # Receive side first, under the pump's lock: once it returns no piece can land in the
@@ -317,6 +335,8 @@ class DecodeRank:
             with self.pump.locked() as manager:
                 manager.abort(request_id, reason, time.monotonic())
         self._engine().abort_request(request_id)
+        if self.kept is not None:   # a kept run's KV is freed by an abort too
+            self.kept.drop(request_id)
 
     # -- introspection --------------------------------------------------------------------
     @ray.method(concurrency_group=TRANSFER_GROUP)
@@ -344,7 +364,8 @@ class DecodeRank:
                             if b.holder is not None or b.credits]
         return RankHeld(engine_requests=s.running + s.waiting + s.ready + s.receiving,
                         receiving=receiving, backends_held=backends, free_blocks=s.free_blocks,
-                        total_blocks=s.total_blocks)
+                        total_blocks=s.total_blocks,
+                        kept=sorted(self.kept.runs) if self.kept is not None else [])
 
     def shutdown(self) -> None:
         if self._leader is not None:

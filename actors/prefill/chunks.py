@@ -33,6 +33,8 @@ class RunOptions(NamedTuple):
     kv_receivers: tuple[int, ...]
     on_chunk_start: Callable[[int], None] | None
     on_chunk_end: Callable[[int, bool], None] | None
+    # False: the decode instance has the cached prefix already (prefix caching's decode side)
+    prefix_streamed: bool = True
 
 
 class ChunkFailed(Exception):

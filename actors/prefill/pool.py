@@ -162,12 +162,15 @@ class PrefillPool:
             sampling: SamplingParams | None = None, return_logits: bool = False,
             balance: BalanceMode | None = None, kv_receivers: tuple[int, ...] = (),
             on_chunk_start: Callable[[int], None] | None = None,
-            on_chunk_end: Callable[[int, bool], None] | None = None) -> PrefillResult:
+            on_chunk_end: Callable[[int, bool], None] | None = None,
+            prefix_streamed: bool = True) -> PrefillResult:
         """Execute a plan; returns the first token. Raises PlanError / PrefillError.
 
         Commits the plan unless ``commit`` did. Each chunk waits for its turn on its members;
         ``on_chunk_start(k)`` runs right before chunk ``k``'s prepare, ``on_chunk_end(k, ok)``
-        after its execute (or its failure), both in this thread.
+        after its execute (or its failure), both in this thread. ``prefix_streamed=False``: the
+        decode instance has the cached prefix already (prefix caching's decode side), only the
+        chunks stream.
         """
         plan.validate(self.size)
         token_ids = compact_tokens(token_ids)   # no copy for the dispatcher's int32 array
@@ -178,7 +181,8 @@ class PrefillPool:
                 raise PlanError(f"plan {plan.request_id} is for {plan.prompt_tokens} tokens, "
                                 f"the prompt has {len(token_ids)}")
             opts = RunOptions(balance or self.balance, sampling, return_logits,
-                              tuple(kv_receivers), on_chunk_start, on_chunk_end)
+                              tuple(kv_receivers), on_chunk_start, on_chunk_end,
+                              prefix_streamed)
             return self._run_chunks(plan, token_ids, opts)
         finally:
             self._tickets.finish(plan.request_id)

@@ -52,7 +52,8 @@ def adopt_prefix(pool, plan: PrefillPlan, opts) -> dict[int, Ranges]:
     got = pool._on_workers(
         [workers[i] for i in holders],
         lambda w: w.adopt_prefix.remote(plan.cached_source, plan.request_id, plan.cached_tokens,
-                                        plan.prompt_tokens, tuple(opts.kv_receivers)))
+                                        plan.prompt_tokens,
+                                        tuple(opts.kv_receivers) if opts.prefix_streamed else ()))
     held = {i: tuple(tuple(r) for r in (ranges or ())) for i, ranges in zip(holders, got)}
     parts = [r for ranges in held.values() for r in ranges]
     whole = ((0, plan.cached_tokens),)

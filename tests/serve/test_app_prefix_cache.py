@@ -34,6 +34,7 @@ def _write_deployment(tmp) -> str:
 enabled = true
 block_tokens = 16
 capacity_blocks = 48
+decode_runs = 4
 """)
 
 
@@ -118,6 +119,10 @@ def test_shared_prefixes_are_served_from_the_cache_token_for_token(app):
     # the second turn hits q1's 640 tokens (its answer's tokens were never prefilled).
     assert cached == [0, 592, len(q1) - 1, 640], cached
     assert cache["enabled"] and cache["hits"] == 3 and cache["queries"] == 4
+    # The decode side: q2, q1 again and the second turn were routed to the instance keeping
+    # q1's run (prompt and answer but its last token), which copied their cached prefix from
+    # it; the prefill pool streamed only what it computed.
+    assert (cache["decode_reuses"], cache["decode_reused_tokens"]) == (3, 592 + 639 + 640), cache
     metrics = httpx.get(f"{base}/metrics", timeout=60).text
     assert "tetris:prefix_cache_hits_total" in metrics
     cleared = httpx.delete(f"{base}/admin/prefix_cache", timeout=60).json()
@@ -161,10 +166,13 @@ def _wait_idle(base, want) -> dict:
 
 
 def _nothing_in_flight(held) -> bool:
+    """Idle, but for what the prefix cache keeps (prefill runs, decode runs' KV)."""
     d = held["dispatcher"]
     return (d["inflight"] == d["queue_bookings"] == d["virtual_usage"] == d["prefix_refs"] == 0
             and d["cleanups"] == 0
-            and all(rank["empty"] for inst in held["decode"] for rank in inst["ranks"]))
+            and all(rank["engine_requests"] == 0 and not rank["receiving"]
+                    and not rank["backends_held"] for inst in held["decode"]
+                    for rank in inst["ranks"]))
 
 
 def test_partial_eviction_interleaving_and_aborts_stay_exact_and_leak_nothing(app):
@@ -212,6 +220,11 @@ def test_partial_eviction_interleaving_and_aborts_stay_exact_and_leak_nothing(ap
     assert cache["consistent"] is True and cache["referenced_blocks"] == 0, cache
     on_pool = {run for runs in held["prefill"].values() for run in runs}
     assert on_pool == set(cache["source_runs"]) and on_pool, (on_pool, cache)
+    # every decode rank keeps exactly the runs the dispatcher records, no aborted one
+    kept = {str(i): sorted(inst["ranks"][0]["kept"]) for i, inst in enumerate(held["decode"])}
+    assert all(rank["kept"] == kept[str(i)] for i, inst in enumerate(held["decode"])
+               for rank in inst["ranks"])
+    assert {i: r for i, r in kept.items() if r} == cache["decode_kept"], (kept, cache)
     cleared = httpx.delete(f"{base}/admin/prefix_cache", timeout=60).json()
     assert cleared["blocks"] == cleared["sources"] == 0 and cleared["consistent"] is True
     idle, held = _held_idle(base)

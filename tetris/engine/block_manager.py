@@ -33,6 +33,8 @@ class BlockManager:
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
         self._owner: dict[int, str] = {}
+        # Prefix caching's decode side (engine/kept_kv.py): True keeps a freed sequence's blocks.
+        self.keeper = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -69,11 +71,21 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Return every block of ``seq``; a sequence holding none is a no-op."""
+        if self.keeper is not None and seq.block_table and self.keeper(seq):
+            seq.block_table = []   # still owned by it: kept for a later request's prefix
+            return
         for block in seq.block_table:
             if self._owner.pop(block, None) != seq.request_id:
                 raise RuntimeError(f"block {block} freed by {seq.request_id} but not owned by it")
             self._free.append(block)
         seq.block_table = []
+
+    def free_owned(self, owner: str, blocks) -> None:
+        """Return ``blocks`` kept under ``owner`` (engine/kept_kv.py)."""
+        for block in blocks:
+            if self._owner.pop(block, None) != owner:
+                raise RuntimeError(f"block {block} freed by {owner} but not owned by it")
+            self._free.append(block)
 
     def reserve(self, owner: str) -> int:
         """Take one block out of circulation for good (e.g. the CUDA graphs' scratch slots)."""

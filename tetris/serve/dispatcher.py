@@ -111,6 +111,7 @@ class Dispatcher(DispatcherAdmin):
                                     improvement_rate=sc.improvement_rate,
                                     monitor=self._make_monitor(rate_table),
                                     prefix_index=prefix_cache.make_index(deployment.prefix_cache))
+        self.decode_kept = prefix_cache.make_decode_kept(deployment.prefix_cache)
         if metrics is not None:
             for i in range(self.control.router.num_instances):
                 metrics.set_decode_up(i, True)
@@ -194,7 +195,9 @@ class Dispatcher(DispatcherAdmin):
             # cancels the handle calls a cancelled request made (it finds them through the
             # context), which would cancel the very aborts that free the request's KV. The loop
             # keeps only a weak reference to a task, so the dispatcher holds it until done.
-            task = asyncio.get_running_loop().create_task(self._cleanup(rid, tl),
+            drops = prefix_cache.finished_run(self, req, attempt_id(rid, tl.retries), tl,
+                                              sent.token_ids, tl.outcome in _COMPLETED)
+            task = asyncio.get_running_loop().create_task(self._cleanup(rid, tl, drops),
                                                           context=contextvars.Context())
             self._cleanups.add(task)
             task.add_done_callback(self._cleanups.discard)
@@ -211,15 +214,19 @@ class Dispatcher(DispatcherAdmin):
         if resumed:
             prompt = compact_tokens(prompt) + TokenIds("i", resumed)
         sent.stage = "routing"
+        run_kw: dict = {}   # the prefix already on the decode instance: not streamed
         if tl.retries:
             instance = await self._reroute(req, aid, tl, sent)
             sent.stage = "planning"
             plan = await self._plan(aid, len(prompt), tl, prompt)
+        elif (kept := await prefix_cache.route_to_kept(self, req, aid, tl)) is not None:
+            instance, plan, run_kw = kept
         else:
             # The decode instance reserves the request's blocks while the plan is made.
             instance = self._route(req, aid, tl)
             reserving = asyncio.ensure_future(
-                self.decode.reserve(instance, aid, req.prompt_token_ids, req.sampling))
+                self.decode.reserve(instance, aid, req.prompt_token_ids, req.sampling,
+                                    **prefix_cache.keep_kw(self)))
             sent.stage = "planning"
             try:
                 plan = await self._plan(aid, len(prompt), tl, prompt)
@@ -232,7 +239,7 @@ class Dispatcher(DispatcherAdmin):
             await reserving
         sent.stage = "prefill"
         result = await self.prefill.run(plan, prompt, req.sampling,
-                                        self.decode.receiver_ids(instance))
+                                        self.decode.receiver_ids(instance), **run_kw)
         if not resumed:   # the run that gives the client its first token times the TTFT
             tl.prefill_end = self.clock()
             tl.prefill_start = tl.prefill_end - float(result.elapsed_s)
@@ -390,12 +397,14 @@ class Dispatcher(DispatcherAdmin):
         if not prefix_cache.retained(self.control, aid):   # else the cache's, until let go
             await self.prefill.release(aid)
 
-    async def _cleanup(self, rid: str, tl: RequestTimeline) -> None:
-        """Free everything the request still holds; every step is idempotent."""
+    async def _cleanup(self, rid: str, tl: RequestTimeline, drops=()) -> None:
+        """Free everything the request still holds (and the decode KV the prefix cache let
+        go for it: ``drops``); every step is idempotent."""
         tl.finished = self.clock()
         self._inflight.pop(rid, None)
         await self._free(attempt_id(rid, tl.retries), tl.decode_instance,
                          completed=tl.outcome in _COMPLETED)
+        await prefix_cache.drop_kept(self.decode, drops)
         self.timelines.append(tl)
 
     async def _free(self, aid: str, decode_instance: int, *, completed: bool) -> None:

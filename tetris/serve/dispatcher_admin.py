@@ -74,6 +74,8 @@ class DispatcherAdmin:
         """Route new requests to decode ``instance`` again, or stop (it broke and is being
         restarted); requests already there end as the instance lets them."""
         self.control.set_decode_up(int(instance), bool(up))
+        if not up and getattr(self, "decode_kept", None) is not None:
+            self.decode_kept.lost(int(instance))   # restarted: its kept KV is gone
         if self.metrics is not None:
             self.metrics.set_decode_up(int(instance), bool(up))
 
@@ -99,8 +101,9 @@ class DispatcherAdmin:
         from tetris.serve import prefix_cache
 
         if clear:
-            return await prefix_cache.clear(self.control, self.prefill)
-        return prefix_cache.view(self.control)
+            return await prefix_cache.clear(self.control, self.prefill, self.decode,
+                                            self.decode_kept)
+        return prefix_cache.view(self.control, self.decode_kept)
 
     def held(self) -> dict:
         """What is still reserved on the control side (zero everywhere when idle)."""

@@ -30,9 +30,9 @@ class PrefillHandleClient:
     async def busy_for(self) -> list[float]:
         return await self.h.busy_for.remote()
 
-    async def run(self, plan, token_ids, sampling, kv_receivers):
+    async def run(self, plan, token_ids, sampling, kv_receivers, **prefix):
         try:
-            return await self.h.run.remote(plan, token_ids, sampling, kv_receivers)
+            return await self.h.run.remote(plan, token_ids, sampling, kv_receivers, **prefix)
         except Exception as e:
             raise as_lost(e) from None
 
@@ -53,9 +53,9 @@ class DecodeHandleClient:
     def receiver_ids(self, instance: int) -> tuple[int, ...]:
         return self.receivers[instance]
 
-    async def reserve(self, instance, request_id, prompt, sampling, generated=()) -> None:
+    async def reserve(self, instance, request_id, prompt, sampling, generated=(), **prefix) -> None:
         try:
-            await self.h.reserve.remote(instance, request_id, prompt, sampling, generated)
+            await self.h.reserve.remote(instance, request_id, prompt, sampling, generated, **prefix)
         except Exception as e:
             from tetris.actors.decode.instance import DecodeError, DecodeFull
 
@@ -85,6 +85,9 @@ class DecodeHandleClient:
 
     async def abort(self, instance, request_id) -> None:
         await self.h.abort.remote(instance, request_id)
+
+    async def drop_kept(self, instance, run_id) -> None:
+        await self.h.drop_kept.remote(instance, run_id)
 
     async def stats(self) -> list:
         return await self.h.stats.remote()

@@ -66,10 +66,10 @@ class PrefillPoolServer:
     async def busy_for(self) -> list[float]:
         return self.pool.busy_for()
 
-    async def run(self, plan, token_ids, sampling, kv_receivers):
+    async def run(self, plan, token_ids, sampling, kv_receivers, prefix_streamed=True):
         # token_ids: the dispatcher's int32 array, handed on as is (the pool slices it)
         return await self._call(self.pool.run, plan, token_ids, sampling=sampling,
-                                kv_receivers=tuple(kv_receivers))
+                                kv_receivers=tuple(kv_receivers), prefix_streamed=prefix_streamed)
 
     async def release(self, request_id: str) -> None:
         await self._call(self.pool.release, request_id)
@@ -132,8 +132,12 @@ class DecodePoolServer:
         return {rid: (rank, info) for rid, rank, info in zip(inst.receiver_ids, inst.ranks, infos)}
 
     async def reserve(self, instance: int, request_id: str, prompt, sampling,
-                      generated=()) -> None:
-        await self.instances[instance].reserve(request_id, prompt, sampling, generated)
+                      generated=(), **prefix) -> None:
+        # prefix: keep / prefix_from / prefix_tokens (prefix caching's decode side)
+        await self.instances[instance].reserve(request_id, prompt, sampling, generated, **prefix)
+
+    async def drop_kept(self, instance: int, run_id: str) -> None:
+        self.instances[instance].drop_kept(run_id)
 
     async def commit(self, instance: int, request_id: str, first_token: int,
                      logprob=None) -> None:

@@ -87,3 +87,33 @@ def test_heads_split_over_two_decode_ranks():
         head = 0 if r == 5 else 1
         assert t.shape == (8, 2, 1, D)
         assert torch.equal(t, kv[layer][:8, :, head:head + 1])
+
+
+def test_a_prefix_preset_on_the_receiver_is_not_streamed_and_cannot_be_claimed():
+    # Prefix caching's decode side: the decode rank copied [0, 36) from a kept run and presets
+    # it; only the chunk [36, 50) streams, and the request is ready from it alone. A shard
+    # claiming a preset position (a prefix streamed after all) is refused.
+    from tetris.transfer.states import MessageRejected
+
+    total, cached = 50, 36
+    kv = source_kv(total, seed=5)
+    c = Cluster(1, CONFIG)
+    assert c.receiver.reserve("run", total, c.now)
+    c.receiver.preset("run", cached)
+    c.receiver.reserve("dup", total, c.now)
+    c.receiver.preset("dup", cached)
+    for rid, start in (("run", cached), ("dup", cached - 4)):
+        c.senders[0].add_shard(request_id=rid, chunk_index=0, receiver_id=0, prompt_tokens=total,
+                               chunk=(start, total), ranges=[(start, total)], num_layers=LAYERS,
+                               kv_heads=HKV, head_dim=D, dtype=torch.float32, now=c.now)
+        for layer in range(LAYERS):
+            c.senders[0].layer_ready(rid, 0, layer, kv[layer][start:total])
+    got = []
+    for _ in range(500):
+        got += c.step()
+        if any(isinstance(e, RequestReady) for e in got) and \
+                any(isinstance(e, MessageRejected) for e in got):
+            break
+    assert [e.request_id for e in got if isinstance(e, RequestReady)] == ["run"]
+    assert {e.request_id for e in got if isinstance(e, MessageRejected)} == {"dup"}
+    c.close()
