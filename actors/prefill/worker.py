@@ -33,92 +33,20 @@ import torch
 from tetris.actors.prefill.executor import EmulatedExecutor, ModelExecutor
 from tetris.actors.prefill.kv_store import PagedKVStore
 from tetris.actors.prefill.messages import ChunkResult, ChunkTask
+from tetris.actors.prefill.send_side import SendSide
 from tetris.actors.prefill.tp import (Followers, SliceWorld, concat_heads, join_instance_group,
                                       merge_states, own_receivers, start_followers,
                                       workers_per_instance)
 from tetris.actors.prefill.world import World
-from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
+from tetris.actors.transfer_pump import TRANSFER_GROUP
 from tetris.config import ModelConfig, PrefillConfig, TransferConfig
 from tetris.transfer.messages import AgentInfo, ControlMessage
-from tetris.transfer.states import ShardSent, TransferEvent, TransferFailed
 
 log = logging.getLogger(__name__)
 
 __all__ = ["PrefillWorker", "PrefillWorkerActor", "WORLD_GROUP"]
 
 WORLD_GROUP = "world"   # the actor's concurrency group that joins and drops worlds
-
-
-class _Streaming:
-    """The worker's sending side: agent, send manager, pump, and what happened per request.
-
-    Every field is guarded by the pump's lock, so the pump thread's event handling and the
-    actor's ``release``/``abort`` cannot interleave.
-    """
-
-    def __init__(self, instance: int, config: TransferConfig, name: str | None = None) -> None:
-        from tetris.transfer.backends import make_agent
-        from tetris.transfer.send_manager import SendManager
-
-        self.config = config
-        name = name or f"prefill-{instance}"   # a TP rank > 0 has its own agent (tp.py)
-        self.agent = make_agent(name, backend=config.backend, config=config)
-        self.mgr = SendManager(instance, self.agent, config)
-        self.pump = TransferPump(self.mgr, name=name, on_events=self._on_events)
-        self.sent: dict[str, int] = {}
-        self.failed: dict[str, list[str]] = {}
-        self.released: set[str] = set()   # shards still on the wire are forgotten once finished
-        self.pump.start()
-
-    def _on_events(self, events: list[TransferEvent]) -> None:
-        with self.pump.locked() as mgr:
-            for e in events:
-                # Events of a request already aborted and forgotten here are stale.
-                if not isinstance(e, (ShardSent, TransferFailed)) or not mgr.held(e.request_id):
-                    continue
-                if isinstance(e, ShardSent):
-                    self.sent[e.request_id] = self.sent.get(e.request_id, 0) + 1
-                else:
-                    self.failed.setdefault(e.request_id, []).append(f"chunk {e.chunk_index}: {e.reason}")
-                    log.warning("prefill-%d: KV stream of %s chunk %d failed: %s",
-                                self.mgr.sender_id, e.request_id, e.chunk_index, e.reason)
-                if e.request_id in self.released:
-                    self._forget(e.request_id)
-
-    def _forget(self, request_id: str) -> None:
-        self.mgr.forget(request_id)
-        if self.mgr.held(request_id):
-            self.released.add(request_id)
-        else:
-            self.released.discard(request_id)
-            self.sent.pop(request_id, None)
-            self.failed.pop(request_id, None)
-
-    def release(self, request_id: str) -> None:
-        with self.pump.locked():
-            self._forget(request_id)
-
-    def abort(self, request_id: str) -> None:
-        with self.pump.locked() as mgr:
-            mgr.abort(request_id, f"prefill of {request_id} aborted")
-            self._forget(request_id)
-
-    def state(self, request_id: str) -> dict:
-        with self.pump.locked() as mgr:
-            keys = mgr.held(request_id)
-            return {"shards": len(keys),
-                    "unfinished": sum(not mgr.shards[k].state.finished for k in keys),
-                    "sent": self.sent.get(request_id, 0),
-                    "failed": list(self.failed.get(request_id, []))}
-
-    def held(self) -> list[str]:
-        with self.pump.locked() as mgr:
-            return sorted({k[0] for k in mgr.shards})
-
-    def close(self) -> None:
-        self.pump.stop()
-        self.mgr.close()
-        self.agent.close()
 
 
 class PrefillWorker:
@@ -136,7 +64,7 @@ class PrefillWorker:
         self.instance = instance
         self.node = node
         self.store: PagedKVStore | None = None
-        self.streaming: _Streaming | None = None
+        self.streaming: SendSide | None = None
         self._busy = False   # a chunk call is running (guards the one-chunk-at-a-time rule)
         self._worlds: dict[int, World] = {}   # generation -> the world joined (world.py)
         self._world_in_use: int | None = None  # the running chunk's generation
@@ -166,8 +94,11 @@ class PrefillWorker:
                                                  profile, threads, device, instance_options)
             # model.device: CUDA when Ray gave this worker a GPU (actors/device.py)
             model, _tok, device = load_model_on_device(model_cfg, tp_group=group)
+            # a TP rank's KV blocks fit its own share of the instance's GPUs
+            rank_cfg = msgspec.structs.replace(
+                prefill_cfg, gpus_per_instance=prefill_cfg.gpus_per_instance / self.tp_size)
             self.store = PagedKVStore(
-                model.num_layers, prefill_kv_blocks(prefill_cfg, model, device),
+                model.num_layers, prefill_kv_blocks(rank_cfg, model, device),
                 prefill_cfg.block_size, model.local_num_kv_heads, model.head_dim,
                 dtype=model.dtype, device=device,
             )
@@ -264,7 +195,7 @@ class PrefillWorker:
     def _enable_transfer(self, config: TransferConfig) -> AgentInfo:
         if self.streaming is None:
             name = f"prefill-{self.instance}" + (f"-tp{self.tp_rank}" if self.tp_rank else "")
-            self.streaming = _Streaming(self.instance, config, name)
+            self.streaming = SendSide(self.instance, config, name)
             # Both bodies stream: the emulated one with KV of the wire geometry (EMULATION).
             self.executor.pump = self.streaming.pump
         elif self.streaming.config != config:
@@ -315,7 +246,7 @@ class PrefillWorker:
         self.tp.probe()
         return self.instance
 
-    def _streaming(self) -> _Streaming:
+    def _streaming(self) -> SendSide:
         if self.streaming is None:
             raise RuntimeError(f"transfer is not enabled on prefill instance {self.instance}")
         return self.streaming
