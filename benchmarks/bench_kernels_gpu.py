@@ -3,7 +3,9 @@
 Side by side in one run, at each context length (8k, 32k, 128k tokens by default):
 
 - attention step, causal over T tokens (Hq=32, Hkv=8, D=128 by default: Llama-3-8B): the
-  Triton kernel (position-masked path), torch's flash SDPA, and flash-attn when installed;
+  Triton kernel (position-masked path; ``--triton-configs`` adds other launch configurations),
+  torch's flash SDPA on pre-expanded K/V, ``cuda_flash`` (the same kernel as a ring step runs
+  it: GQA expansion and LSE included), and flash-attn when installed;
   TFLOP/s counts the causal half only, 2 * T^2 * Hq * D (two matmuls of 2*T*T*D/2 each), and
   is also given as a share of the GPU's dense bf16 peak;
 - paged decode, a batch of sequences of T tokens each: the Triton split-K kernel (and
@@ -51,11 +53,13 @@ def bench_ms(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
 
 
-def attention_row(tokens: int, hq: int, hkv: int, d: int) -> dict:
+def attention_row(tokens: int, hq: int, hkv: int, d: int, triton_configs=()) -> dict:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from tetris.kernels import cuda_flash
     from tetris.kernels import flash_attn_backend as fab
+    from tetris.kernels import triton_attention as ta
     from tetris.kernels.triton_attention import attention_with_lse
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -73,11 +77,22 @@ def attention_row(tokens: int, hq: int, hkv: int, d: int) -> dict:
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
 
-    candidates = {"triton": lambda: attention_with_lse(q, k, v, causal=True), "torch_flash_sdpa": sdpa}
+    candidates = {"triton": lambda: attention_with_lse(q, k, v, causal=True), "torch_flash_sdpa": sdpa,
+                  # what a ring step runs at serve time: GQA expansion and the LSE included
+                  "cuda_flash": lambda: cuda_flash.attention_with_lse(q, k, v, causal=True)}
     if fab.AVAILABLE:
         candidates["flash_attn"] = lambda: fab.flash_step(q, k, v, True, d**-0.5)
     for name, fn in candidates.items():
         ms = bench_ms(fn)
+        row[f"{name}_ms"] = ms
+        row[f"{name}_tflops"] = flops / (ms * 1e-3) / 1e12
+    for config in triton_configs:   # the Triton kernel under other launch configurations
+        ta.LAUNCH_OVERRIDE = config
+        try:
+            ms = bench_ms(lambda: attention_with_lse(q, k, v, causal=True))
+        finally:
+            ta.LAUNCH_OVERRIDE = None
+        name = "triton_" + "x".join(map(str, config))
         row[f"{name}_ms"] = ms
         row[f"{name}_tflops"] = flops / (ms * 1e-3) / 1e12
     if tokens <= 8192:  # a sanity check that the timed kernels agree
@@ -149,8 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--page", type=int, default=16, help="cache block size of the Triton decode")
     parser.add_argument("--peak-tflops", type=float, help="override the bf16 peak of the device")
     parser.add_argument("--peak-tbps", type=float, help="override the HBM peak of the device")
+    parser.add_argument("--triton-configs", nargs="*", default=[], metavar="BM,BN,WARPS,STAGES",
+                        help="also time the Triton attention under these launch configurations")
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object")
     args = parser.parse_args(argv)
+    configs = [tuple(int(x) for x in c.split(",")) for c in args.triton_configs]
 
     if not torch.cuda.is_available():
         msg = "no CUDA device: GPU kernel benchmark not run"
@@ -164,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
               "peak_hbm_tbps": peak_tbps, "attention": [], "decode": []}
     shape = (args.heads, args.kv_heads, args.head_dim)
     for tokens in tqdm(args.tokens, desc="context lengths", disable=args.json, file=sys.stderr):
-        report["attention"].append(attention_row(tokens, *shape))
+        report["attention"].append(attention_row(tokens, *shape, triton_configs=configs))
         report["decode"].append(decode_row(tokens, args.decode_batch, args.page, *shape))
     add_shares(report["attention"], "_tflops", peak_tflops)
     add_shares(report["decode"], "_tbps", peak_tbps)

@@ -6,7 +6,8 @@
 # Wheels the machine lacks (msgspec) travel in .whl/; the package installs from this tree.
 # Logs and JSON go to $OUT (default /tmp/gpu_checks). Each phase has its own time limit, so a
 # slow phase cannot starve the next; a phase can be skipped with SKIP="tests decode kernels",
-# and DECODE_ARGS passes options to the decode benchmark (e.g. "--shape llama-8b").
+# DECODE_ARGS passes options to the decode benchmark (e.g. "--shape llama-8b"), KERNEL_ARGS to
+# the kernel benchmark (e.g. "--triton-configs 128,64,8,3"), KERNEL_TOKENS its lengths.
 #
 #     bash benchmarks/gpu_checks.sh
 set -u
@@ -50,7 +51,7 @@ if [[ " $SKIP " != *" kernels "* ]]; then
   # one context length per process and line: a length that runs out of time loses only itself
   stamp "kernel benchmark (limit ${T_KERNELS}s per length)"
   for T in ${KERNEL_TOKENS:-8192 32768 131072}; do
-    (cd benchmarks && timeout "$T_KERNELS" python3 bench_kernels_gpu.py --tokens "$T" --json \
+    (cd benchmarks && timeout "$T_KERNELS" python3 bench_kernels_gpu.py --tokens "$T" ${KERNEL_ARGS:-} --json \
       >>"$OUT/kernels_gpu.jsonl" 2>>"$OUT/kernels_gpu.err"; echo "T=$T exit $?" >>"$OUT/kernels_gpu.err")
   done
   tail -3 "$OUT/kernels_gpu.err"

@@ -17,6 +17,7 @@ Same signature as `tetris.kernels.attention.attention_with_lse` (the torch path)
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -180,12 +181,37 @@ def _check_inputs(q, k, v, q_positions, k_positions, causal: bool) -> None:
         _require(q.shape[0] == k.shape[0], f"causal without positions needs Tq == Tk, got {q.shape[0]} and {k.shape[0]}")
 
 
-def _block_sizes(tq: int, tk: int, head_dim_padded: int) -> tuple[int, int]:
-    # 16 is tl.dot's smallest tile; 64x64 keeps a D=128 fp16 tile pair within shared memory.
-    cap = 64 if head_dim_padded <= 128 else 32
-    block_m = min(cap, max(16, triton.next_power_of_2(tq)))
-    block_n = min(cap, max(16, triton.next_power_of_2(tk)))
-    return block_m, block_n
+def _launch_override() -> tuple[int, int, int, int] | None:
+    """``TETRIS_TRITON_ATTENTION="BLOCK_M,BLOCK_N,WARPS,STAGES"`` (tuning and benchmarks)."""
+    text = os.environ.get("TETRIS_TRITON_ATTENTION", "").strip()
+    if not text:
+        return None
+    try:
+        bm, bn, warps, stages = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"TETRIS_TRITON_ATTENTION={text!r}: expected BLOCK_M,BLOCK_N,WARPS,STAGES"
+                         ) from None
+    if min(bm, bn) < 16 or bm & (bm - 1) or bn & (bn - 1) or warps < 1 or stages < 1:
+        raise ValueError(f"TETRIS_TRITON_ATTENTION={text!r}: blocks are powers of two >= 16")
+    return bm, bn, warps, stages
+
+
+# Read once at import; a benchmark may set it between timings.
+LAUNCH_OVERRIDE = _launch_override()
+
+
+def _launch_config(tq: int, tk: int, head_dim_padded: int) -> tuple[int, int, dict]:
+    """(BLOCK_M, BLOCK_N, launch options): 16 is tl.dot's smallest tile; 64x64 keeps a D=128
+    fp16 tile pair within shared memory on every GPU (the default; see LAUNCH_OVERRIDE)."""
+    if LAUNCH_OVERRIDE is not None:
+        cap_m, cap_n, warps, stages = LAUNCH_OVERRIDE
+        options = {"num_warps": warps, "num_stages": stages}
+    else:
+        cap_m = cap_n = 64 if head_dim_padded <= 128 else 32
+        options = {}
+    block_m = min(cap_m, max(16, triton.next_power_of_2(tq)))
+    block_n = min(cap_n, max(16, triton.next_power_of_2(tk)))
+    return block_m, block_n, options
 
 
 def attention_with_lse(
@@ -222,7 +248,7 @@ def attention_with_lse(
         k_positions = k_positions.to(torch.int64).contiguous()
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_m, block_n = _block_sizes(tq, tk, block_d)
+    block_m, block_n, options = _launch_config(tq, tk, block_d)
     grid = (triton.cdiv(tq, block_m), hq)
     _attention_step_kernel[grid](
         q, k, v,
@@ -233,7 +259,7 @@ def attention_with_lse(
         tq, tk, scale * _LOG2E,
         GROUP=hq // hkv, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         MASKED=masked, IEEE=q.dtype == torch.float32,
-        UPCAST=INTERPRETED and q.dtype == torch.bfloat16,
+        UPCAST=INTERPRETED and q.dtype == torch.bfloat16, **options,
     )
     return out, lse
 
