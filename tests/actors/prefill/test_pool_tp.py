@@ -1,10 +1,12 @@
 """Prefill instances with TP 2 (actors/prefill/tp.py): a pool of 2 instances, 4 worker actors
 (gloo), against single-instance prefill of the unsharded model.
 
-Each TP rank holds one of the tiny model's two KV heads; the ring and the cache balancing of
+Each TP rank holds one of the small model's two KV heads; the ring and the cache balancing of
 head slice t run between the TP ranks t of the chunk's members. The first token, the
 last-token logits (within the project's fp32 bound and ``tests/exactness.py``'s logprob bound)
 and every layer's KV, gathered over the ranks' head slices, equal the single instance's.
+Streaming (NIXL over UCX) to the two TP ranks of a decode instance: each prefill TP rank
+streams its own head to the receiver holding that head, under its instance's sender id.
 """
 
 from __future__ import annotations
@@ -13,19 +15,35 @@ import msgspec
 import pytest
 import torch
 from exactness import assert_logprob_close, logprobs_of_logits
-from prefill_reference import prompt, reference
+from prefill_reference import reference
+from test_prefill_streaming import (
+    HKV,
+    MODEL,
+    TP,
+    TRANSFER,
+    RankReceiverActor,
+    _nothing_held,
+    _outcomes,
+)
+from test_prefill_streaming import _prompt as prompt
 
 from tetris.actors.prefill.layout import forced_plan
+from tetris.actors.prefill.messages import PrefillError
 from tetris.actors.prefill.zigzag import ranges_to_list
 from tetris.config import load_deployment
+from tetris.plan import Chunk, PrefillPlan
+from tetris.transfer.backends import nixl_unavailable_reason
+from tetris.transfer.states import RequestReady
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
 
 @pytest.fixture(scope="module")
 def deployment():
-    cfg = load_deployment("tiny-cpu.toml")
-    return msgspec.structs.replace(cfg, prefill=msgspec.structs.replace(cfg.prefill, tp_size=2))
+    """The streaming tests' small model (2 KV heads, 2 layers), TP-2 prefill instances."""
+    cfg = load_deployment("tiny-cpu.toml")   # decode TP 2: two receivers per decode instance
+    return msgspec.structs.replace(cfg, model=MODEL, prefill=msgspec.structs.replace(
+        cfg.prefill, tp_size=2, kv_blocks_per_instance=320))
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +53,24 @@ def pool(ray_session, deployment):
     p = PrefillPool(deployment, num_instances=2, node_size=1, timeout_s=8.0)
     yield p
     p.shutdown()
+
+
+@pytest.fixture(scope="module")
+def receivers(pool):
+    """The two TP ranks of a decode instance, the pool's send side connected to them."""
+    import ray
+
+    reason = nixl_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    ranks = [RankReceiverActor.remote(r, TRANSFER) for r in range(TP)]
+    infos = pool.enable_transfer(TRANSFER)
+    assert {i: info.name for i, info in infos.items()} == {0: "prefill-0", 1: "prefill-1"}
+    pool.connect_receivers({r: (ranks[r], ray.get(ranks[r].info.remote())) for r in range(TP)})
+    ray.get([rk.connect.remote(dict(enumerate(pool.workers))) for rk in ranks])
+    yield ranks
+    for rk in ranks:
+        ray.kill(rk)
 
 
 def _check(pool, model, plan, ids, balance="overlap"):
@@ -70,6 +106,41 @@ def test_each_instance_is_two_ranks_with_one_kv_head_each(pool):
     assert [ray.get(w.kv_heads.remote()) for w in pool.workers] == [[1, 1], [1, 1]]
 
 
+def test_each_tp_rank_streams_its_head_to_its_receiver(pool, receivers, model):
+    import ray
+
+    n, rid = 150, "tp-stream"
+    ids = prompt(n, 3)
+    plan = PrefillPlan(rid, n, (Chunk(0, 50, (0,)), Chunk(50, n, (0, 1))))
+    assert all(ray.get([rk.reserve.remote(rid, n) for rk in receivers]))
+    res = pool.run(plan, ids, kv_receivers=tuple(range(TP)))
+    assert res.balance_moved_tokens > 0   # moved history is not streamed twice
+    assert res.first_token_streamed
+    ready = _outcomes(receivers, rid)
+    assert all(isinstance(e, RequestReady) for e in ready), ready
+    _logits, ref_k, ref_v = reference(model, ids)
+    for r, (rk, e) in enumerate(zip(receivers, ready)):
+        got = ray.get(rk.read_back.remote(e.block_table, n))
+        heads = slice(r * HKV // TP, (r + 1) * HKV // TP)
+        torch.testing.assert_close(got[:, :, 0], ref_k[:, :, heads], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got[:, :, 1], ref_v[:, :, heads], rtol=1e-4, atol=1e-5)
+        ray.get(rk.give_back.remote(e.block_table))
+    # one shard per (chunk, member with tokens, receiver), as with TP 1: each receiver's from
+    # the one TP rank holding its head
+    states = pool.transfer_state(rid)
+    assert {i: st["shards"] for i, st in states.items()} == {0: 4, 1: 2}
+    assert all(not st["failed"] for st in states.values())
+    pool.release(rid)
+    _nothing_held(pool, receivers)
+
+
+def test_receivers_not_a_multiple_of_the_tp_size_are_refused(pool, receivers):
+    plan = PrefillPlan("tp-stream-odd", 40, (Chunk(0, 40, (0, 1)),))
+    with pytest.raises(PrefillError, match="must be a multiple of 2"):
+        pool.run(plan, prompt(40, 4), kv_receivers=(0,))
+    _nothing_held(pool, receivers)
+
+
 @pytest.mark.parametrize("n,spec,balance", [
     (600, "restx2", "overlap"),                  # one chunk, a ring per head slice
     (900, "300x1,restx2", "overlap"),            # history on one instance, balanced to two
@@ -87,8 +158,8 @@ def test_forced_plans_match_single_instance(pool, model, n, spec, balance):
 
 def test_a_dead_tp_rank_loses_its_instance_and_the_replacement_serves(pool, model):
     """Killing TP rank 1 of instance 1 loses the instance: the pool's probe finds it dead
-    (its leader ends itself), replaces it with a new TP group, and the next plan on both
-    instances matches the single instance again."""
+    (its leader ends itself), replaces it with a new TP group (its send side on again), and
+    the next plan on both instances matches the single instance again."""
     import ray
 
     victim = 1
