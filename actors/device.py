@@ -27,6 +27,7 @@ __all__ = [
     "actor_device",
     "decode_kv_blocks",
     "kv_blocks_on_device",
+    "least_over_group",
     "load_model_on_device",
     "prefill_kv_blocks",
     "ray_gpu_ids",
@@ -67,11 +68,26 @@ def load_model_on_device(model_cfg: ModelConfig, *, tp_group=None):
 
 
 def decode_kv_blocks(dc: DecodeConfig, model, device: str) -> int:
-    """A decode rank's KV blocks (``decode.kv_blocks``, checked against its GPU on CUDA)."""
-    return kv_blocks_on_device(dc.kv_blocks, device=device, model=model,
-                               block_size=dc.block_size, utilization=dc.gpu_memory_utilization,
-                               reserve_gib=dc.activation_reserve_gib, gpus=dc.gpus_per_rank,
-                               what="decode.kv_blocks")
+    """A decode rank's KV blocks: ``decode.kv_blocks``, checked against its GPU on CUDA; with
+    0 (CUDA only) every block that fits, agreed as the least over the model's TP group, since
+    the ranks' engines must admit and preempt alike (their block managers run in lockstep)."""
+    blocks = kv_blocks_on_device(dc.kv_blocks, device=device, model=model,
+                                 block_size=dc.block_size, utilization=dc.gpu_memory_utilization,
+                                 reserve_gib=dc.activation_reserve_gib, gpus=dc.gpus_per_rank,
+                                 what="decode.kv_blocks")
+    if dc.kv_blocks == 0 and getattr(model, "tp_group", None) is not None:
+        blocks = least_over_group(blocks, model.tp_group, device)
+    return blocks
+
+
+def least_over_group(value: int, group, device: str) -> int:
+    """The least ``value`` over every rank of ``group`` (an all-reduce; on NCCL a CUDA tensor)."""
+    import torch.distributed as dist
+
+    on = device if dist.get_backend(group) == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.int64, device=on)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
 
 
 def prefill_kv_blocks(pc: PrefillConfig, model, device: str) -> int:

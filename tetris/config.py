@@ -164,7 +164,7 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tp_size: int = 2
     max_batch_size: int = 32
     block_size: int = 16
-    kv_blocks: int = 8192
+    kv_blocks: int = 8192   # 0: every block that fits the rank's GPU (CUDA only)
     executor: Literal["model", "emulated"] = "model"
     # One placement group per instance, one bundle per TP rank, STRICT_PACK (a TP group never
     # spans nodes); "auto" = "pack" on a multi-node cluster, "none" on one node.
@@ -177,9 +177,13 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     activation_reserve_gib: float = 2.0
 
     def __post_init__(self) -> None:
-        if min(self.num_instances, self.tp_size, self.max_batch_size, self.block_size,
-               self.kv_blocks) <= 0:
+        if min(self.num_instances, self.tp_size, self.max_batch_size, self.block_size) <= 0:
             raise ValueError("decode.* sizes must be positive")
+        # kv_blocks = 0 is sized by each rank from its GPU's memory; the instance reports the
+        # count to the dispatcher (docs/gpu.md). An emulated engine has no GPU to size from.
+        if self.kv_blocks < 0 or (self.kv_blocks == 0 and self.executor == "emulated"):
+            raise ValueError(f"decode.kv_blocks must be positive, or 0 (every block that fits, "
+                             f"CUDA only) with executor 'model'; got {self.kv_blocks}")
         _check_bundle("decode", self.cpus_per_rank, self.gpus_per_rank)
         _check_memory("decode", self.gpu_memory_utilization, self.activation_reserve_gib)
 

@@ -81,6 +81,10 @@ class DecodeInstance:
         self.lockstep_timeout_s = timeout_s if lockstep_timeout_s is None else lockstep_timeout_s
         self.poll_interval_s = poll_interval_s
         self.ranks: list = []
+        # KV blocks each rank holds and their size, as the ranks report them at start
+        # (``_read_kv_blocks``); the dispatcher plans with ``kv_capacity_tokens``
+        self.kv_blocks = 0
+        self.block_size = deployment.decode.block_size
         self._book = RequestBook(instance, self.tp_size)   # requests, ended ones, commands
         self._loop_task: asyncio.Task | None = None
         self._stats: EngineStats | None = None
@@ -122,11 +126,27 @@ class DecodeInstance:
         if list(heads) != [want] * self.tp_size:
             # senders slice heads [r*h, (r+1)*h) for rank r; any other split would corrupt KV
             raise RuntimeError(f"TP ranks hold {list(heads)} KV heads each, expected {want}")
+        await self._read_kv_blocks()
         if self.transfer is not None:
             self._agent_infos = list(await asyncio.gather(
                 *[r.enable_transfer.remote(self.transfer) for r in self.ranks]))
         self._book.wake = asyncio.Event()
         self._loop_task = asyncio.create_task(self._run(), name=f"decode-{self.instance}-rounds")
+
+    async def _read_kv_blocks(self) -> None:
+        """The KV blocks the ranks allocated (``decode.kv_blocks``; with 0 on CUDA, every block
+        that fits, sized by each rank: actors/device.py): the least over the TP ranks, since a
+        request holds the same blocks on every rank."""
+        stats = await asyncio.gather(*[r.stats.remote() for r in self.ranks])
+        self.kv_blocks = min(s.total_blocks for s in stats)
+        self.block_size = stats[0].block_size
+        log.info("decode instance %d: %d KV blocks of %d tokens", self.instance,
+                 self.kv_blocks, self.block_size)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """KV token slots of this instance, as its ranks reported them (0 before ``start``)."""
+        return self.kv_blocks * self.block_size
 
     async def agent_infos(self) -> list[AgentInfo]:
         """Each rank's transfer agent, in rank order (senders ``add_peer`` them)."""

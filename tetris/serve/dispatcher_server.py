@@ -55,12 +55,14 @@ class DispatcherServer:
             await self._prefill_h.connect_receivers.remote(receivers)
             await self._decode_h.connect_senders.remote(actor_handles(senders))
             node_of = await self._prefill_h.node_map.remote()
-            dc = self.deployment.decode
+            # the instances' KV slots as their ranks allocated them (decode.kv_blocks = 0 on
+            # CUDA: sized from each rank's GPU), not the configured count
+            capacities = await self._decode_h.kv_capacities.remote()
             self.metrics = ServingMetrics(self.deployment.model.name, requests=False)
             self.dispatcher = Dispatcher(
                 self.deployment, PrefillHandleClient(self._prefill_h),
                 DecodeHandleClient(self._decode_h, await self._decode_h.receiver_ids.remote()),
-                node_of=node_of, decode_capacities=[dc.kv_blocks * dc.block_size] * dc.num_instances,
+                node_of=node_of, decode_capacities=capacities,
                 metrics=self.metrics, max_pending=self.max_pending,
                 first_token=early_first_token(self.deployment), relay=True)
             self.supervisor = Supervisor(self.dispatcher, self.metrics, self._prefill_h,

@@ -100,6 +100,11 @@ class DecodePoolServer:
                     await inst.start()
                 self._up = True
 
+    async def kv_capacities(self) -> list[int]:
+        """Per instance: its KV token slots as its ranks reported them at start (with
+        ``decode.kv_blocks = 0`` on CUDA, sized from each rank's GPU memory)."""
+        return [inst.kv_capacity_tokens for inst in self.instances]
+
     async def receiver_ids(self) -> list[tuple[int, ...]]:
         return [tuple(inst.receiver_ids) for inst in self.instances]
 
