@@ -24,6 +24,7 @@ path).
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import msgspec
 from tetris.actors.decode.messages import Failed, Rejected
@@ -77,6 +78,17 @@ class ElasticMember:
         self.world = world
         self.rows = ElasticRows(rank.engine, index, size, world)
         self._pending: dict[str, str] = {}   # range transfer id -> request, until released
+
+    @classmethod
+    def join(cls, rank, index: int, size: int, host: str, port: int, timeout_s: float,
+             listen_host: str) -> ElasticMember:
+        """Join the world: instance 0's rank serves its store at ``host:port``; this rank
+        listens on ``listen_host`` (every member at once, ``SocketWorld``)."""
+        import torch.distributed as dist
+        from tetris.actors.decode.elastic_link import SocketWorld
+
+        store = dist.TCPStore(host, port, size, index == 0, timeout=timedelta(seconds=timeout_s))
+        return cls(rank, index, size, SocketWorld(store, index, size, listen_host, timeout_s))
 
     def apply(self, cmd) -> Rejected | None:
         rid = cmd.request_id

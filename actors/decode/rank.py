@@ -171,15 +171,14 @@ class DecodeRank:
                                            time_scale=_time_scale(self.deployment))
         return heads
 
-    def join_elastic(self, index: int, size: int, host: str, port: int,
-                     timeout_s: float) -> None:
+    def join_elastic(self, index: int, size: int, host: str, port: int, timeout_s: float,
+                     listen_host: str | None = None) -> None:
         """Join the elastic world of rank ``tp_rank`` of every decode instance (instance
-        ``index`` of ``size``; instance 0's rank serves the store at ``host:port``). Every
-        member calls it at once; from then on each round meets the other members."""
-        from tetris.actors.prefill.world import World
-
-        world = World(0, host, port, index, size, timeout_s)
-        self.elastic = ElasticMember(self, index, size, world)
+        ``index`` of ``size``; instance 0's rank serves the store at ``host:port``; this rank
+        listens on ``listen_host``, its node's address by default). Every member calls it at
+        once; from then on each round meets the other members (actors/decode/elastic_link.py)."""
+        self.elastic = ElasticMember.join(self, index, size, host, port, timeout_s,
+                                          listen_host or ray.util.get_node_ip_address())
 
     def enable_transfer(self, config: TransferConfig) -> AgentInfo:
         from tetris.transfer.backends import make_agent

@@ -1,5 +1,5 @@
 """Elastic decode through the decode rank's commands (actors/decode/elastic.py), without Ray:
-two TP-1 ``DecodeRank``s in two processes, joined by ``join_elastic`` (a gloo ``World``), the
+two TP-1 ``DecodeRank``s in two processes, joined by ``join_elastic`` (a ``SocketWorld``), the
 KV of every range streamed by a real ``SendManager`` over the in-process transfer backend in
 range-local positions: the master's ``[kv_start, n)`` as the request's transfer
 (``Reserve(kv_start=...)``), a held range ``[start, end)`` as ``<id>@<start>`` (``Hold``).
@@ -134,7 +134,7 @@ def _worker(me: int, port: int, tmp: str) -> None:
         sender.agent.add_peer(info)
         rank.connect_senders({me: _Direct(sender)})
         sender.pump.connect({rank.receiver_id: _Direct(rank)})
-        rank.join_elastic(me, 2, "127.0.0.1", port, 30.0)
+        rank.join_elastic(me, 2, "127.0.0.1", port, 30.0, listen_host="127.0.0.1")
         model, _ = load_model(MODEL)
         prompts = _prompts()
         reserve, sends, commits = _commands(me, prompts)
