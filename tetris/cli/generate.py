@@ -41,6 +41,9 @@ def register(subparsers) -> None:
                    help="wrap the prompt as one user message with the chat template")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token ids, finish reason)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default=None,
+                   help="where the engine runs (default: the config's model.device); auto: "
+                        "CUDA when this process sees a GPU, else the CPU")
     p.add_argument("--plan", metavar="SPEC",
                    help="prefill on the SP pool with a forced chunk plan, e.g. "
                         "1500x1,2500x2,restx4 (TOKENSxSP; see docs/prefill.md)")
@@ -100,8 +103,22 @@ def _load(args):
         deployment = DeploymentConfig(model=model_config_for_path(args.model))
     else:
         deployment = load_deployment(args.config)
-    model, tokenizer = load_model(deployment.model)
+    device = cli_device(args.device or deployment.model.device)
+    model, tokenizer = load_model(deployment.model, device=device)
     return model, tokenizer, deployment.decode.block_size
+
+
+def cli_device(requested: str) -> str:
+    """"cuda" or "cpu" for the engine of this command (docs/gpu.md). A served actor's "auto" is
+    CUDA only when Ray gave it a GPU; this process is not placed by Ray and owns the GPUs it
+    sees, so "auto" is CUDA when one is visible. "cuda" without CUDA is a ``ConfigError``
+    naming CUDA (tetris/device.py rule 1)."""
+    import torch
+
+    from tetris.device import resolve_device
+
+    cuda = torch.cuda.is_available()
+    return resolve_device(requested, cuda, list(range(torch.cuda.device_count())) if cuda else None)
 
 
 def _engine(model, tokenizer, block_size: int, total_tokens: int):

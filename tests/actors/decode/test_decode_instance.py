@@ -413,6 +413,8 @@ def test_a_replaced_sender_fails_what_it_owed_at_once_not_at_the_timeout(cluster
 
 def test_full_instance_raises_decode_full_and_idles_without_rounds(cluster, loop):
     inst, senders = cluster
+    # what its ranks allocated, read at start: the dispatcher plans with it
+    assert inst.kv_capacity_tokens == DEPLOYMENT.decode.kv_blocks * DEPLOYMENT.decode.block_size
 
     async def body():
         # 100 tokens need 26 of the 48 blocks: the second reservation cannot fit
