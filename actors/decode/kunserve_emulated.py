@@ -62,13 +62,14 @@ class PipelinedEmulatedEngine(EmulatedDecodeEngine):
         self.emulated_s = 0.0
         self.steps = 0
         self.held: list[tuple[float, Sequence]] = []    # arriving by KV exchange
+        self.pending_s = 0.0     # transfers the next iteration waits for (swap over PCIe)
 
     def step_seconds(self, plan) -> float:
         scheduled = plan.decodes + plan.prefills
         context = sum(s.seq.num_tokens for s in scheduled)
         recompute = sum(s.num_new_tokens for s in plan.prefills)
         return (self.step_model(len(self.members), len(scheduled), context)
-                + recompute * self.prefill_s_per_token) * self.time_scale
+                + recompute * self.prefill_s_per_token + self.pending_s) * self.time_scale
 
     def _execute(self, plan) -> tuple[list[Sequence], list[int]]:
         seconds = self.step_seconds(plan)
@@ -80,6 +81,7 @@ class PipelinedEmulatedEngine(EmulatedDecodeEngine):
             if self.lock is not None:
                 self.lock.acquire()
         self.emulated_s += seconds
+        self.pending_s = 0.0
         self.steps += 1
         scheduled = plan.decodes + plan.prefills
         sampling = [s.seq for s in scheduled if s.samples]
@@ -107,8 +109,8 @@ class PipelinedEmulatedEngine(EmulatedDecodeEngine):
         """Place ``seq`` here; a decoding one joins the batch at ``ready_at`` (its KV
         exchange), a preempted one waits for re-admission (its KV is recomputed anyway)."""
         self._seqs[seq.request_id] = seq
-        if seq.status is SequenceStatus.RECEIVING:     # its prompt's KV lands here
-            self.blocks.allocate(seq)
+        if seq.status is SequenceStatus.RECEIVING and seq.num_computed == 0:
+            self.blocks.allocate(seq)                  # in prefill: its prompt's KV lands here
         elif seq.num_computed == 0:
             self.batcher.waiting.append(seq)
         else:

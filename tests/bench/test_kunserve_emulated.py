@@ -53,25 +53,29 @@ def test_moved_sequences_keep_their_state_and_wait_for_the_exchange():
         _prefilled(src, str(i), n, 6)
     src.step()
     src.step()
+    _prefilled(src, "2", 17, 6)          # committed, not yet scheduled
+    src.reserve("3", [1] * 50, SamplingParams(max_tokens=6, ignore_eos=True))   # in prefill
     before = {s.request_id: (list(s.tokens), s.num_computed, len(s.block_table))
-              for s in src.batcher.running}
+              for s in src._seqs.values()}
     taken = src.take()
-    assert [(s.request_id, n) for s, n in taken] == [(r, before[r][2]) for r in ("0", "1")]
+    assert sorted((s.request_id, n) for s, n in taken) == [(r, before[r][2]) for r in "0123"]
     assert src.blocks.num_free_blocks == 64 and not src._seqs
     moved = [s for s, _ in taken]
     for seq in moved:
         dst.give(seq, ready_at=5.0)
     assert dst.release_held(4.9) == 5.0 and not dst.batcher.ready   # exchange not over
     assert dst.release_held(5.0) is None
-    for seq in dst.batcher.ready:
+    assert sorted(s.request_id for s in dst.batcher.ready) == ["0", "1", "2"]
+    for seq in dst._seqs.values():
         tokens, computed, blocks = before[seq.request_id]
         assert (seq.tokens, seq.num_computed, len(seq.block_table)) == (tokens, computed, blocks)
+    dst.commit_prefilled("3", 7)          # its prefill lands on the new unit
     finished = {}
     while dst.has_unfinished():
         for out in dst.step():
             if out.finished:
                 finished[out.request_id] = len(out.token_ids)
-    assert finished == {"0": 6, "1": 6}
+    assert finished == {"0": 6, "1": 6, "2": 6, "3": 6}
     assert all(s.num_preemptions == 0 for s in moved)   # nothing recomputed
 
 
@@ -83,12 +87,12 @@ def _trace():
     return reqs
 
 
-@pytest.mark.parametrize("policy", ["queue", "recompute"])
+@pytest.mark.parametrize("policy", ["queue", "recompute", "swap"])
 def test_baselines_serve_every_request(policy):
     out = KunServeEmulation(_trace(), MEM, PROF, policy).run()
     assert out["mode"] == "EMULATION" and out["unfinished"] == 0 and out["drops"] == 0
-    if policy == "queue":
-        assert out["preemptions"] == 0
+    # queue promises whole outputs up front; the others admit on the prompt and preempt
+    assert (out["preemptions"] == 0) == (policy == "queue")
 
 
 def test_kunserve_drops_under_the_burst_and_restores_after_it():

@@ -16,10 +16,13 @@ the simulator's time for its batch. Around them, as in the served system's P/D s
   gives them to the new units, held out of the batch for the KV exchange
   (``bytes (g - 1) / g / link``, the simulator's formula).
 
-Policies: ``queue`` (blocks for the whole output promised at admission, never preempted),
-``recompute`` (the engine's own preemption, re-admitted prompts pay their prefill) and
-``kunserve`` (recompute plus the controller). ``swap`` has no emulated engine here. Times are
-multiplied by ``time_scale`` on the wall clock and divided back in the results.
+Policies, as the simulator's: ``queue`` (blocks for the whole output promised at admission,
+never preempted), ``recompute`` (the engine preempts its newest sequence when a decode finds
+no block; the request goes back to the head of the dispatcher's queue with its output so far
+and is prefilled again), ``swap`` (the victim's KV goes to host memory, the next iteration
+waits for the PCIe copy, and it comes back before new admissions) and ``kunserve``
+(recompute plus the controller). Times are multiplied by ``time_scale`` on the wall clock and
+divided back in the results.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from tetris.sim.kunserve import KunRequest, PoolProfile, iteration_time
 
 __all__ = ["EMULATED_POLICIES", "KunServeEmulation"]
 
-EMULATED_POLICIES = ("queue", "recompute", "kunserve")
+EMULATED_POLICIES = ("queue", "recompute", "swap", "kunserve")
 
 
 class _Unit:
@@ -50,16 +53,18 @@ class _Unit:
         self.step_lock = threading.Lock()     # held for a whole iteration
         self.stopped = False
         self.promised = 0                     # queue: blocks promised to admitted requests
+        self.swapped: deque = deque()         # swap: sequences whose KV is in host memory
         self.thread: threading.Thread | None = None
 
 
 class KunServeEmulation:
     def __init__(self, requests: list[KunRequest], mem: InstanceMemory, prof: PoolProfile,
-                 policy: str, *, time_scale: float = 1.0) -> None:
+                 policy: str, *, time_scale: float = 1.0, stall_s: float = 60.0) -> None:
         if policy not in EMULATED_POLICIES:
             raise ValueError(f"policy {policy!r} is not one of {EMULATED_POLICIES}")
         self.reqs, self.mem, self.prof, self.policy = requests, mem, prof, policy
         self.scale = time_scale
+        self.stall_s = stall_s          # no step and no finish for this long (wall): an error
         self.lock = threading.Lock()
         self.cv = threading.Condition(self.lock)
         self.control = (KunServeController(mem, list(range(prof.instances)))
@@ -69,6 +74,8 @@ class KunServeEmulation:
         self.unit_of: dict[int, _Unit] = {}
         self.seq_of: dict[int, object] = {}
         self.need: dict[int, int] = {}
+        self.generated: dict[int, list[int]] = {}     # output of a preempted request
+        self.preemptions = 0
         self.prefills: list[tuple[float, int]] = []
         self.done = 0
         self.exchange_bytes = 0.0
@@ -112,8 +119,19 @@ class KunServeEmulation:
                 self.waiting.append(r)
                 self._admit()
         with self.lock:
+            progress, since = -1, time.monotonic()
             while self.done < len(self.reqs):
                 self.cv.wait(timeout=1.0)
+                now_progress = self.done + sum(u.engine.steps for u in self.units)
+                if now_progress != progress:
+                    progress, since = now_progress, time.monotonic()
+                elif time.monotonic() - since > self.stall_s:
+                    self.closing = True
+                    for u in self.units:
+                        u.stopped = True
+                    self.cv.notify_all()
+                    raise RuntimeError(f"EMULATION stalled for {self.stall_s:g} s: "
+                                       f"{self._state()}")
             self.closing = True
             for u in self.units:
                 u.stopped = True
@@ -121,6 +139,17 @@ class KunServeEmulation:
         for t in threads + [u.thread for u in self.units]:
             t.join()
         return self._result()
+
+    def _state(self) -> str:
+        """What is left, for a stall's error: the queue and each unit's sequences."""
+        left = [r.rid for r in self.reqs if math.isnan(r.finish)]
+        units = [f"{u.members}: seqs {len(u.engine._seqs)} running {len(u.engine.batcher.running)} "
+                 f"ready {len(u.engine.batcher.ready)} waiting {len(u.engine.batcher.waiting)} "
+                 f"held {len(u.engine.held)} free {u.engine.blocks.num_free_blocks}"
+                 f"/{u.engine.blocks.num_blocks}" for u in self.units]
+        statuses = sorted({str(getattr(self.seq_of.get(i), "status", None)) for i in left})
+        return (f"{len(left)} unfinished (first {left[:5]}, statuses {statuses}), "
+                f"{len(self.waiting)} queued, {len(self.prefills)} in prefill; " + "; ".join(units))
 
     def _start(self, u: _Unit) -> None:
         u.thread = threading.Thread(target=self._unit_loop, args=(u,), daemon=True)
@@ -133,6 +162,7 @@ class KunServeEmulation:
                 if u.stopped:
                     return
                 nxt = e.release_held(self.now())
+                self._swap_in(u)
                 if not self._runnable(e):
                     timeout = 0.05 if nxt is None else max(0.0, nxt - self.now()) * self.scale
                     self.cv.wait(timeout=timeout)
@@ -145,7 +175,45 @@ class KunServeEmulation:
                 for out in outputs:
                     if out.finished:
                         self._finish(int(out.request_id), now)
+                self._requeue_preempted(e)
                 self._admit()
+
+    def _requeue_preempted(self, e: PipelinedEmulatedEngine) -> None:
+        """The engine's preempted sequences (its batcher's waiting) go back to the head of
+        the dispatcher's queue with their output so far: re-reserved on any unit and
+        prefilled again in the prefill pool (the simulator's ``recompute``), not on this unit."""
+        victims = list(e.batcher.waiting)
+        if self.policy == "swap":
+            self._swap_out(e, victims)
+            return
+        for seq in victims:
+            e.batcher.remove(seq)
+            del e._seqs[seq.request_id]
+            self.generated[int(seq.request_id)] = list(seq.output_token_ids)
+            self.preemptions += 1
+        self.waiting.extendleft(self.reqs[int(s.request_id)] for s in reversed(victims))
+
+    def _swap_out(self, e: PipelinedEmulatedEngine, victims: list) -> None:
+        """``swap``: a victim's KV goes to host memory (its blocks were freed by the
+        preemption; its KV is kept, so nothing is recomputed) and the next iteration waits
+        for the copy over PCIe (the simulator's ``pending_s``)."""
+        u = next(x for x in self.units if x.engine is e)
+        for seq in victims:
+            e.batcher.waiting.remove(seq)
+            seq.num_computed = seq.num_tokens - 1
+            e.pending_s += (e.blocks.blocks_needed(seq.num_tokens) * self.mem.block_bytes
+                            / self.prof.pcie_bytes_per_s)
+            u.swapped.appendleft(seq)
+            self.preemptions += 1
+
+    def _swap_in(self, u: _Unit) -> None:
+        """Swapped sequences come back (before any new admission) once their blocks fit."""
+        e = u.engine
+        while u.swapped and e.blocks.can_allocate(u.swapped[0].num_tokens + 1):
+            seq = u.swapped.popleft()
+            e.blocks.allocate(seq)
+            e.batcher.add_prefilled(seq)
+            e.pending_s += len(seq.block_table) * self.mem.block_bytes / self.prof.pcie_bytes_per_s
 
     @staticmethod
     def _runnable(e: PipelinedEmulatedEngine) -> bool:
@@ -195,14 +263,19 @@ class KunServeEmulation:
         """FCFS with the head never skipped, to the open unit with the most free blocks; a unit
         whose own preempted sequences wait is closed until they are back."""
         bs = self.mem.block_size
+        for u in self.units:
+            self._swap_in(u)
         while self.waiting:
             r = self.waiting[0]
             open_units = [u for u in self.units if not u.stopped and not u.engine.batcher.waiting
+                          and not u.swapped
                           and len(u.engine._seqs) < self.prof.max_batch * len(u.members)]
             if not open_units:
                 return
             u = max(open_units, key=lambda x: (self._free(x), -x.members[0]))
-            tokens = r.prompt + r.output if self.policy == "queue" else r.prompt + 1
+            generated = self.generated.get(r.rid, [])
+            tokens = (r.prompt + r.output if self.policy == "queue"
+                      else r.prompt + len(generated) + 1)
             need = -(-tokens // bs)
             if need > self._free(u):
                 return
@@ -210,14 +283,14 @@ class KunServeEmulation:
             if len(u.members) == 1 and r.home < 0:
                 r.home = u.members[0]
             params = SamplingParams(max_tokens=r.output, ignore_eos=True)
-            u.engine.reserve(str(r.rid), [1] * r.prompt, params)
+            u.engine.reserve(str(r.rid), [1] * r.prompt, params, self.generated.pop(r.rid, ()))
             self.seq_of[r.rid] = u.engine._seqs[str(r.rid)]
             self.unit_of[r.rid] = u
             if self.policy == "queue":
                 self.need[r.rid] = need
                 u.promised += need
-            heapq.heappush(self.prefills, (self.now() + r.prompt * self.prof.prefill_s_per_token,
-                                           r.rid))
+            prefill_s = (r.prompt + len(generated)) * self.prof.prefill_s_per_token
+            heapq.heappush(self.prefills, (self.now() + prefill_s, r.rid))
             self.cv.notify_all()
 
     # -- the monitor and the regrouping ----------------------------------------------------------
@@ -332,7 +405,7 @@ class KunServeEmulation:
                 "p99_ttft": float(np.nanpercentile(ttft, 99)),
                 "p50_tpot": float(np.nanpercentile(tpot, 50)),
                 "p99_tpot": float(np.nanpercentile(tpot, 99)),
-                "preemptions": sum(s.num_preemptions for s in self.seq_of.values()),
+                "preemptions": self.preemptions,
                 "drops": self.control.drops if self.control else 0,
                 "restores": self.control.restores if self.control else 0,
                 "refusals": len(self.control.refusals) if self.control else 0,
