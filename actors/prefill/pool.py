@@ -51,7 +51,7 @@ from tetris.actors.prefill.layout import plan_layout
 from tetris.actors.prefill.messages import (BalanceMode, ChunkResult, PrefillPlanOutdated,
                                             PrefillResult)
 from tetris.actors.prefill.prefix import adopt_prefix
-from tetris.actors.prefill.tp import check_streaming
+from tetris.actors.prefill.tp_groups import check_streaming
 from tetris.actors.prefill.wiring import TransferWiring
 from tetris.actors.prefill.worlds import WorldKeeper
 from tetris.config import DeploymentConfig, TransferConfig

@@ -29,8 +29,8 @@ workers and forms a new world).
 
 KV streaming. Decode receiver ``j`` of ``R`` (a decode instance's TP ranks, in order) takes KV
 heads ``[j·Hkv/R, (j+1)·Hkv/R)``; with ``R`` a multiple of ``T`` those lie in one prefill TP
-rank's slice, so TP rank ``t`` streams to receivers ``[t·R/T, (t+1)·R/T)`` (``own_receivers``)
-its own heads, split as a TP-1 member splits all of them. Every rank has its own agent and send
+rank's slice, so TP rank ``t`` streams to receivers ``[t·R/T, (t+1)·R/T)``
+(``tp_groups.own_receivers``) its own heads, split as a TP-1 member splits all of them. Every rank has its own agent and send
 manager under the instance's sender id, so a receiver sees one sender per instance, as with TP
 1. The receivers' messages reach the leader (the actor they know), which routes each to the
 rank streaming to that receiver, and one that names no receiver to every rank
@@ -44,57 +44,16 @@ import logging
 import os
 import socket
 import threading
-from datetime import timedelta
 
 import ray
-import torch
-import torch.distributed as dist
-from tetris.actors.collectives import form_tp_group, rank_device
-from tetris.actors.prefill.world import World
+from tetris.actors.prefill.tp_groups import join_instance_group
 
-__all__ = [
-    "TP_GROUP_TIMEOUT_S",
-    "Followers",
-    "SliceWorld",
-    "check_streaming",
-    "concat_heads",
-    "join_instance_group",
-    "merge_states",
-    "own_receivers",
-    "rank_options",
-    "start_followers",
-    "workers_per_instance",
-]
+__all__ = ["Followers", "rank_options", "start_followers"]
 
 log = logging.getLogger(__name__)
 
-TP_GROUP_TIMEOUT_S = 600.0   # an instance's all-reduces: longer than any chunk's ring waits
 _START_TIMEOUT_S = 300.0     # followers started and their model loaded
 _PROBE_S = 10.0              # a follower's liveness probe
-
-
-class SliceWorld(World):
-    """Head slice ``tp_rank``'s group of generation ``generation`` of the pool's world, as
-    instance ``rank`` sees it: the TP ranks ``tp_rank`` of every instance, ranked by instance
-    (the ring and the balancer address their peers as on a TP-1 ``World``), its backend agreed
-    through ``actors/collectives.py`` from every member's ``device`` as a ``World``'s is.
-
-    One store serves every slice of a generation (instance 0's leader hosts it at
-    ``host:port``, the address the pool asks it for); each slice keys its rendezvous apart.
-    """
-
-    def __init__(self, generation: int, host: str, port: int, rank: int, size: int,
-                 timeout_s: float, tp_rank: int, device=None, nccl: bool | None = None) -> None:
-        if not 0 <= rank < size:
-            raise ValueError(f"rank {rank} outside a world of {size}")
-        self.generation = generation
-        self.rank = rank
-        self.size = size
-        self.tp_rank = tp_rank
-        timeout = timedelta(seconds=timeout_s)
-        self._store = dist.TCPStore(host, port, None, rank == 0 and tp_rank == 0,
-                                    timeout=timeout, wait_for_workers=False)
-        self._join(dist.PrefixStore(f"slice{tp_rank}/", self._store), timeout, device, nccl)
 
 
 def _free_address() -> tuple[str, int]:
@@ -102,21 +61,6 @@ def _free_address() -> tuple[str, int]:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return host, s.getsockname()[1]
-
-
-def join_instance_group(host: str, port: int, tp_rank: int, tp_size: int, device: str):
-    """Form the instance's TP group as this process's default group, its backend agreed from
-    every rank's ``device`` (``collectives.form_tp_group``); returns it."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    form_tp_group(host, port, tp_rank, tp_size, TP_GROUP_TIMEOUT_S, rank_device(device))
-    return dist.group.WORLD
-
-
-def workers_per_instance(prefill_cfg) -> int:
-    """The TP ranks an instance runs as actors: ``tp_size`` for the real model, 1 for the
-    emulated executor (its TP is only its latency profile's)."""
-    return 1 if prefill_cfg.executor == "emulated" else prefill_cfg.tp_size
 
 
 def rank_options(instance_options: dict, tp_size: int, node_id: str | None = None) -> dict:
@@ -289,48 +233,3 @@ class _Watch:
 
     def stop(self) -> None:
         self._stop.set()
-
-
-def own_receivers(receivers: tuple[int, ...], tp_rank: int, tp_size: int) -> tuple[int, ...]:
-    """The receivers TP rank ``tp_rank`` of ``tp_size`` streams to: ``[t·R/T, (t+1)·R/T)``
-    of the chunk's ``R`` (the ones whose KV heads lie in its slice)."""
-    n = len(receivers)
-    if n % tp_size:
-        raise ValueError(f"a TP-{tp_size} prefill instance streams whole head slices: its "
-                         f"{n} receivers {tuple(receivers)} must be a multiple of {tp_size}")
-    k = n // tp_size
-    return tuple(receivers[tp_rank * k:(tp_rank + 1) * k])
-
-
-def check_streaming(deployment) -> None:
-    """Refuse, when the pool's send side starts, a deployment whose decode instances have a
-    number of receivers (TP ranks) that TP prefill instances cannot stream whole head slices
-    to (``own_receivers``)."""
-    from tetris.errors import ConfigError
-
-    tp = workers_per_instance(deployment.prefill)
-    dc = deployment.decode
-    receivers = 1 if dc.executor == "emulated" else dc.tp_size
-    if tp > 1 and receivers % tp:
-        raise ConfigError(f"prefill.tp_size = {tp}: each prefill TP rank streams whole KV head "
-                          f"slices, so a decode instance's {receivers} TP ranks (decode.tp_size)"
-                          f" must be a multiple of {tp}")
-
-
-def merge_states(states: list[dict]) -> dict:
-    """An instance's ``transfer_state`` from its ranks' (counts added, failures listed)."""
-    return {"shards": sum(s["shards"] for s in states),
-            "unfinished": sum(s["unfinished"] for s in states),
-            "sent": sum(s["sent"] for s in states),
-            "failed": [f for s in states for f in s["failed"]]}
-
-
-def concat_heads(parts: list[tuple]) -> tuple:
-    """(positions, k, v) exported by each TP rank, in rank order -> the instance's
-    (positions, k [L, n, Hkv, D], v): the ranks hold the same positions, heads in rank order."""
-    pos = parts[0][0]
-    for p, _k, _v in parts[1:]:
-        if not torch.equal(p, pos):
-            raise RuntimeError("the TP ranks of a prefill instance hold different positions")
-    return (pos, torch.cat([k for _p, k, _v in parts], dim=2),
-            torch.cat([v for _p, _k, v in parts], dim=2))

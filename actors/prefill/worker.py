@@ -34,9 +34,9 @@ from tetris.actors.prefill.executor import EmulatedExecutor, ModelExecutor
 from tetris.actors.prefill.kv_store import PagedKVStore
 from tetris.actors.prefill.messages import ChunkResult, ChunkTask
 from tetris.actors.prefill.send_side import SendSide
-from tetris.actors.prefill.tp import (Followers, SliceWorld, concat_heads, join_instance_group,
-                                      merge_states, own_receivers, start_followers,
-                                      workers_per_instance)
+from tetris.actors.prefill.tp import Followers, start_followers
+from tetris.actors.prefill.tp_groups import (SliceWorld, concat_heads, join_instance_group,
+                                             merge_states, own_receivers, workers_per_instance)
 from tetris.actors.prefill.world import World
 from tetris.actors.transfer_pump import TRANSFER_GROUP
 from tetris.config import ModelConfig, PrefillConfig, TransferConfig

@@ -82,7 +82,7 @@ class World(PeerLink):
 
     def _join(self, store, timeout: timedelta, device, nccl: bool | None) -> None:
         """Agree on the backend through ``store`` and connect the group (every member at once;
-        ``tp.SliceWorld`` joins through a prefix of a shared store)."""
+        ``tp_groups.SliceWorld`` joins through a prefix of a shared store)."""
         # imported here: collectives builds on PeerLink, defined above
         from tetris.actors import collectives
 

@@ -33,7 +33,8 @@ import ray
 
 from tetris.actors.placement import Placement, node_map, place_prefill
 from tetris.actors.prefill.messages import first_line
-from tetris.actors.prefill.tp import rank_options, workers_per_instance
+from tetris.actors.prefill.tp import rank_options
+from tetris.actors.prefill.tp_groups import workers_per_instance
 from tetris.actors.prefill.wiring import TransferWiring
 from tetris.actors.prefill.worker import PrefillWorkerActor
 from tetris.config import DeploymentConfig

@@ -9,7 +9,8 @@ import threading
 import pytest
 import torch
 
-from tetris.actors.prefill.tp import SliceWorld, concat_heads, rank_options, workers_per_instance
+from tetris.actors.prefill.tp import rank_options
+from tetris.actors.prefill.tp_groups import SliceWorld, concat_heads, workers_per_instance
 from tetris.actors.prefill.world import free_port
 from tetris.config import load_deployment
 
@@ -101,7 +102,7 @@ def test_the_instance_kv_is_its_ranks_head_slices_side_by_side():
 def test_streaming_needs_decode_ranks_a_multiple_of_the_prefill_tp():
     import msgspec
 
-    from tetris.actors.prefill.tp import check_streaming
+    from tetris.actors.prefill.tp_groups import check_streaming
     from tetris.errors import ConfigError
 
     cfg = load_deployment("tiny-cpu.toml")   # decode TP 2
