@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from tetris.config import TransferConfig
-from tetris.kernels.kv_pack import pack_kv
+from tetris.kernels.kv_pack_dispatch import pack_kv
 from tetris.transfer.backends import make_agent
 from tetris.transfer.messages import AgentInfo, ControlMessage, Envelope
 from tetris.transfer.receive_manager import ReceiveManager, SimpleBlockAllocator

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from tetris.config import TransferConfig
-from tetris.kernels.kv_pack import packed_bytes_per_token, scatter_kv
+from tetris.kernels.kv_pack import packed_bytes_per_token
+from tetris.kernels.kv_pack_dispatch import scatter_kv   # Triton on CUDA caches
 from tetris.transfer.backends.base import TransferAgent
 from tetris.transfer.messages import (Abort, FirstToken, ControlMessage, Envelope, Grant, Handshake, LayersReady, PieceNotice,
                                       TransferError, decode_notice)
