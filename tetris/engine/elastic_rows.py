@@ -65,21 +65,25 @@ class ElasticRows:
     def __init__(self, engine, index: int, size: int, link) -> None:
         if not 0 <= index < size:
             raise ValueError(f"instance {index} outside an elastic world of {size}")
-        if engine.runner.elastic is not None:
-            raise ValueError("this engine already takes part in an elastic world")
         self.engine = engine
         self.index = index
         self.peers = [p for p in range(size) if p != index]
         self.link = link
         self.holder = ShardHolder.of_engine(index, engine)
-        cfg = engine.model.cfg
-        self._group = cfg.num_heads // cfg.num_kv_heads   # q heads per KV head
         self._masters: dict[str, _Master] = {}
         self._held: dict[int, _Held] = {}                  # key -> ranges held here
         self.counts = ExchangeCounts()
         self.lost: set[int] = set()        # peers whose link broke: never asked again
         self.failed: list[str] = []        # masters' requests that lost a holder (``round``)
         self._step: _Step | None = None
+        self._attach(engine)
+
+    def _attach(self, engine) -> None:
+        """Become the engine's decode-attention hook (``ModelRunner.elastic``)."""
+        if engine.runner.elastic is not None:
+            raise ValueError("this engine already takes part in an elastic world")
+        cfg = engine.model.cfg
+        self._group = cfg.num_heads // cfg.num_kv_heads   # q heads per KV head
         engine.runner.elastic = self
 
     # -- placement (the driver's commands) ----------------------------------------------------
@@ -187,7 +191,7 @@ class ElasticRows:
         """A round in which the engine ran no forward: still answer every layer's queries."""
         if self._step is None:
             self.begin([])
-        for layer in range(self.engine.model.num_layers):
+        for layer in range(self.engine.cache.num_layers):
             self._answer(layer, self._step, {})
         self._step = None
 
@@ -200,16 +204,22 @@ class ElasticRows:
     def _answer(self, layer: int, step: _Step, queries: dict[int, list[torch.Tensor]]):
         """One layer's two exchanges: queries out and in, then partials out and back."""
         heads, dim = self._heads()
-        dtype = self.engine.cache.k[layer].dtype
+        dtype = self._dtype(layer)
         got = self._exchange(queries, {p: [((len(s), heads, dim), dtype)]
                                        for p, s in step.answers.items()})
         replies = {}
         for p, (q,) in got.items():
-            out, lse = self.holder.partial(layer, q, step.answers[p])
+            out, lse = self._partial(layer, q, step.answers[p])
             replies[p] = [out.contiguous(), lse.contiguous()]
         return {p: tuple(t) for p, t in self._exchange(
             replies, {p: [((len(rows), heads, dim), dtype), ((heads, len(rows)), torch.float32)]
                       for p, rows in step.asks.items()}).items()}
+
+    def _partial(self, layer: int, q: torch.Tensor, rows: list[list[KVShard]]):
+        return self.holder.partial(layer, q, rows)
+
+    def _dtype(self, layer: int) -> torch.dtype:
+        return self.engine.cache.k[layer].dtype
 
     def _heads(self) -> tuple[int, int]:
         """(local q heads, head dim) of this rank's cache slice."""
