@@ -61,6 +61,7 @@ class PipelinedEmulatedEngine(EmulatedDecodeEngine):
         self._eos = frozenset()
         self.emulated_s = 0.0
         self.steps = 0
+        self._step_start = 0.0
         self.held: list[tuple[float, Sequence]] = []    # arriving by KV exchange
         self.pending_s = 0.0     # transfers the next iteration waits for (swap over PCIe)
 
@@ -71,12 +72,18 @@ class PipelinedEmulatedEngine(EmulatedDecodeEngine):
         return (self.step_model(len(self.members), len(scheduled), context)
                 + recompute * self.prefill_s_per_token + self.pending_s) * self.time_scale
 
+    def step(self):
+        self._step_start = time.monotonic()
+        return super().step()
+
     def _execute(self, plan) -> tuple[list[Sequence], list[int]]:
+        """Sleep until the iteration's model time after the step began: the model's time
+        includes the step's CPU work (``per_seq_s``), so the scheduling done here counts."""
         seconds = self.step_seconds(plan)
         if self.lock is not None:       # the iteration runs "on the GPU": others may go on
             self.lock.release()
         try:
-            self.sleep(seconds)
+            self.sleep(max(0.0, self._step_start + seconds - time.monotonic()))
         finally:
             if self.lock is not None:
                 self.lock.acquire()
