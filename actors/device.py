@@ -45,6 +45,8 @@ def ray_gpu_ids() -> list | None:
         if not ray.is_initialized():
             return None
         return list(ray.get_gpu_ids())
+    except ImportError:    # no Ray here (the GPU checks run the engine and pools without it)
+        return None
     except RuntimeError:   # not a Ray worker (a driver without a connection)
         return None
 
