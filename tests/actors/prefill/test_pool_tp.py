@@ -171,3 +171,23 @@ def test_a_dead_tp_rank_loses_its_instance_and_the_replacement_serves(pool, mode
     assert ray.get(pool.workers[victim].kv_heads.remote()) == [1, 1]
     plan = forced_plan("tp-after-loss", 700, "300x1,restx2", pool.node_of)
     _check(pool, model, plan, prompt(700, 7))
+
+
+def test_a_chunk_failing_inside_a_tp_instance_loses_its_members_which_are_replaced(pool, model):
+    """A failure inside a chunk may leave an instance's ranks at different all-reduces, so every
+    TP member of the chunk is lost at once (none waits out a timeout); the pool replaces them
+    and the next plan on both matches the single instance."""
+    import ray
+
+    from tetris.actors.prefill.messages import PrefillWorkerLost
+
+    plan = forced_plan("tp-fault", 600, "200x1,restx2", pool.node_of)
+    victim = plan.chunks[1].instances[-1]
+    ray.get(pool.workers[victim].set_fault.remote("tp-fault", 1, 1))
+    before = pool.replacements
+    with pytest.raises(PrefillWorkerLost, match="chunk 1 failed"):
+        pool.run(plan, prompt(600, 5))
+    pool.heal(timeout_s=30.0)   # both found dead: waits for the replacements under way
+    assert pool.replacements == before + 2
+    _check(pool, model, forced_plan("tp-after-fault", 700, "300x1,restx2", pool.node_of),
+           prompt(700, 6))
