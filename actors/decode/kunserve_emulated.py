@@ -61,7 +61,7 @@ class PipelinedEmulatedEngine(EmulatedDecodeEngine):
         self._eos = frozenset()
         self.emulated_s = 0.0
         self.steps = 0
-        self._step_start = 0.0
+        self._step_start = self._step_end = self._last_seconds = 0.0
         self.held: list[tuple[float, Sequence]] = []    # arriving by KV exchange
         self.pending_s = 0.0     # transfers the next iteration waits for (swap over PCIe)
 
@@ -73,17 +73,23 @@ class PipelinedEmulatedEngine(EmulatedDecodeEngine):
                 + recompute * self.prefill_s_per_token + self.pending_s) * self.time_scale
 
     def step(self):
-        self._step_start = time.monotonic()
+        # Back to back, an iteration begins where the last one ended (the model's time
+        # includes the step's CPU work, ``per_seq_s``: the bookkeeping between two iterations
+        # overlaps them); after an idle gap, now.
+        now = time.monotonic()
+        busy = 0.0 <= now - self._step_end < self._last_seconds
+        self._step_start = self._step_end if busy else now
         return super().step()
 
     def _execute(self, plan) -> tuple[list[Sequence], list[int]]:
-        """Sleep until the iteration's model time after the step began: the model's time
-        includes the step's CPU work (``per_seq_s``), so the scheduling done here counts."""
+        """Sleep until the iteration's model time after it began."""
         seconds = self.step_seconds(plan)
+        self._step_end = self._step_start + seconds
+        self._last_seconds = seconds
         if self.lock is not None:       # the iteration runs "on the GPU": others may go on
             self.lock.release()
         try:
-            self.sleep(max(0.0, self._step_start + seconds - time.monotonic()))
+            self.sleep(max(0.0, self._step_end - time.monotonic()))
         finally:
             if self.lock is not None:
                 self.lock.acquire()

@@ -16,7 +16,7 @@ BS = 16
 # 4 layers whose weights are 3x the KV region: a drop into a pair more than doubles the KV.
 MEM = InstanceMemory(num_layers=4, layer_param_bytes=3 * 64 * 4096 // 4, other_param_bytes=4096,
                      kv_bytes=64 * 4096, layer_block_bytes=1024, block_size=BS)
-PROF = PoolProfile(name="toy", instances=2, hbm_bytes_per_s=4e9, per_seq_s=2e-4,
+PROF = PoolProfile(name="toy", instances=2, hbm_bytes_per_s=4e9, per_seq_s=1.5e-3,
                    prefill_s_per_token=1e-5, link_bytes_per_s=1e9, pcie_bytes_per_s=1e9,
                    activation_bytes_per_token=64, bubble=0.083, max_batch=64, tick_s=0.05)
 
