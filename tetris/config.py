@@ -263,6 +263,10 @@ class TransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # their late messages; a late message comes seconds after the end, thousands of requests
     # earlier than the oldest remembered one at any realistic rate.
     closed_memory: int = 16384
+    # Write pieces straight into the decode rank's KV blocks (transfer/direct.py), no receive
+    # staging; needs a backend with scattered writes (in-process, NIXL). Not yet safe in a
+    # served decode rank: its engine frees an aborted request's blocks at once (docs/transfer.md)
+    direct_writes: bool = False
 
     def __post_init__(self) -> None:
         for key in ("num_backends", "pool_size", "backend_buffer_bytes", "backend_slots",

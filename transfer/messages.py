@@ -16,6 +16,7 @@ __all__ = [
     "TokenRange",
     "RegionDesc",
     "AgentInfo",
+    "DirectTarget",
     "Handshake",
     "Grant",
     "PieceNotice",
@@ -92,6 +93,18 @@ class LayersReady(msgspec.Struct, frozen=True, tag=True):
     ready_layers: int
 
 
+class DirectTarget(msgspec.Struct, frozen=True):
+    """Direct writes (transfer/direct.py): where a shard's pieces go in the decode rank's paged
+    cache: per layer its registered K and V cache regions (``[num_blocks, block_size, Hkv, D]``
+    each), the bytes of one slot row (``Hkv x D x element size``), the request's block table."""
+
+    k_regions: tuple[RegionDesc, ...]
+    v_regions: tuple[RegionDesc, ...]
+    row_bytes: int
+    block_size: int
+    blocks: tuple[int, ...]
+
+
 class Grant(msgspec.Struct, frozen=True, tag=True):
     """Receiver -> sender (SPEC 7 step 3): one credit to write one piece of at most
     ``max_piece_bytes`` into ``region`` at ``offset`` (slot ``slot`` of the backend's buffer).
@@ -106,6 +119,9 @@ class Grant(msgspec.Struct, frozen=True, tag=True):
     receiver_id: int = -1   # the granting receiver: a chunk may stream to several (TP ranks)
     slot: int = 0
     offset: int = 0
+    # direct writes: on a shard's first grant, where its pieces go (then the slot is a credit
+    # only and its bytes stay unused)
+    target: DirectTarget | None = None
 
 
 class PieceNotice(msgspec.Struct, frozen=True, tag=True):

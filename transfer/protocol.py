@@ -78,6 +78,7 @@ class IncomingShard:
         # which only makes ``pieces_wanted`` an underestimate: a credit is never granted idle.
         self.piece_tokens = max(1, piece_tokens)
         self.outstanding = 0    # credits granted and not yet used
+        self.target_sent = False   # direct writes: its first grant carried the cache target
         self._slots: torch.Tensor | None = None
 
     def slots(self, block_table: torch.Tensor, block_size: int) -> torch.Tensor:

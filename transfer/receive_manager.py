@@ -24,8 +24,9 @@ from tetris.config import TransferConfig
 from tetris.kernels.kv_pack import packed_bytes_per_token
 from tetris.kernels.kv_pack_dispatch import scatter_kv   # Triton on CUDA caches
 from tetris.transfer.backends.base import TransferAgent
-from tetris.transfer.messages import (Abort, FirstToken, ControlMessage, Envelope, Grant, Handshake, LayersReady, PieceNotice,
-                                      TransferError, decode_notice)
+from tetris.transfer.direct import BlockHolds, register_cache
+from tetris.transfer.messages import (Abort, FirstToken, ControlMessage, DirectTarget, Envelope, Grant, Handshake,
+                                      LayersReady, PieceNotice, TransferError, decode_notice)
 from tetris.transfer.protocol import (IncomingRequest, IncomingShard, ReceiveBackend, assign_backends,
                                       shard_positions)
 from tetris.transfer.states import (ChunkArrived, FirstTokenIn, MessageRejected, RequestReady, TransferEvent,
@@ -95,6 +96,11 @@ class ReceiveManager:
             buf = torch.zeros(config.backend_buffer_bytes, dtype=torch.uint8, device=k0.device)
             self.backends.append(ReceiveBackend(i, buf, agent.register(buf), config.backend_slots))
         self.piece_tokens = config.slot_bytes // self.bytes_per_token
+        # direct writes (transfer/direct.py): the cache itself is registered, and the blocks of
+        # an aborted request wait in ``_holds`` until no granted write can land in them
+        self._cache_regions = (register_cache(agent, self.kv_caches) if config.direct_writes
+                               else None)
+        self._holds = BlockHolds()
         self.requests: dict[str, IncomingRequest] = {}
         # finished request id -> "done" / failure reason, oldest first; remembered so that a late
         # message of a finished request is refused rather than allocated anew, and bounded
@@ -160,6 +166,8 @@ class ReceiveManager:
     def poll(self, now: float) -> list[TransferEvent]:
         for peer, raw in self.agent.notifications():
             self._on_notice(peer, raw, now)
+        for blocks in self._holds.release(now):
+            self.allocator.free(blocks)
         served = {b.holder for b in self.backends} | {c[0] for b in self.backends for c in b.credits.values()}
         for req in sorted(self.requests.values(), key=lambda r: r.request_id):
             if req.first_seq is None or req.request_id not in served:
@@ -174,7 +182,8 @@ class ReceiveManager:
                                            chunk_index=shard.key[1], backend_id=backend.backend_id,
                                            region=backend.region, max_piece_bytes=backend.slot_bytes,
                                            receiver_id=self.receiver_id, slot=slot,
-                                           offset=slot * backend.slot_bytes))
+                                           offset=slot * backend.slot_bytes,
+                                           target=self._direct_target(req, shard)))
         events, self._events = self._events, []
         return events
 
@@ -185,12 +194,12 @@ class ReceiveManager:
     def needs_polling(self) -> bool:
         """A granted piece may land: its notice comes through the backend, seen only by
         polling. Handshakes, computed layers and aborts arrive through ``deliver``."""
-        return any(b.credits for b in self.backends)
+        return any(b.credits for b in self.backends) or bool(self._holds)
 
     def idle(self) -> bool:
         """No request is held, so no timeout runs and no piece can land for one: the owner's
         pump sleeps until a message or an owner call (``reserve``) wakes it."""
-        return not self.requests and not any(b.credits for b in self.backends)
+        return not self.requests and not any(b.credits for b in self.backends) and not self._holds
 
     def state(self, request_id: str) -> TransferState | None:
         req = self.requests.get(request_id)
@@ -201,9 +210,27 @@ class ReceiveManager:
             return None
         return TransferState.DONE if closed == "done" else TransferState.FAILED
 
+    def held_back(self) -> list[int]:
+        """Blocks of aborted requests still held for writes that may land (direct writes)."""
+        return self._holds.blocks
+
     def close(self) -> None:
         for b in self.backends:
             self.agent.deregister(b.buffer)
+        if self._cache_regions is not None:
+            for k, v in self.kv_caches:
+                self.agent.deregister(k)
+                self.agent.deregister(v)
+
+    # ---- direct writes ---------------------------------------------------------------------
+    def _direct_target(self, req: IncomingRequest, shard: IncomingShard) -> DirectTarget | None:
+        """The shard's first grant tells the sender where its pieces go (direct writes)."""
+        if self._cache_regions is None or shard.target_sent:
+            return None
+        shard.target_sent = True
+        return DirectTarget(k_regions=self._cache_regions[0], v_regions=self._cache_regions[1],
+                            row_bytes=self.bytes_per_token // 2, block_size=self.block_size,
+                            blocks=tuple(req.blocks))
 
     # ---- handshake -------------------------------------------------------------------------
     def _get_or_create(self, request_id: str, prompt_tokens: int, now: float) -> IncomingRequest | None:
@@ -296,6 +323,7 @@ class ReceiveManager:
         backend = self.backends[n.backend_id] if 0 <= n.backend_id < len(self.backends) else None
         if backend is not None and n.slot in backend.fenced and n.slot not in backend.credits:
             del backend.fenced[n.slot]   # the straggler of an aborted request has landed
+            self._holds.landed(n.backend_id, n.slot)
         reason, shard = self._check_piece(peer, n)
         if reason is not None:
             if shard is not None:         # the credit was spent on a bad piece; grant again
@@ -309,13 +337,15 @@ class ReceiveManager:
         self._check_complete(req, shard, n.layer)
 
     def _place(self, req: IncomingRequest, shard: IncomingShard, n: PieceNotice, backend: ReceiveBackend) -> None:
-        # staging bytes -> [num_tokens, 2, Hkv, D] -> paged cache slots of their absolute positions
-        packed = backend.slot_view(n.slot, n.nbytes).view(self.dtype).view(n.num_tokens, 2, self.kv_heads,
-                                                                           self.head_dim)
         piece = slice(n.token_offset, n.token_offset + n.num_tokens)
-        slots = shard.slots(req.block_table, self.block_size)[piece]
-        k_cache, v_cache = self.kv_caches[n.layer]
-        scatter_kv(k_cache, v_cache, slots, packed)
+        if self._cache_regions is None:
+            # staging bytes -> [num_tokens, 2, Hkv, D] -> paged cache slots of their positions
+            packed = backend.slot_view(n.slot, n.nbytes).view(self.dtype).view(
+                n.num_tokens, 2, self.kv_heads, self.head_dim)
+            slots = shard.slots(req.block_table, self.block_size)[piece]
+            k_cache, v_cache = self.kv_caches[n.layer]
+            scatter_kv(k_cache, v_cache, slots, packed)
+        # (direct writes: the bytes are already in the request's blocks)
         shard.mark_received(n.layer, n.token_offset, n.num_tokens)
         req.cover(n.layer, shard.positions[piece], shard.key[1])
 
@@ -339,14 +369,20 @@ class ReceiveManager:
     # ---- failure ---------------------------------------------------------------------------
     def _fail(self, req: IncomingRequest, reason: str, now: float, notify: int | None = None) -> None:
         req.state = TransferState.FAILED
+        outstanding = set()
         for b in self.backends:
             for slot in [s for s, c in sorted(b.credits.items()) if c[0] == req.request_id]:
                 # a piece may still be on the wire into this slot: keep it out of use a while
                 del b.credits[slot]
                 b.fenced[slot] = now + self.config.abort_grace_s
+                outstanding.add((b.backend_id, slot))
             if b.holder == req.request_id:
                 b.free()
-        self.allocator.free(req.blocks)
+        if self._cache_regions is not None and outstanding:
+            # a granted direct write may still land in these blocks: not reused until it has
+            self._holds.hold(req.blocks, outstanding, now + self.config.abort_grace_s)
+        else:
+            self.allocator.free(req.blocks)
         del self.requests[req.request_id]
         self._close(req.request_id, reason)
         for sender in sorted({k[0] for k in req.shards}):

@@ -21,13 +21,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from tetris.config import TransferConfig
 from tetris.kernels.kv_pack import packed_bytes_per_token
 from tetris.transfer.backends.base import TransferAgent
-from tetris.transfer.messages import (Abort, ControlMessage, Envelope, FirstToken, Grant, Handshake, LayersReady, PieceNotice,
-                                      TokenRange, TransferError, encode_notice)
+from tetris.transfer.direct import piece_descriptors, shard_positions_of, stage_split_rows
+from tetris.transfer.messages import (Abort, ControlMessage, DirectTarget, Envelope, FirstToken, Grant, Handshake,
+                                      LayersReady, PieceNotice, TokenRange, TransferError, encode_notice)
 from tetris.transfer.states import ActivationGo, ShardSent, TransferEvent, TransferFailed, TransferState
 from tetris.transfer.traffic import LinkChunk, LinkScheduler, TrafficClass
 
@@ -48,6 +50,14 @@ class _OutgoingShard:
         self.ready_layers = 0    # layers [0, ready_layers) were handed over (told to the receiver)
         self.state = TransferState.BOOTSTRAPPING
         self.last_progress = now
+        self.target: DirectTarget | None = None   # direct writes: from the first grant
+        self._positions: np.ndarray | None = None
+
+    def positions(self) -> np.ndarray:
+        """Absolute positions in packed order (direct writes place pieces by them)."""
+        if self._positions is None:
+            self._positions = shard_positions_of(self.handshake.ranges)
+        return self._positions
 
     @property
     def key(self) -> ShardKey:
@@ -130,6 +140,8 @@ class SendManager:
             if shard is None or shard.state.finished or msg.sender_id != self.sender_id:
                 return   # a grant for a shard this side already dropped: the receiver times it out
             shard.grants.append(msg)
+            if msg.target is not None:
+                shard.target = msg.target
             if shard.state != TransferState.TRANSFERRING:
                 shard.state = TransferState.WAITING
                 shard.last_progress = now
@@ -277,17 +289,26 @@ class SendManager:
             return
         shard = next(s for s in self.shards.values() if s.tag == chunk.tag and s.queued)
         num = self._piece_tokens(shard)
-        src = shard.layers[shard.layer][shard.offset:shard.offset + num].reshape(-1).view(torch.uint8)
-        if src.device != self._staging.device:
-            self._stage_on(src.device)
-        staging = self._staging[:src.numel()]
-        staging.copy_(src)
+        kv = shard.layers[shard.layer][shard.offset:shard.offset + num]
+        if kv.device != self._staging.device:
+            self._stage_on(kv.device)
+        if shard.target is None:
+            src = kv.reshape(-1).view(torch.uint8)
+            staging = self._staging[:src.numel()]
+            staging.copy_(src)
+        else:   # direct writes: K rows then V rows, placed by cache slot (transfer/direct.py)
+            staging = stage_split_rows(kv, self._staging)
         g = shard.grants.popleft()
         notice = PieceNotice(request_id=g.request_id, sender_id=self.sender_id, chunk_index=g.chunk_index,
                              backend_id=g.backend_id, layer=shard.layer, token_offset=shard.offset,
-                             num_tokens=num, nbytes=src.numel(), dtype=shard.handshake.dtype, slot=g.slot)
+                             num_tokens=num, nbytes=staging.numel(), dtype=shard.handshake.dtype, slot=g.slot)
         try:
-            handle = self.agent.write(staging, g.region, g.offset, encode_notice(notice))
+            if shard.target is None:
+                handle = self.agent.write(staging, g.region, g.offset, encode_notice(notice))
+            else:
+                descs = piece_descriptors(shard.target, shard.layer,
+                                          shard.positions()[shard.offset:shard.offset + num])
+                handle = self.agent.write_descs(staging, descs, encode_notice(notice))
         except (RuntimeError, ValueError) as exc:
             self.link.finish(chunk)
             self._fail(shard, f"write failed: {exc}", tell_receiver=True)

@@ -7,6 +7,7 @@ with a notification that reaches the peer only after the bytes, and is polled, n
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -21,12 +22,15 @@ WriteStatus = Literal["proc", "done", "err"]
 class BackendCapabilities:
     """What a backend can do; callers branch on these flags, never on the agent's type."""
 
-    def __init__(self, *, cross_process: bool, device_memory: bool) -> None:
+    def __init__(self, *, cross_process: bool, device_memory: bool,
+                 scattered_writes: bool = False) -> None:
         self.cross_process = cross_process
         self.device_memory = device_memory
+        self.scattered_writes = scattered_writes   # ``write_descs``: direct writes need it
 
     def __repr__(self) -> str:
-        return f"BackendCapabilities(cross_process={self.cross_process}, device_memory={self.device_memory})"
+        return (f"BackendCapabilities(cross_process={self.cross_process}, device_memory="
+                f"{self.device_memory}, scattered_writes={self.scattered_writes})")
 
 
 class TransferAgent(abc.ABC):
@@ -56,6 +60,14 @@ class TransferAgent(abc.ABC):
     @abc.abstractmethod
     def write(self, src: torch.Tensor, dst: RegionDesc, dst_offset: int, notif: bytes) -> object:
         """Start writing registered contiguous ``src`` to ``dst`` at ``dst_offset``; returns a handle."""
+
+    def write_descs(self, src: torch.Tensor, descs: Sequence[tuple[int, RegionDesc, int, int]],
+                    notif: bytes) -> object:
+        """Start one write of several ranges of registered contiguous ``src``: each descriptor
+        is (source byte offset, peer region, destination byte offset, bytes), every region of
+        one peer; ``notif`` reaches the peer after all of them (direct writes, transfer/direct.py).
+        Only backends whose capabilities say ``scattered_writes``."""
+        raise NotImplementedError(f"the {self.backend} transfer backend writes one range at a time")
 
     @abc.abstractmethod
     def status(self, handle: object) -> WriteStatus: ...

@@ -22,14 +22,17 @@ _LOCK = threading.Lock()
 
 
 class _Write:
-    def __init__(self, src: torch.Tensor, dst: RegionDesc, dst_offset: int, notif: bytes) -> None:
-        self.src, self.dst, self.dst_offset, self.notif = src, dst, dst_offset, notif
+    """One write: ``parts`` are (source bytes, destination offset) into region ``dst``'s agent."""
+
+    def __init__(self, parts: list[tuple[torch.Tensor, RegionDesc, int]], notif: bytes) -> None:
+        self.parts, self.notif = parts, notif
         self.state: WriteStatus = "proc"
 
 
 class InProcAgent(TransferAgent):
     backend = "inproc"
-    capabilities = BackendCapabilities(cross_process=False, device_memory=True)
+    capabilities = BackendCapabilities(cross_process=False, device_memory=True,
+                                       scattered_writes=True)
 
     def __init__(self, name: str) -> None:
         with _LOCK:
@@ -67,7 +70,19 @@ class InProcAgent(TransferAgent):
             raise ValueError(f"agent {self.name!r} does not know peer {dst.agent!r}")
         if not src.is_contiguous():
             raise ValueError("write needs a contiguous source tensor")
-        return _Write(src, dst, dst_offset, notif)
+        return _Write([(src.reshape(-1).view(torch.uint8), dst, dst_offset)], notif)
+
+    def write_descs(self, src: torch.Tensor, descs, notif: bytes) -> object:
+        if not src.is_contiguous():
+            raise ValueError("write needs a contiguous source tensor")
+        flat = src.reshape(-1).view(torch.uint8)
+        if len({d[1].agent for d in descs}) > 1:
+            raise ValueError("one write goes to one peer")
+        for _, region, _, _ in descs:
+            if region.agent not in self._peers:
+                raise ValueError(f"agent {self.name!r} does not know peer {region.agent!r}")
+        return _Write([(flat[off:off + n], region, dst_off) for off, region, dst_off, n in descs],
+                      notif)
 
     def status(self, handle: object) -> WriteStatus:
         assert isinstance(handle, _Write)
@@ -77,13 +92,18 @@ class InProcAgent(TransferAgent):
 
     def _perform(self, w: _Write) -> WriteStatus:
         with _LOCK:
-            peer = _AGENTS.get(w.dst.agent)
-            region = None if peer is None else peer._regions.get(w.dst.addr)
-            nbytes = w.src.numel() * w.src.element_size()
-            if region is None or w.dst_offset + nbytes > region.numel():
-                return "err"
-            region[w.dst_offset:w.dst_offset + nbytes].copy_(w.src.reshape(-1).view(torch.uint8))
-            peer._inbox.append((self.name, w.notif))
+            peer = None
+            targets = []
+            for src, dst, offset in w.parts:
+                peer = _AGENTS.get(dst.agent)
+                region = None if peer is None else peer._regions.get(dst.addr)
+                if region is None or offset + src.numel() > region.numel():
+                    return "err"
+                targets.append((region[offset:offset + src.numel()], src))
+            for target, src in targets:
+                target.copy_(src)
+            if peer is not None:
+                peer._inbox.append((self.name, w.notif))
         return "done"
 
     def release(self, handle: object) -> None:

@@ -131,7 +131,8 @@ def _segment_of(tensor: torch.Tensor) -> tuple[int, int, str, int]:
 
 class NixlAgent(TransferAgent):
     backend = "nixl-ucx"
-    capabilities = BackendCapabilities(cross_process=True, device_memory=True)
+    capabilities = BackendCapabilities(cross_process=True, device_memory=True,
+                                       scattered_writes=True)
 
     def __init__(self, name: str) -> None:
         # (new_nixl_agent imports nixl: a missing install is caught by the backend selection)
@@ -187,6 +188,31 @@ class NixlAgent(TransferAgent):
         if self._agent.transfer(handle) == "ERR":
             self._agent.release_xfer_handle(handle)
             raise RuntimeError(f"NIXL could not post a write of {nbytes} B to {dst.agent!r}")
+        return handle
+
+    def write_descs(self, src: torch.Tensor, descs, notif: bytes) -> object:
+        """One NIXL transfer of several descriptor pairs (local range i -> remote range i); the
+        notification follows all of them."""
+        addr, nbytes, mem, device_id = _segment_of(src)
+        peers = {d[1].agent for d in descs}
+        if len(peers) != 1 or len({d[1].mem for d in descs}) != 1:
+            raise ValueError(f"one write goes to one peer's memory of one type, got {sorted(peers)}")
+        peer = peers.pop()
+        if peer not in self._peers:
+            raise ValueError(f"agent {self.name!r} does not know peer {peer!r}")
+        local, remote = [], []
+        for off, region, dst_off, n in descs:
+            if off < 0 or off + n > nbytes or dst_off < 0 or dst_off + n > region.nbytes:
+                raise ValueError(f"descriptor of {n} B at {off} -> {dst_off} overflows its "
+                                 f"source ({nbytes} B) or region ({region.nbytes} B)")
+            local.append((addr + off, n, device_id))
+            remote.append((region.addr + dst_off, n, region.device_id))
+        handle = self._agent.initialize_xfer(
+            "WRITE", self._agent.get_xfer_descs(local, mem),
+            self._agent.get_xfer_descs(remote, descs[0][1].mem), peer, notif)
+        if self._agent.transfer(handle) == "ERR":
+            self._agent.release_xfer_handle(handle)
+            raise RuntimeError(f"NIXL could not post a write of {len(descs)} ranges to {peer!r}")
         return handle
 
     def status(self, handle: object) -> WriteStatus:
