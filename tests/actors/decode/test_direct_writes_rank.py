@@ -1,0 +1,150 @@
+"""Direct writes into a decode rank's own KV blocks (transfer/direct.py), without Ray: a TP-1
+``DecodeRank`` in this process receives every request's KV from a real ``SendManager`` over
+the in-process backend, once staged and once with ``transfer.direct_writes``; both decode the
+single engine's greedy tokens and logprobs, and the two caches hold the same bytes."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from types import SimpleNamespace
+
+import msgspec
+import torch
+from exactness import TOP, assert_same_run, engine_runs, logprobs_of_logits
+from tetris.actors.decode.messages import Commit, Reserve
+from tetris.actors.decode.rank import DecodeRank
+from tetris.actors.transfer_pump import TransferPump
+from tetris.kernels.attention import attention_with_lse
+from tetris.transfer.backends import make_agent
+from tetris.transfer.send_manager import SendManager
+from tetris.transfer.states import ShardSent, TransferFailed
+
+from tetris.config import DecodeConfig, DeploymentConfig, ModelConfig, TransferConfig
+from tetris.engine.engine import LLMEngine
+from tetris.model.loader import load_model
+from tetris.sampling_params import SamplingParams
+
+MODEL = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2,
+                    num_heads=4, num_kv_heads=2, seed=5)
+BS = 4
+DEPLOYMENT = DeploymentConfig(model=MODEL, decode=DecodeConfig(
+    tp_size=1, max_batch_size=4, block_size=BS, kv_blocks=40))
+STAGED = TransferConfig(num_backends=2, pool_size=2, backend_buffer_bytes=4096,
+                        send_buffer_bytes=4096, bulk_chunk_bytes=4096, timeout_s=20.0,
+                        backend="inproc")
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=TOP)
+LENGTHS = {"a": 23, "b": 9, "c": 31}
+_names = itertools.count()
+
+
+class _Direct:
+    """A peer in this process: its ``deliver_transfer.remote`` is a direct call."""
+
+    def __init__(self, obj) -> None:
+        self.deliver_transfer = SimpleNamespace(remote=obj.deliver_transfer)
+
+
+class _Sender:
+    def __init__(self) -> None:
+        self.agent = make_agent(f"direct-rank-send-{next(_names)}", backend="inproc")
+        self.pump = TransferPump(SendManager(0, self.agent, STAGED), name="sender",
+                                 on_events=self._done).start()
+
+    def _done(self, events) -> None:
+        with self.pump.locked() as mgr:
+            for e in events:
+                assert not isinstance(e, TransferFailed), e
+                if isinstance(e, ShardSent):
+                    mgr.forget(e.request_id)
+
+    def deliver_transfer(self, msgs) -> None:
+        self.pump.deliver(msgs)
+
+    def send(self, rid: str, receiver: int, kv: list[torch.Tensor]) -> None:
+        n = kv[0].shape[0]
+        with self.pump.locked() as mgr:
+            # two members' worth of shards: the prompt's halves as two chunks
+            for chunk, (a, b) in enumerate(((0, n // 2), (n // 2, n))):
+                mgr.add_shard(request_id=rid, chunk_index=chunk, receiver_id=receiver,
+                              prompt_tokens=n, chunk=(a, b), ranges=[(a, b)],
+                              num_layers=len(kv), kv_heads=kv[0].shape[2],
+                              head_dim=kv[0].shape[3], dtype=kv[0].dtype, now=time.monotonic())
+                for layer, layer_kv in enumerate(kv):
+                    mgr.layer_ready(rid, chunk, layer, layer_kv[a:b].clone())
+
+
+@torch.inference_mode()
+def _prefill(model, prompt):
+    """Per layer [T, 2, Hkv, D] of the prompt's KV, the first token and its logprob."""
+    kv = []
+
+    def attention(i, q, k, v):
+        kv.append(torch.stack([k, v], dim=1))
+        return attention_with_lse(q, k, v, causal=True)[0]
+
+    hidden = model(torch.tensor(prompt), torch.arange(len(prompt)), attention)
+    row = model.logits(hidden[-1:], upcast=True)[0]
+    first = int(row.argmax())
+    return kv, first, logprobs_of_logits([row], [first])[0]
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(11)
+    return {rid: torch.randint(0, MODEL.vocab_size, (n,), generator=g).tolist()
+            for rid, n in LENGTHS.items()}
+
+
+def _decode(config: TransferConfig, prefills, prompts):
+    """Every request's (tokens, logprobs) and the rank's KV cache after its KV arrived."""
+    rank = DecodeRank(0, 0, 1, DEPLOYMENT)
+    rank.init_group("127.0.0.1", 0, 30.0)
+    sender = _Sender()
+    try:
+        sender.agent.add_peer(rank.enable_transfer(config))
+        rank.connect_senders({0: _Direct(sender)})
+        sender.pump.connect({rank.receiver_id: _Direct(rank)})
+        replies = [rank.step([Reserve(rid, tuple(p), PARAMS) for rid, p in prompts.items()])]
+        for rid in prompts:
+            sender.send(rid, rank.receiver_id, prefills[rid][0])
+        deadline = time.monotonic() + 30.0
+        while rank.held().receiving:   # the pump thread places the pieces
+            assert time.monotonic() < deadline, rank.held()
+            time.sleep(0.01)
+        cache = rank.engine.cache.buffer.clone()
+        with rank.pump.locked() as manager:   # bytes left in the receive staging buffers
+            staged_bytes = sum(int(b.buffer.count_nonzero()) for b in manager.backends)
+        replies.append(rank.step([Commit(rid, prefills[rid][1], prefills[rid][2])
+                                  for rid in prompts]))
+        replies += [rank.step([]) for _ in range(PARAMS.max_tokens)]
+        runs = {}
+        for reply in replies:
+            assert not reply.failed and not reply.rejected
+            for d in reply.outputs:
+                tokens, lps = runs.setdefault(d.request_id, ([], []))
+                tokens += d.new_token_ids
+                lps += list(d.new_logprobs)
+        assert rank.held().free_blocks == DEPLOYMENT.decode.kv_blocks
+        return runs, cache, staged_bytes
+    finally:
+        sender.pump.stop()
+        rank.shutdown()
+
+
+def test_direct_writes_into_the_rank_s_blocks_decode_the_engine_s_tokens():
+    model, tok = load_model(MODEL)
+    prompts = _prompts()
+    prefills = {rid: _prefill(model, p) for rid, p in prompts.items()}
+    engine = LLMEngine(model, tok, num_blocks=64, block_size=BS)
+    want = dict(zip(prompts, engine_runs(engine, list(prompts.values()), PARAMS), strict=True))
+    staged, staged_cache, through_staging = _decode(STAGED, prefills, prompts)
+    direct, direct_cache, not_staged = _decode(msgspec.structs.replace(STAGED, direct_writes=True),
+                                               prefills, prompts)
+    assert through_staging > 0 and not_staged == 0   # direct: nothing in the receive buffers
+    assert torch.equal(staged_cache, direct_cache)   # the same bytes in the same blocks
+    assert int(direct_cache.count_nonzero()) > 0
+    for runs, how in ((staged, "staged"), (direct, "direct")):
+        assert set(runs) == set(prompts)
+        for rid in sorted(prompts):
+            tokens, lps = runs[rid]
+            assert_same_run(tokens, lps, want[rid], f"{how} {rid}")
