@@ -94,11 +94,9 @@ class PrefillWorker:
                                                  profile, threads, device, instance_options)
             # model.device: CUDA when Ray gave this worker a GPU (actors/device.py)
             model, _tok, device = load_model_on_device(model_cfg, tp_group=group)
-            # a TP rank's KV blocks fit its own share of the instance's GPUs
-            rank_cfg = msgspec.structs.replace(
-                prefill_cfg, gpus_per_instance=prefill_cfg.gpus_per_instance / self.tp_size)
+            # a TP rank's KV blocks fit its own share of the instance's GPUs (prefill_kv_blocks)
             self.store = PagedKVStore(
-                model.num_layers, prefill_kv_blocks(rank_cfg, model, device),
+                model.num_layers, prefill_kv_blocks(prefill_cfg, model, device),
                 prefill_cfg.block_size, model.local_num_kv_heads, model.head_dim,
                 dtype=model.dtype, device=device,
             )
