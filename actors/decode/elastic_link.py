@@ -13,6 +13,9 @@ between two members arrive in the order sent, so waits must follow the posting o
 A send larger than ``INLINE_BYTES`` goes on a thread of its own, so that two members sending
 each other more than the sockets buffer cannot both block in ``sendall``.
 
+Tensors on a GPU go through host memory (a copy each way), as gloo needs them to
+(``actors/collectives.py`` ``StagedLink``): sockets read and write host bytes only.
+
 Rendezvous through a torch ``Store`` (each member publishes ``host:port``); member i connects
 to every lower member and accepts every higher one.
 """
@@ -125,11 +128,16 @@ class SocketWorld:
         try:
             sock = self._socks[peer]
             got_tag, nbytes = self._recv_header(sock)
-            view = memoryview(tensor.view(torch.uint8).reshape(-1).numpy())
+            # a GPU tensor is filled from a host copy (sockets read host bytes)
+            host = tensor if tensor.device.type == "cpu" else torch.empty(
+                tensor.shape, dtype=tensor.dtype)
+            view = memoryview(host.view(torch.uint8).reshape(-1).numpy())
             if got_tag != tag or nbytes != len(view):
                 raise PeerLost(f"member {peer} sent tag {got_tag} of {nbytes} bytes where tag "
                                f"{tag} of {len(view)} bytes was expected")
             _recv_into(sock, view)
+            if host is not tensor:
+                tensor.copy_(host)
         except (OSError, KeyError) as e:
             raise PeerLost(f"member {peer}: {e!r}") from e
 
@@ -141,7 +149,8 @@ class SocketWorld:
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    host = tensor.detach().cpu()   # a GPU tensor: its host copy (a no-op on the CPU)
+    return memoryview(host.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> None:
