@@ -140,4 +140,4 @@ class ElasticMember:
     def round(self) -> tuple[list, list[Failed]]:
         """The engine's step in the world's lockstep: (outputs, requests that lost a holder)."""
         outputs, failed = self.rows.round()
-        return outputs, [Failed(rid, HOLDER_LOST) for rid in failed]
+        return outputs, [Failed(rid, HOLDER_LOST, holder_lost=True) for rid in failed]

@@ -95,6 +95,7 @@ class DecodeInstance:
         self._senders: dict[int, object] = {}   # kept to connect replacement ranks
         self._agent_infos: list[AgentInfo] = []
         self.rounds = 0   # rounds sent to the ranks (tests check that idle means no rounds)
+        self.gate = None  # elastic decode: the world's round gate (actors/decode/elastic_pool.py)
         # rank 0's engine step time of recent rounds that produced tokens (benchmarks)
         self.step_times: collections.deque[float] = collections.deque(maxlen=4096)
         # wall time of the same rounds as seen here (step + Ray calls + lockstep wait)
@@ -207,7 +208,7 @@ class DecodeInstance:
     # -- requests -------------------------------------------------------------------------
     async def reserve(self, request_id: str, prompt_token_ids, sampling: SamplingParams,
                       generated=(), *, keep: bool = False, prefix_from: str = "",
-                      prefix_tokens: int = 0) -> None:
+                      prefix_tokens: int = 0, kv_start: int = 0) -> None:
         """Hold blocks on every rank for a prompt prefilled elsewhere; ``DecodeFull`` if no room.
 
         ``generated``: output tokens the client already has (resuming a request whose instance
@@ -216,13 +217,15 @@ class DecodeInstance:
 
         Prefix caching's decode side (engine/kept_kv.py): ``keep`` keeps the KV once the request
         finishes (``drop_kept`` frees it); ``prefix_from`` is a kept run whose positions
-        ``[0, prefix_tokens)`` are copied to this request instead of streamed."""
+        ``[0, prefix_tokens)`` are copied to this request instead of streamed. ``kv_start``:
+        elastic decode's master holds positions from there on (actors/decode/elastic_pool.py)."""
         prompt = compact_tokens(prompt_token_ids)
         generated = tuple(int(t) for t in generated)
         req = self._open(request_id, receiving=True)
         req.num_tokens = len(generated)
         self._book.submit(Reserve(request_id, prompt, sampling, generated, keep=keep,
-                                  prefix_from=prefix_from, prefix_tokens=prefix_tokens))
+                                  prefix_from=prefix_from, prefix_tokens=prefix_tokens,
+                                  kv_start=kv_start))
         await req.admitted
 
     async def add(self, request_id: str, prompt_token_ids, sampling: SamplingParams) -> None:
@@ -303,6 +306,26 @@ class DecodeInstance:
         """Free a finished run's kept KV on every rank (an abort of it; idempotent)."""
         self._book.submit(Abort(run_id, "dropped from the prefix cache"))
 
+    # -- elastic decode (actors/decode/elastic_pool.py) ------------------------------------
+    def submit(self, cmd: Command) -> None:
+        """A command for the next round that belongs to no request of this instance's book
+        (elastic decode's ``Lead``, ``Hold``, ``Release``)."""
+        self._book.submit(cmd)
+
+    def expect_range(self, transfer_id: str) -> None:
+        self._book.ranges_ready[transfer_id] = set()
+
+    def range_ready(self, transfer_id: str) -> bool:
+        """Whether every rank reported the held range's KV complete."""
+        return len(self._book.ranges_ready.get(transfer_id, ())) == self.tp_size
+
+    def forget_range(self, transfer_id: str) -> None:
+        self._book.ranges_ready.pop(transfer_id, None)
+
+    def nudge(self) -> None:
+        """Run a round soon even with nothing to do (the world's gate wants one)."""
+        self._book.wake.set()
+
     def stats(self) -> EngineStats | None:
         """The last engine stats (rank 0), for the decode router; None before the first round."""
         return self._stats
@@ -350,15 +373,18 @@ class DecodeInstance:
         try:
             while True:
                 schedulable, receiving = self._busy()
-                if not book.commands and not schedulable:
+                if not book.commands and not schedulable and not self._gate_wants():
                     # Idle: sleep until a command comes; while KV arrives, wake now and then
-                    # to pick up the ranks' ready events.
+                    # to pick up the ranks' ready events. (A gate's nudge before the clear
+                    # below is seen by the check above: nothing yields in between.)
                     book.wake.clear()
                     timeout = self.poll_interval_s if receiving else None
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(book.wake.wait(), timeout)
-                    if not book.commands and not receiving:
+                    if not book.commands and not receiving and not self._gate_wants():
                         continue
+                if self.gate is not None:   # every instance of the world steps together
+                    await self.gate.turn(self.instance)
                 cmds = book.take_commands()
                 t0 = time.perf_counter()
                 # one Ray call: rank 0 runs the round on every rank (decode/lockstep.py)
@@ -373,6 +399,9 @@ class DecodeInstance:
         except Exception as exc:  # noqa: BLE001 - a rank died or diverged: fail everything
             log.exception("decode instance %d: round failed", self.instance)
             self._break(exc)
+
+    def _gate_wants(self) -> bool:
+        return self.gate is not None and self.gate.wanted
 
     def _break(self, exc: BaseException) -> None:
         """Stop serving: fail every request it holds; ``restart`` brings it back."""

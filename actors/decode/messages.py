@@ -17,7 +17,8 @@ from tetris.sampling_params import SamplingParams
 from tetris.token_ids import TokenIds
 
 __all__ = ["Reserve", "Commit", "Add", "Abort", "Command", "Rejected", "Failed", "FirstTokenArrived", "StepReply",
-           "RankHeld", "DecodeFull", "DecodeError", "DecodeInstanceLost", "KVTransferFailed"]
+           "RankHeld", "DecodeFull", "DecodeError", "DecodeInstanceLost", "KVTransferFailed",
+           "HolderLost"]
 
 
 class Reserve(msgspec.Struct, frozen=True, tag="reserve"):
@@ -80,6 +81,8 @@ class Failed(msgspec.Struct, frozen=True):
 
     request_id: str
     reason: str
+    # elastic decode: a decoding request lost an instance holding part of its KV (resume it)
+    holder_lost: bool = False
 
 
 class FirstTokenArrived(msgspec.Struct, frozen=True):
@@ -139,6 +142,11 @@ class DecodeError(Exception):
 class KVTransferFailed(DecodeError, InstanceLost):
     """The request's KV did not arrive (a sender died, or the transfer timed out): nothing was
     wrong with the request, and a prefill run again sends its KV anew."""
+
+
+class HolderLost(DecodeError, InstanceLost):
+    """Elastic decode: an instance holding part of the request's KV was lost under it; the
+    request was fine and can be run again (actors/decode/elastic.py)."""
 
 
 class DecodeInstanceLost(DecodeError, InstanceLost):

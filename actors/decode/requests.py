@@ -15,7 +15,7 @@ import asyncio
 import collections
 
 from tetris.actors.decode.messages import (Abort, Add, Command, Commit, DecodeError, DecodeFull,
-                                           KVTransferFailed, Reserve, StepReply)
+                                           HolderLost, KVTransferFailed, Reserve, StepReply)
 from tetris.engine.request import OutputDelta, TokenLogprob
 
 __all__ = ["RequestBook", "RequestState"]
@@ -49,6 +49,7 @@ class RequestBook:
         # in between. Taken by ``stream``/``abort``; bounded in case neither ever comes.
         self.ended: collections.OrderedDict[str, RequestState] = collections.OrderedDict()
         self.commands: list[Command] = []
+        self.ranges_ready: dict[str, set[int]] = {}   # elastic decode: held range -> ranks ready
         self.wake: asyncio.Event | None = None
 
     def open(self, request_id: str, *, receiving: bool) -> RequestState:
@@ -116,10 +117,15 @@ class RequestBook:
         for reply in replies:
             for f in reply.failed:
                 req = self.requests.get(f.request_id)
-                if req is not None and req.receiving and not req.aborting:
+                if f.holder_lost and req is not None and not req.aborting:
+                    self.fail(f.request_id, HolderLost(f"{f.request_id} on decode instance "
+                                                       f"{self.instance}: {f.reason}"))
+                elif req is not None and req.receiving and not req.aborting:
                     self.fail(f.request_id, KVTransferFailed(
                         f"KV transfer of {f.request_id} failed on TP rank {reply.rank}: {f.reason}"))
             for request_id in reply.ready:
+                if request_id in self.ranges_ready:   # a range held for a master elsewhere
+                    self.ranges_ready[request_id].add(reply.rank)
                 req = self.requests.get(request_id)
                 if req is not None and req.receiving:
                     req.ready_ranks.add(reply.rank)
