@@ -24,8 +24,9 @@ __all__ = ["Chunk", "PrefillPlan", "PlanError", "SP_LAYOUTS"]
 # How a chunk's group shares attention (CSPS §3.2): "ring" passes KV blocks around the group
 # (zigzag ring attention); "a2a" is SP-NTP, DeepSpeed-Ulysses-style all-to-all from sequence
 # shards to head shards and back (actors/prefill/alltoall.py). The KV each member stores is the
-# same under both, so chunks of one plan may mix them.
-SP_LAYOUTS = ("ring", "a2a")
+# same under both, so chunks of one plan may mix them. "sptp" is SP-TP, Megatron-SP all-gather
+# before attention and reduce-scatter after (actors/prefill/sptp.py), with the same store.
+SP_LAYOUTS = ("ring", "a2a", "sptp")
 
 
 class PlanError(ValueError):

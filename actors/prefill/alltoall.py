@@ -33,6 +33,7 @@ import time
 from datetime import timedelta
 
 import torch
+from tetris.actors.prefill.head_shards import head_split_problem
 from tetris.actors.prefill.ring import partial_attention
 from tetris.actors.prefill.world import DefaultWorld, PeerLink
 
@@ -45,9 +46,15 @@ __all__ = [
 ]
 
 
-def resolve_sp_layout(requested: str, sp_size: int, num_kv_heads: int) -> tuple[str, str]:
+def resolve_sp_layout(requested: str, sp_size: int, num_kv_heads: int,
+                      num_heads: int | None = None) -> tuple[str, str]:
     """The layout a chunk of ``sp_size`` members runs, and why: "a2a" needs the group size to
-    divide the KV heads (head shards hold whole KV heads; replicating them is not built)."""
+    divide the KV heads (head shards hold whole KV heads; replicating them is not built);
+    "sptp" needs head shards (head_shards.py: KV heads replicated on larger groups; without
+    ``num_heads`` only the KV-head condition is checked here, the worker checks the rest)."""
+    if requested == "sptp":
+        why = head_split_problem(sp_size, num_heads or num_kv_heads * sp_size, num_kv_heads)
+        return ("sptp", "") if not why else ("ring", f"sptp asked, ring run: {why}")
     if requested != "a2a":
         return requested, ""
     if num_kv_heads % sp_size:

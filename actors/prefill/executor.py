@@ -21,9 +21,11 @@ from tetris.actors.prefill.alltoall import AllToAllAttention
 from tetris.actors.prefill.alltoall_pipeline import PipelinedAllToAll
 from tetris.actors.prefill.balance import BALANCE_TAG_KIND, LayerBalancer
 from tetris.actors.prefill.emulated_kv import EmulatedHoldings
+from tetris.actors.prefill.head_shards import head_split_problem
 from tetris.actors.prefill.kv_store import PagedKVStore, ranges_tensor
 from tetris.actors.prefill.messages import ChunkResult, ChunkTask
 from tetris.actors.prefill.ring import RING_TAG_KIND, RingAttention
+from tetris.actors.prefill.sptp import SpTpAttention
 from tetris.actors.prefill.world import PeerLink
 from tetris.actors.prefill.zigzag import normalize_ranges, ranges_len
 from tetris.engine.logprobs import token_logprob
@@ -93,6 +95,11 @@ class ModelExecutor:
         if task.sp_layout == "a2a" and self.model.local_num_kv_heads % len(task.group):
             raise ValueError(f"chunk {task.chunk_index}: SP-NTP on a group of {len(task.group)} "
                              f"needs it to divide {self.model.local_num_kv_heads} KV heads")
+        if task.sp_layout == "sptp":
+            why = head_split_problem(len(task.group), self.model.local_num_heads,
+                                     self.model.local_num_kv_heads)
+            if why or self.model.tp_size > 1:
+                raise ValueError(f"chunk {task.chunk_index}: SP-TP: {why or 'TP-1 instances only'}")
         self.store.reserve(task.request_id, normalize_ranges(
             list(task.chunk_positions[task.rank]) + list(incoming)))
 
@@ -137,11 +144,16 @@ class ModelExecutor:
             balancer.wait(i)
             self._maybe_fail(task, i)
             kb, vb = store.read(req, i, blocks[task.rank])
-            attn = ring(q, q_pos, kb, vb, layer=i)
+            sptp = isinstance(ring, SpTpAttention)   # SP-TP runs the whole attention block
+            if sptp:
+                attn_out = ring.attention_block(model, i, hidden, kb, vb)
+            else:
+                attn = ring(q, q_pos, kb, vb, layer=i)
             if overlap:
                 balancer.issue(i + 1)   # hidden behind this layer's o_proj and MLP (Fig. 6-b)
             if not idle:
-                hidden = model.layer_mlp(i, model.layer_attn_out(i, hidden, attn))
+                hidden = model.layer_mlp(i, attn_out if sptp
+                                         else model.layer_attn_out(i, hidden, attn))
         sent = normalize_ranges([p for m in balancer.sends for p in m.positions])
         store.release(req, sent)
         token, logits, logprob = self._first_token(task, hidden, q_pos)
@@ -334,6 +346,10 @@ def _group_attention(task: ChunkTask, blocks, link: PeerLink | None):
                                  [ranges_tensor(c) for c in task.chunk_positions], block_pos,
                                  tag, task.timeout_s, link,
                                  micro_partitions=task.sp_micro_partitions)
+    if task.sp_layout == "sptp":
+        return SpTpAttention(task.group, task.rank,
+                             [ranges_tensor(c) for c in task.chunk_positions], block_pos,
+                             task.chunk_start, tag, task.timeout_s, link)
     if task.sp_layout == "a2a":
         return AllToAllAttention(task.group, task.rank,
                                  [ranges_tensor(c) for c in task.chunk_positions], block_pos,

@@ -95,7 +95,7 @@ def parse_plan_layouts(spec: str) -> list[tuple[str, int]]:
 
 
 def forced_plan(request_id: str, prompt_tokens: int, spec: str, node_of: tuple[int, ...],
-                num_kv_heads: int | None = None) -> PrefillPlan:
+                num_kv_heads: int | None = None, num_heads: int | None = None) -> PrefillPlan:
     """A plan with the given chunk sizes and SP sizes; groups grown by the scheduler's extend.
 
     A chunk asking for "a2a" on a group that does not divide ``num_kv_heads`` runs the ring,
@@ -116,7 +116,7 @@ def forced_plan(request_id: str, prompt_tokens: int, spec: str, node_of: tuple[i
             raise PlanError(f"--plan chunk {k}: {e}") from None
         (lay, micro), why = layouts[k], ""
         if num_kv_heads is not None:
-            lay, why = resolve_sp_layout(lay, len(group), num_kv_heads)
+            lay, why = resolve_sp_layout(lay, len(group), num_kv_heads, num_heads)
         chunks.append(Chunk(start=pos, end=end, instances=group, sp_layout=lay,
                             sp_layout_reason=why, sp_micro_partitions=micro if lay == "a2a" else 1))
         pos = end

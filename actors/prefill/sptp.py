@@ -1,0 +1,144 @@
+"""SP-TP for a chunk group: Megatron-SP all-gather before attention, reduce-scatter after
+(CSPS §3.2.1, Fig. 4b; notes §1.3).
+
+The group of ``s`` members acts, for the attention block, as one tensor-parallel group of ``s``
+with the chunk's sequence sharded over it (SP degree = TP degree, the paper's SP-TP). Every
+member holds the whole model here (TP-1 instances), so no weights move: member ``j`` uses the
+row slice of ``W_QKV`` and the column slice of ``W_L`` (``o_proj``) of its head shard, as a TP
+rank holds them. Per layer, member ``r`` (zigzag share of ``n_r`` rows, KV block as under the
+ring):
+
+1. **All-gather** (with history): member ``r`` sends every member its ``n_r`` hidden rows
+   (``[n_r, d]``, the layer input) and, to member ``j``, the history rows of its KV block for
+   the KV heads ``j`` reads. **History decision**: the history is sequence-sharded over the
+   members (cache balancing), and a head-sharded member must see every history key of its heads;
+   the paper's SP-TP has no history, and sending the stored KV per head shard costs
+   ``(s−1)/s · h · 2·Hkv/s·d_h`` per member, as under SP-NTP (alltoall.py).
+2. Member ``j`` computes Q, K, V of its heads for the whole chunk from the gathered rows
+   (input RMSNorm, its ``W_QKV`` rows, RoPE at the rows' positions), attends ``[start, end)``
+   to ``[0, end)`` for its heads, and applies its ``W_L`` columns: a partial ``O^j W_L^j``
+   ``[l, d]``.
+3. **Reduce-scatter**: member ``j`` sends each member the partial rows of that member's
+   queries; member ``r`` sums the ``s`` partials in member order (deterministic) and adds the
+   residual: ``O_L = Σ_j O^j W_L^j`` for its share.
+
+The stored KV does not change: each member still writes the KV of its own share, all KV heads,
+from its own rows (the executor's projection), so the hand-off, cache balancing and the other
+layouts see the same store; recomputing the chunk's K, V of its heads costs member ``j`` a
+second, ``1/s``-wide projection of the chunk, not communication. KV heads are replicated when
+the group is larger than ``Hkv`` (head_shards.py): a shared KV head is projected by each of its
+members, and its history sent to each. The MLP runs on the member's own rows with full weights
+(the paper leaves SP-TP's MLP open, notes §1.3). Volume per layer over the group at ``h = 0``:
+``2·l·d·(s−1)`` (Appendix A), measured by ``sent_elements``.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch
+import torch.nn.functional as F
+from tetris.actors.prefill.alltoall import attend_head_shard
+from tetris.actors.prefill.head_shards import head_shard_slices
+from tetris.actors.prefill.world import DefaultWorld, PeerLink
+
+from tetris.model.layers import RotaryEmbedding
+
+__all__ = ["SpTpAttention", "shard_qkv"]
+
+
+def shard_qkv(model, i: int, hidden: torch.Tensor, positions: torch.Tensor, qh: slice,
+              kh: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q [T, |qh|, D], K, V [T, |kh|, D] of layer ``i`` for one head shard: the rows of the
+    fused ``W_QKV`` a TP rank of those heads holds (``LlamaModel._qkv`` restricted to them)."""
+    layer = model.layers[i]
+    hq, hkv, d = model.local_num_heads, model.local_num_kv_heads, model.head_dim
+    w = layer.self_attn.qkv.weight
+    rows = torch.cat((torch.arange(qh.start * d, qh.stop * d),
+                      torch.arange((hq + kh.start) * d, (hq + kh.stop) * d),
+                      torch.arange((hq + hkv + kh.start) * d, (hq + hkv + kh.stop) * d)))
+    t, nq, nk = hidden.shape[0], qh.stop - qh.start, kh.stop - kh.start
+    qkv = F.linear(layer.input_layernorm(hidden), w[rows.to(w.device)])
+    cos, sin = model.rotary.cos_sin(positions, hidden.dtype)
+    qk = RotaryEmbedding.rotate(qkv[:, :(nq + nk) * d].view(t, nq + nk, d), cos, sin)
+    return qk[:, :nq], qk[:, nq:], qkv[:, (nq + nk) * d:].view(t, nk, d)
+
+
+class SpTpAttention:
+    """One member's SP-TP for one chunk: per layer an all-gather and a reduce-scatter on
+    ``link``. query_positions[j], block_positions[j]: int64 sorted positions of member j's
+    chunk rows and KV block; ``chunk_start``: block positions below it are history."""
+
+    def __init__(self, group: tuple[int, ...], rank: int, query_positions: list[torch.Tensor],
+                 block_positions: list[torch.Tensor], chunk_start: int, tag: int,
+                 timeout_s: float, link: PeerLink | None = None) -> None:
+        self.link = link or DefaultWorld()
+        self.group = group
+        self.rank = rank
+        self.query_positions = query_positions
+        self.history_positions = [b[b < chunk_start] for b in block_positions]
+        self.tag = tag
+        self.timeout = timedelta(seconds=timeout_s)
+        self.comm_wait_s = 0.0
+        self.sent_elements = 0
+        pos = torch.cat(query_positions)
+        self.order = torch.argsort(pos)          # gathered rows -> position order
+        self.chunk_pos = pos[self.order]
+        # where member j's rows sit in position order (their partials go back to j)
+        self.rows_of = [torch.searchsorted(self.chunk_pos, p) for p in query_positions]
+
+    @property
+    def sp_size(self) -> int:
+        return len(self.group)
+
+    def attention_block(self, model, i: int, hidden, k_block, v_block):
+        """hidden [n_r, d] (layer input), k_block, v_block [m_r, Hkv, D] (this member's block,
+        history rows first) -> hidden + attention output [n_r, d], as ``layer_attn_out``."""
+        s, d = self.sp_size, model.head_dim
+        hq, hkv, width = model.local_num_heads, model.local_num_kv_heads, hidden.shape[1]
+        shards = [head_shard_slices(j, s, hq, hkv) for j in range(s)]
+        n_hist = self.history_positions[self.rank].numel()
+        outgoing = []
+        for _, kh in shards:
+            kv = torch.stack((k_block[:n_hist, kh], v_block[:n_hist, kh]), dim=1)
+            outgoing.append(torch.cat((hidden.reshape(-1), kv.reshape(-1))))
+        my_kh = shards[self.rank][1].stop - shards[self.rank][1].start
+        sizes = [(self.query_positions[j].numel() * width,
+                  self.history_positions[j].numel() * 2 * my_kh * d) for j in range(s)]
+        incoming = self._exchange(outgoing, [a + b for a, b in sizes], hidden.dtype, i, 1)
+        rows = torch.cat([m[:a].view(-1, width) for m, (a, _) in zip(incoming, sizes)])
+        hist_kv = [m[a:].view(-1, 2, my_kh, d) for m, (a, _) in zip(incoming, sizes)]
+        qh, kh = shards[self.rank]
+        q, k, v = shard_qkv(model, i, rows[self.order], self.chunk_pos, qh, kh)
+        out = attend_head_shard([q], [self.chunk_pos],
+                                hist_kv + [torch.stack((k, v), dim=1)],
+                                self.history_positions + [self.chunk_pos])[0]
+        w_o = model.layers[i].self_attn.o_proj.weight
+        partial = F.linear(out.reshape(out.shape[0], -1).to(hidden.dtype),
+                           w_o[:, qh.start * d: qh.stop * d])
+        back = self._exchange([partial[r].reshape(-1).contiguous() for r in self.rows_of],
+                              [hidden.shape[0] * width] * s, hidden.dtype, i, 2)
+        total = back[0].view(-1, width).clone()
+        for b in back[1:]:          # member order on every member: deterministic sums
+            total += b.view(-1, width)
+        return hidden + total
+
+    def _exchange(self, outgoing, in_sizes, dtype, layer: int, which: int) -> list[torch.Tensor]:
+        """Send outgoing[j] to member j, receive in_sizes[j] elements from it (own: kept)."""
+        s, r = self.sp_size, self.rank
+        incoming = [outgoing[r] if j == r
+                    else torch.empty(in_sizes[j], dtype=dtype, device=outgoing[r].device)
+                    for j in range(s)]
+        sends = [(outgoing[j], self.group[j]) for j in range(s)
+                 if j != r and outgoing[j].numel()]
+        recvs = [(incoming[j], self.group[j]) for j in range(s) if j != r and in_sizes[j]]
+        self.sent_elements += sum(t.numel() for t, _ in sends)
+        works = self.link.exchange(sends, recvs, self.tag)
+        t0 = time.perf_counter()
+        for w in works:
+            if not w.wait(self.timeout):
+                raise TimeoutError(f"SP-TP {('all-gather', 'reduce-scatter')[which - 1]} of "
+                                   f"layer {layer} timed out")
+        self.comm_wait_s += time.perf_counter() - t0
+        return incoming
