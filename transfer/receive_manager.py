@@ -166,8 +166,10 @@ class ReceiveManager:
     def poll(self, now: float) -> list[TransferEvent]:
         for peer, raw in self.agent.notifications():
             self._on_notice(peer, raw, now)
+        # an allocator that only lends its owner's blocks takes held ones back its own way
+        release = getattr(self.allocator, "release_held", self.allocator.free)
         for blocks in self._holds.release(now):
-            self.allocator.free(blocks)
+            release(blocks)
         served = {b.holder for b in self.backends} | {c[0] for b in self.backends for c in b.credits.values()}
         for req in sorted(self.requests.values(), key=lambda r: r.request_id):
             if req.first_seq is None or req.request_id not in served:

@@ -55,6 +55,9 @@ __all__ = ["DecodeRank", "DecodeRankActor", "EngineBlocks"]
 log = logging.getLogger(__name__)
 
 
+_HELD_FOR_WRITES = "<held for direct writes>"
+
+
 class EngineBlocks:
     """The receive manager's allocator, backed by blocks the engine has already reserved.
 
@@ -66,6 +69,11 @@ class EngineBlocks:
 
     def __init__(self) -> None:
         self._lent: list[int] | None = None
+        # Direct writes (transfer/direct.py): blocks of aborted requests that a granted write
+        # may still land in, kept from the engine until the receive manager lets them go.
+        # Touched under the pump's lock only (withhold and return_released on the step thread).
+        self._withheld: set[int] = set()
+        self._released: list[int] = []
 
     def lend(self, block_table: list[int] | None) -> None:
         self._lent = None if block_table is None else list(block_table)
@@ -77,6 +85,23 @@ class EngineBlocks:
 
     def free(self, blocks) -> None:
         return None
+
+    def withhold(self, engine_blocks, held) -> None:
+        """After the engine freed an aborted request's blocks: keep ``held`` (the receive
+        manager's ``held_back``) out of circulation."""
+        got = engine_blocks.withhold(_HELD_FOR_WRITES, held)
+        self._withheld.update(got)
+        self._released = [b for b in self._released if b not in got]   # stale releases
+
+    def release_held(self, blocks) -> None:
+        """The receive manager's hold ended (every write landed or timed out); pump thread."""
+        self._released += [b for b in blocks if b in self._withheld]
+
+    def return_released(self, engine_blocks) -> None:
+        """Hand released blocks back to the engine (step thread)."""
+        blocks, self._released = self._released, []
+        self._withheld.difference_update(blocks)
+        engine_blocks.free_owned(_HELD_FOR_WRITES, blocks)
 
 
 class DecodeRank:
@@ -242,6 +267,9 @@ class DecodeRank:
     def _step(self, commands: list[Command]) -> StepReply:
         engine = self._engine()
         self._counts.steps += 1
+        if self._blocks._released:   # held-back blocks whose writes settled (direct writes)
+            with self.pump.locked():
+                self._blocks.return_released(engine.blocks)
         rejected: list[Rejected] = []
         for cmd in commands:
             reason = self._apply(cmd)
@@ -330,12 +358,20 @@ class DecodeRank:
     def _abort(self, request_id: str, reason: str) -> None:
         # Receive side first, under the pump's lock: once it returns no piece can land in the
         # blocks the engine is about to free and hand to another request.
-        if self.pump is not None:
-            with self.pump.locked() as manager:
-                manager.abort(request_id, reason, time.monotonic())
-        self._engine().abort_request(request_id)
-        if self.kept is not None:   # a kept run's KV is freed by an abort too
-            self.kept.drop(request_id)
+        engine = self._engine()
+        if self.pump is None:
+            engine.abort_request(request_id)
+            if self.kept is not None:   # a kept run's KV is freed by an abort too
+                self.kept.drop(request_id)
+            return
+        with self.pump.locked() as manager:
+            manager.abort(request_id, reason, time.monotonic())
+            engine.abort_request(request_id)
+            if self.kept is not None:
+                self.kept.drop(request_id)
+            # direct writes: a granted write may still land in these blocks, so the engine
+            # does not reuse them until the receive manager lets them go (transfer/direct.py)
+            self._blocks.withhold(engine.blocks, manager.held_back())
 
     # -- introspection --------------------------------------------------------------------
     @ray.method(concurrency_group=TRANSFER_GROUP)

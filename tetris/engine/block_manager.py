@@ -87,6 +87,16 @@ class BlockManager:
                 raise RuntimeError(f"block {block} freed by {owner} but not owned by it")
             self._free.append(block)
 
+    def withhold(self, owner: str, blocks) -> list[int]:
+        """Take those of ``blocks`` that are free out of circulation under ``owner`` until
+        ``free_owned`` (a direct KV write may still land in them: transfer/direct.py)."""
+        wanted = set(blocks) & set(self._free)
+        if wanted:
+            self._free = deque(b for b in self._free if b not in wanted)
+            for block in wanted:
+                self._owner[block] = owner
+        return sorted(wanted)
+
     def reserve(self, owner: str) -> int:
         """Take one block out of circulation for good (e.g. the CUDA graphs' scratch slots)."""
         if not self._free:

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import msgspec
 import torch
 from exactness import TOP, assert_same_run, engine_runs, logprobs_of_logits
-from tetris.actors.decode.messages import Commit, Reserve
+from tetris.actors.decode.messages import Abort, Commit, Reserve
 from tetris.actors.decode.rank import DecodeRank
 from tetris.actors.transfer_pump import TransferPump
 from tetris.kernels.attention import attention_with_lse
@@ -148,3 +148,82 @@ def test_direct_writes_into_the_rank_s_blocks_decode_the_engine_s_tokens():
         for rid in sorted(prompts):
             tokens, lps = runs[rid]
             assert_same_run(tokens, lps, want[rid], f"{how} {rid}")
+
+
+class _HeldSender:
+    """A send manager driven by the test thread: the rank's pump hands it messages, the test
+    decides when its write moves (the in-process backend copies at the next ``poll``)."""
+
+    def __init__(self, config: TransferConfig) -> None:
+        self.agent = make_agent(f"direct-hold-send-{next(_names)}", backend="inproc")
+        self.mgr = SendManager(0, self.agent, config)
+        self.inbox: list = []
+
+    def deliver_transfer(self, msgs) -> None:   # the rank's pump thread
+        self.inbox += msgs
+
+    def run(self, rank) -> None:
+        msgs, self.inbox = self.inbox, []
+        now = time.monotonic()
+        for m in msgs:
+            self.mgr.deliver(m, now)
+        self.mgr.poll(now)
+        out = [env.msg for env in self.mgr.drain_outbox()]
+        if out:
+            rank.deliver_transfer(out)
+
+
+def _wait(cond, what: str) -> None:
+    deadline = time.monotonic() + 20.0
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def _abort_with_a_write_in_flight(config: TransferConfig):
+    """(the rank, its sender, free blocks after the abort, the request's block count)."""
+    rank = DecodeRank(0, 0, 1, DEPLOYMENT)
+    rank.init_group("127.0.0.1", 0, 30.0)
+    sender = _HeldSender(config)
+    sender.agent.add_peer(rank.enable_transfer(config))
+    rank.connect_senders({0: _Direct(sender)})
+    model, _ = load_model(MODEL)
+    prompt = _prompts()["a"]
+    kv = _prefill(model, prompt)[0]
+    rank.step([Reserve("x", tuple(prompt), PARAMS)])
+    sender.mgr.add_shard(request_id="x", chunk_index=0, receiver_id=rank.receiver_id,
+                         prompt_tokens=len(prompt), chunk=(0, len(prompt)),
+                         ranges=[(0, len(prompt))], num_layers=len(kv), kv_heads=kv[0].shape[2],
+                         head_dim=kv[0].shape[3], dtype=kv[0].dtype, now=time.monotonic())
+    for layer, layer_kv in enumerate(kv):
+        sender.mgr.layer_ready("x", 0, layer, layer_kv.clone())
+    sender.run(rank)                                 # handshake and computed layers out
+    _wait(lambda: sender.inbox, "no grant came")     # the rank's pump grants its one credit
+    sender.run(rank)                                 # the grant in, the write posted
+    assert sender.mgr.needs_polling()                # on the wire, not landed
+    rank.step([Abort("x", "client gone")])
+    return rank, sender, rank.stats().free_blocks, -(-len(prompt) // BS)
+
+
+def test_an_aborted_request_s_blocks_stay_out_of_the_engine_until_its_write_landed():
+    one_credit = msgspec.structs.replace(STAGED, backend_slots=1, direct_writes=True)
+    rank, sender, free, blocks = _abort_with_a_write_in_flight(one_credit)
+    total = DEPLOYMENT.decode.kv_blocks
+    try:
+        assert free == total - blocks                 # the engine cannot hand them out
+        sender.mgr.poll(time.monotonic())             # the straggler lands, its notice after
+        _wait(lambda: rank.step([]).stats.free_blocks == total, "the held blocks never came back")
+        assert rank.held().empty
+    finally:
+        rank.shutdown()
+        sender.agent.close()
+
+
+def test_staged_pieces_let_the_engine_reuse_an_aborted_request_s_blocks_at_once():
+    one_credit = msgspec.structs.replace(STAGED, backend_slots=1)
+    rank, sender, free, _ = _abort_with_a_write_in_flight(one_credit)
+    try:
+        assert free == DEPLOYMENT.decode.kv_blocks    # a straggler lands in a fenced slot only
+    finally:
+        rank.shutdown()
+        sender.agent.close()
