@@ -264,8 +264,8 @@ class TransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # earlier than the oldest remembered one at any realistic rate.
     closed_memory: int = 16384
     # Write pieces straight into the decode rank's KV blocks (transfer/direct.py), no receive
-    # staging; needs a backend with scattered writes (in-process, NIXL). Not yet safe in a
-    # served decode rank: its engine frees an aborted request's blocks at once (docs/transfer.md)
+    # staging; needs a backend with scattered writes (in-process, NIXL). Off by default: not
+    # yet run on a GPU or in a served test (docs/transfer.md "Direct writes")
     direct_writes: bool = False
 
     def __post_init__(self) -> None:
@@ -342,8 +342,9 @@ class SpLayoutConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ring_overlap: bool = True
 
     def __post_init__(self) -> None:
-        if "ring" not in self.layouts or any(x not in ("ring", "a2a") for x in self.layouts):
-            raise ValueError(f"sp_layout.layouts must hold 'ring' and may add 'a2a', "
+        if "ring" not in self.layouts or any(x not in ("ring", "a2a", "sptp")
+                                             for x in self.layouts):
+            raise ValueError(f"sp_layout.layouts must hold 'ring' and may add 'a2a', 'sptp', "
                              f"got {list(self.layouts)}")
         if min(self.intra_node_gbps, self.inter_node_gbps) <= 0 or self.bytes_per_element <= 0:
             raise ValueError("sp_layout bandwidths and bytes_per_element must be positive")

@@ -9,8 +9,17 @@ layer (elements summed over the group; ``Hq``, ``Hkv`` heads of ``d_h``, ``d = H
     K, V of the chunk and its history, A2A #2 the outputs; a member keeps 1/N of each
         V_a2a = (N−1)/N · (2·l·Hq·d_h + 2·(h+l)·Hkv·d_h)
         (Appendix A's 4·L_in·d·(N−1)/N at h = 0 with MHA; GQA per csps-notes §2.1 [RECON])
-    all-gather (SP-TP, Megatron-SP; Appendix A, chunk only; not executable here)
+    all-gather (SP-TP, Megatron-SP; Appendix A, chunk only)
         V_ag = 2·l·d·(N−1)
+    sptp (SP-TP as executed, actors/prefill/sptp.py): the all-gather of the members' hidden
+    rows and the reduce-scatter of the o_proj partials, plus each member's history KV of the
+    KV heads every other member reads (``R = max(Hkv, N)`` KV heads over the shards: a KV head
+    is replicated on N/Hkv members when N > Hkv)
+        V_sptp = 2·l·d·(N−1) + (N−1)/N · h·2·R·d_h
+    SP-NTP on a TP deployment (Appendix A): members hold 1/N of the attention weights and
+    must all-gather them first, ``4·d²·(N−1)`` per layer (``LayoutChooser(ntp_gathers_weights)``).
+    Against SP-TP at h = 0 with MHA, SP-NTP then wins iff L > 2dN/(N−2): never at N = 2 (the
+    paper's text says "always" there; its own formula says never: an erratum, notes §1.4).
 
 At h = 0 and equal bandwidths SP-NTP beats the ring iff l·Hq < (h+l)·Hkv·(N−1): for LLaMA3-8B
 (Hq/Hkv = 4) from N = 5 on at any h, at N = 2 once h > 3l.
@@ -100,6 +109,10 @@ def layout_volume(layout: str, g: ModelGeometry, sp: int, history: int, tokens: 
         return (n - 1) / n * (2 * l * g.num_heads * dh + 2 * (h + l) * g.num_kv_heads * dh)
     if layout == "allgather":
         return 2 * l * g.hidden * (n - 1)
+    if layout == "sptp":
+        return 2 * l * g.hidden * (n - 1) + (n - 1) / n * h * 2 * max(g.num_kv_heads, n) * dh
+    if layout == "ntp_weights":   # SP-NTP's parameter all-gather on a TP deployment
+        return 4 * g.hidden ** 2 * (n - 1)
     raise ValueError(f"unknown SP layout {layout!r}")
 
 
@@ -134,6 +147,12 @@ def layout_time(layout: str, g: ModelGeometry, links: CommLinks, node_counts: Se
     elif layout == "allgather":
         rows = l / n * g.hidden * b   # each member's share of E, then of O_L
         per_layer = 2 * _spread(node_counts, rows, links)
+    elif layout == "sptp":
+        rows = l / n * g.hidden * b
+        hist = h / n * 2 * max(g.num_kv_heads, n) / n * dh * b   # history KV per peer
+        per_layer = _spread(node_counts, rows + hist, links) + _spread(node_counts, rows, links)
+    elif layout == "ntp_weights":
+        per_layer = _spread(node_counts, 4 * g.hidden ** 2 / n * b, links)
     else:
         raise ValueError(f"unknown SP layout {layout!r}")
     return g.num_layers * per_layer
@@ -150,11 +169,14 @@ class LayoutChooser:
     """Picks each chunk's cheapest executable layout among ``layouts`` (ring on ties)."""
 
     def __init__(self, layouts: Sequence[str], geometry: ModelGeometry, links: CommLinks,
-                 ring_overlap: bool = True):
+                 ring_overlap: bool = True, ntp_gathers_weights: bool = False):
         self.layouts = tuple(layouts)
         self.geometry = geometry
         self.links = links
         self.ring_overlap = ring_overlap   # False: attention hides no ring transfer
+        # True: members hold 1/N of the attention weights (a TP deployment, Appendix A), so
+        # SP-NTP all-gathers them every layer; our TP-1 members hold them whole
+        self.ntp_gathers_weights = ntp_gathers_weights
 
     @classmethod
     def from_config(cls, cfg, geometry: ModelGeometry) -> LayoutChooser:
@@ -167,8 +189,11 @@ class LayoutChooser:
 
     def feasible(self, layout: str, sp: int) -> str:
         """Why ``layout`` cannot run on ``sp`` instances ("" when it can)."""
-        if layout == "a2a" and self.geometry.num_kv_heads % sp:
-            return f"a group of {sp} does not divide {self.geometry.num_kv_heads} KV heads"
+        g = self.geometry
+        if layout == "a2a" and g.num_kv_heads % sp:
+            return f"a group of {sp} does not divide {g.num_kv_heads} KV heads"
+        if layout == "sptp" and (g.num_heads % sp or (g.num_kv_heads % sp and sp % g.num_kv_heads)):
+            return f"a group of {sp} cannot split {g.num_heads} heads over {g.num_kv_heads} KV heads"
         return ""
 
     def choose(self, members: Sequence[int], node_of: Sequence[int], history: int,
@@ -177,6 +202,8 @@ class LayoutChooser:
         attention_s = attention_s if self.ring_overlap else 0.0
         times = {x: layout_time(x, self.geometry, self.links, counts, history, tokens,
                                 attention_s) for x in self.layouts}
+        if self.ntp_gathers_weights and "a2a" in times:
+            times["a2a"] += layout_time("ntp_weights", self.geometry, self.links, counts, 0, 0)
         best, notes = "ring", []
         for x in self.layouts:
             why = self.feasible(x, len(members))
