@@ -111,11 +111,20 @@ def _thread_name(pid: int, tid: int) -> str:
 
 def measure(root: int, window_s: float, *, top_threads: int = 0) -> dict:
     """CPU seconds of every process under ``root`` (itself included) over ``window_s``."""
-    procs = _tree(root)
-    before = {p.pid: (p, _cpu(p), _threads(p) if top_threads else {}) for p in procs}
+    return measure_many([root], window_s, top_threads=top_threads)[0]
+
+
+def measure_many(roots: list[int], window_s: float, *, top_threads: int = 0) -> list[dict]:
+    """``measure`` for several process trees over the same window (side by side)."""
+    befores = [{p.pid: (p, _cpu(p), _threads(p) if top_threads else {}) for p in _tree(r)}
+               for r in roots]
     t0 = time.monotonic()
     time.sleep(window_s)
     wall = time.monotonic() - t0
+    return [_usage(r, b, wall, top_threads) for r, b in zip(roots, befores)]
+
+
+def _usage(root: int, before: dict, wall: float, top_threads: int) -> dict:
     rows = []
     for p in _tree(root):
         after = _cpu(p)
@@ -161,19 +170,31 @@ def _post(url: str, body: dict, timeout: float) -> dict:
 
 
 def start_server(config: str, port: int, log: Path, timeout_s: float,
-                 extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+                 extra: list[str] = (), env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """Start ``tetris serve`` (``env``: added to this environment) and wait for its URL."""
+    proc = launch_server(config, port, log, extra, env)
+    return proc, wait_ready(proc, log, timeout_s)
+
+
+def launch_server(config: str, port: int, log: Path, extra: list[str] = (),
+                  env: dict | None = None) -> subprocess.Popen:
     ready = log.with_suffix(".ready")
     ready.unlink(missing_ok=True)
     exe = shutil.which("tetris")
     cmd = [exe] if exe else [sys.executable, "-m", "tetris.cli.main"]
     cmd += ["serve", "--config", config, "--port", str(port), "--ready-file", str(ready), *extra]
     # In the caller's directory: Ray puts the driver's directory on its workers' sys.path.
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True, env=None if env is None else os.environ | env)
+
+
+def wait_ready(proc: subprocess.Popen, log: Path, timeout_s: float) -> str:
+    """The URL a launched ``tetris serve`` writes to its ready file once it answers."""
+    ready = log.with_suffix(".ready")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if ready.exists() and ready.read_text().strip():
-            return proc, ready.read_text().strip()
+            return ready.read_text().strip()
         if proc.poll() is not None:
             raise RuntimeError(f"tetris serve exited with {proc.returncode}; see {log}")
         time.sleep(0.5)
@@ -212,10 +233,14 @@ def floor_child(config: str, port: int, ready_file: Path) -> int:
     import asyncio
 
     from tetris.actors.process_env import SERVE_ENV_VARS, runtime_env
+
     from tetris.config import load_deployment
 
     for key, value in SERVE_ENV_VARS.items():   # as ``tetris serve`` does
         os.environ.setdefault(key, value)
+    from tetris.serve import ray_idle
+
+    ray_idle.apply(os.environ)                  # the same Ray timers as ``tetris serve``
     import ray
     from ray import serve
 

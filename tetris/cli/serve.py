@@ -50,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
     # worker (Serve's controller and proxy included): a metrics flush every 1 s, not 100 ms.
     for key, value in SERVE_ENV_VARS.items():
         os.environ.setdefault(key, value)
+    from tetris.serve import ray_idle
+
+    ray_idle.apply(os.environ)   # longer idle timers in the Ray it starts (the module says which)
     import ray
     from ray import serve
 
