@@ -2,7 +2,8 @@
 
 Each of N processes joins one ``World`` (actors/prefill/world.py, the prefill pool's gloo
 world) and runs, per layer, only the transfers of a chunk's attention: the ring's N−1 block
-steps (``RingAttention``'s sends) or SP-NTP's two all-to-alls (``AllToAllAttention``'s), with
+steps (``RingAttention``'s sends), SP-NTP's two all-to-alls (``AllToAllAttention``'s) or SP-TP's
+all-gather and reduce-scatter (``SpTpAttention``'s, hidden size 256), with
 the tiny model's geometry (8 heads, 2 KV heads, head size 32, fp32). No attention is computed,
 so this is the communication alone, the quantity ``tetris.scheduler.sp_comm.layout_time`` models
 (with ``attention_s = 0``: nothing to hide behind).
@@ -28,7 +29,9 @@ import time
 import torch
 import torch.multiprocessing as mp
 from tetris.actors.prefill.alltoall import AllToAllAttention, head_shard
+from tetris.actors.prefill.head_shards import head_shard_slices
 from tetris.actors.prefill.ring import RingAttention
+from tetris.actors.prefill.sptp import SpTpAttention
 from tetris.actors.prefill.world import World, free_port
 from tetris.actors.prefill.zigzag import zigzag_layout
 
@@ -78,6 +81,21 @@ def _a2a_layer(a2a: AllToAllAttention, q, kv, g: ModelGeometry) -> None:
     a2a._exchange(back, [q.shape[0] * qn * d] * n, q.dtype, 0, 2)
 
 
+def _sptp_layer(sp: SpTpAttention, rows, kv, g: ModelGeometry) -> None:
+    """SP-TP's transfers as ``SpTpAttention.attention_block`` packs them: the all-gather of
+    this member's hidden rows with each head shard's history KV, then the reduce-scatter."""
+    n, d, width, r = sp.sp_size, g.head_dim, g.hidden, sp.rank
+    shards = [head_shard_slices(j, n, g.num_heads, g.num_kv_heads) for j in range(n)]
+    n_hist = sp.history_positions[r].numel()
+    out = [torch.cat((rows.reshape(-1), kv[:n_hist, :, kh].reshape(-1))) for _, kh in shards]
+    my_kh = shards[r][1].stop - shards[r][1].start
+    sizes = [sp.query_positions[j].numel() * width
+             + sp.history_positions[j].numel() * 2 * my_kh * d for j in range(n)]
+    sp._exchange(out, sizes, rows.dtype, 0, 1)
+    back = [torch.zeros(i.numel() * width) for i in sp.rows_of]
+    sp._exchange(back, [rows.shape[0] * width] * n, rows.dtype, 0, 2)
+
+
 def _member(rank, n, port, cases, repeats, queue):
     torch.set_num_threads(1)
     world = World(0, "127.0.0.1", port, rank, n, timeout_s=120.0)
@@ -89,8 +107,11 @@ def _member(rank, n, port, cases, repeats, queue):
         kv = torch.randn(blocks[rank].numel(), 2, g.num_kv_heads, g.head_dim)
         ring = RingAttention(group, rank, blocks, tag=1, timeout_s=120.0, link=world)
         a2a = AllToAllAttention(group, rank, q_pos, blocks, tag=2, timeout_s=120.0, link=world)
+        sp = SpTpAttention(group, rank, q_pos, blocks, h, tag=5, timeout_s=120.0, link=world)
+        rows = torch.randn(q_pos[rank].numel(), g.hidden)
         for name, layer in (("ring", lambda ring=ring, kv=kv: _ring_layer(ring, kv)),
-                            ("a2a", lambda a2a=a2a, q=q, kv=kv: _a2a_layer(a2a, q, kv, g))):
+                            ("a2a", lambda a2a=a2a, q=q, kv=kv: _a2a_layer(a2a, q, kv, g)),
+                            ("sptp", lambda sp=sp, rows=rows, kv=kv: _sptp_layer(sp, rows, kv, g))):
             times = []
             for _ in range(repeats + 1):          # the first is a warm-up
                 _barrier(world, rank, n)
@@ -217,18 +238,21 @@ def main() -> None:
     links = fit_links(measured[2]) if 2 in measured else fit_links(measure(2, CASES, args.repeats))
     print(f"loopback gloo fit (ring, N = 2): {links.intra_node / 1e9:.2f} GB/s, "
           f"{links.message_latency_s * 1e6:.0f} µs per message")
-    print(f"{'N':>2} {'h':>6} {'l':>5}  {'ring ms':>8} {'model':>7} {'ratio':>6}  "
-          f"{'a2a ms':>8} {'model':>7} {'ratio':>6}  {'a2a/ring meas':>13} {'model':>6}")
+    names = ("ring", "a2a", "sptp")
+    print(f"{'N':>2} {'h':>6} {'l':>5}  " + "  ".join(
+        f"{x + ' ms':>8} {'model':>7} {'ratio':>6}" for x in names)
+        + f"  {'a2a/ring meas':>13} {'model':>6}  {'sptp/ring meas':>14} {'model':>6}")
     for n, res in measured.items():
         for h, l in CASES:
             row = [n, h, l]
             pred = {}
-            for name in ("ring", "a2a"):
+            for name in names:
                 pred[name] = layout_time(name, TINY, links, [n], h, l)
                 row += [res[(name, h, l)] * 1e3, pred[name] * 1e3, res[(name, h, l)] / pred[name]]
-            row += [res[("a2a", h, l)] / res[("ring", h, l)], pred["a2a"] / pred["ring"]]
-            print("{:>2} {:>6} {:>5}  {:>8.2f} {:>7.2f} {:>6.2f}  {:>8.2f} {:>7.2f} {:>6.2f}  "
-                  "{:>13.2f} {:>6.2f}".format(*row))
+            for name in ("a2a", "sptp"):
+                row += [res[(name, h, l)] / res[("ring", h, l)], pred[name] / pred["ring"]]
+            print(("{:>2} {:>6} {:>5}" + "  {:>8.2f} {:>7.2f} {:>6.2f}" * 3
+                   + "  {:>13.2f} {:>6.2f}  {:>14.2f} {:>6.2f}").format(*row))
 
 
 if __name__ == "__main__":
