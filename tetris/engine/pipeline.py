@@ -12,12 +12,15 @@ samples and stops exactly as with one instance; per layer, the same kernels run 
 shapes as ``ModelRunner`` (paged decode for decode-only steps, the mixed path otherwise), which
 is why tokens are bit-identical to the single engine's.
 
-In process the hop is a copy; counters (``activation_hops``, ``activation_bytes``) say what a
-network would carry. ``prefill_tokens`` counts prompt tokens computed, the proof that a drop
+In process the hop is a copy, or ``hop`` (e.g. ``tetris.transfer.activation_hop.LinkHop``:
+over a socket, ahead of bulk KV on the same link); counters (``activation_hops``,
+``activation_bytes``) say what a network would carry. ``prefill_tokens`` counts prompt tokens computed, the proof that a drop
 recomputes nothing.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -140,6 +143,8 @@ class PipelineRunner:
         self.activation_bytes = 0
         self.prefill_tokens = 0
         self.steps = 0
+        # The hop to the next member: a copy in process, or a link (transfer/activation_hop.py)
+        self.hop: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> tuple[torch.Tensor, list]:
@@ -174,7 +179,7 @@ class PipelineRunner:
         return last.model.logits(rows, upcast=upcast), inputs.sample_seqs
 
     def _hand_off(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The activation hop to the next member (a copy in process)."""
+        """The activation hop to the next member (``hop``, else a copy in process)."""
         self.activation_hops += 1
         self.activation_bytes += hidden.numel() * hidden.element_size()
-        return hidden.clone()
+        return hidden.clone() if self.hop is None else self.hop(hidden)
