@@ -319,6 +319,8 @@ class DecodeRank:
         if self.pump is None:
             return Rejected(cmd.request_id, "this decode instance has no KV transfer enabled")
         kv_tokens = len(cmd.prompt_token_ids) + len(cmd.generated) - cmd.kv_start
+        if self.kept is not None and not engine.can_reserve(kv_tokens):
+            self.kept.make_room(kv_tokens, cmd.prefix_from)   # kept KV yields to requests
         if not engine.can_reserve(kv_tokens):
             stats = engine.stats()
             return Rejected(cmd.request_id, f"{kv_tokens} prompt tokens do not fit "

@@ -29,6 +29,7 @@ def test_routing_covering_and_lru():
     # a plan reading 26 cached tokens needs 7 whole blocks held: t1 has them; 29 would need 8
     assert kept.covering(0, _h(turn2), 26) == "t1" and kept.covering(0, _h(turn2), 29) is None
     assert kept.covering(1, _h(turn2), 8) is None and kept.covering(0, _h(turn2), 0) is None
+    kept.reused(26)
     assert kept.stats() == {"decode_kept_runs": 2, "decode_reuses": 1, "decode_reused_tokens": 26}
     # the instance keeps two runs: a third lets the least recently used go (t1 was used last)
     assert kept.add(0, "t2", _h(turn2)) == []

@@ -67,6 +67,22 @@ def test_a_second_turn_reads_the_first_turns_kept_kv_and_stays_exact():
     assert engine.num_free_blocks == 48 and kept.runs == {}
 
 
+def test_kept_runs_make_room_for_a_request_earliest_first():
+    model, tok = tiny_model()
+    engine = LLMEngine(model, tok, num_blocks=16, block_size=4)
+    kept = KeptKV(engine)
+    for rid, base in (("a", 5), ("b", 40), ("c", 80)):   # 10 + 8 tokens: 5 blocks each
+        kept.want(rid)
+        engine.add_request(rid, list(range(base, base + 10)), GREEDY)
+        _run(engine, rid)
+    assert list(kept.runs) == ["a", "b", "c"] and engine.num_free_blocks == 1
+    assert kept.make_room(2) == [] and kept.runs.keys() == {"a", "b", "c"}   # 1 block fits
+    # 19 tokens (and the first output) need 5 blocks: "a" is spared (a prefix being copied),
+    # "b" goes first
+    assert kept.make_room(19, spare="a") == ["b"] and engine.can_reserve(19)
+    assert kept.make_room(60) == ["a", "c"] and engine.num_free_blocks == 16
+
+
 def test_aborted_runs_are_not_kept_and_a_missing_prefix_is_refused():
     model, tok = tiny_model()
     engine = LLMEngine(model, tok, num_blocks=16, block_size=4)

@@ -72,16 +72,19 @@ class DecodeKept:
 
     def covering(self, instance: int, hashes: Sequence[int], tokens: int) -> str | None:
         """The kept run on ``instance`` holding the prompt's first ``tokens`` (whole blocks,
-        as a prefix hit is), the most recent of those; it becomes the most recently used."""
+        as a prefix hit is), the most recent of those; it becomes the most recently used.
+        ``reused`` counts the copy once it was made."""
         need = -(-tokens // self.block_tokens)
         runs = self._runs.get(instance, {})
         for run in reversed(list(runs)):
             if tokens > 0 and shared_blocks(runs[run], hashes) >= need:
                 runs.move_to_end(run)
-                self.reuses += 1
-                self.reused_tokens += tokens
                 return run
         return None
+
+    def reused(self, tokens: int) -> None:
+        self.reuses += 1
+        self.reused_tokens += tokens
 
     def remove(self, instance: int, run_id: str) -> None:
         self._runs.get(instance, {}).pop(run_id, None)

@@ -6,7 +6,9 @@ last turn still has its KV if it kept it. ``want(run)`` before the run finishes 
 engine keep the run's blocks when it finishes normally (stop or length; an aborted run and a
 preempted one free them as before). ``copy_prefix(run, table, n)`` writes the kept KV of
 positions ``[0, n)`` into another request's blocks (every layer; a device-local copy, so the
-prefix need not be streamed again), and ``drop(run)`` frees the kept blocks.
+prefix need not be streamed again), and ``drop(run)`` frees the kept blocks; ``make_room``
+frees the earliest kept runs when a new request would not fit otherwise (whoever recorded
+them finds them gone: a copy from a run no longer kept is refused, ``covers``).
 
 Simplification: the prefix is copied, not shared by reference count with copy-on-write at the
 boundary block; while both live the prefix takes its memory twice.
@@ -74,6 +76,18 @@ class KeptKV:
             for t in (cache.k[layer], cache.v[layer]):
                 flat = t.view(-1, *t.shape[2:])
                 flat.index_copy_(0, dst, flat.index_select(0, src))
+
+    def make_room(self, tokens: int, spare: str = "") -> list[str]:
+        """Free kept runs, the earliest kept first (but ``spare``), until a reservation of
+        ``tokens`` fits; the runs freed. Kept KV never makes the engine refuse a request."""
+        dropped = []
+        for run in list(self.runs):
+            if self.engine.can_reserve(tokens):
+                break
+            if run != spare:
+                self.drop(run)
+                dropped.append(run)
+        return dropped
 
     def drop(self, run_id: str) -> bool:
         """Free the run's kept blocks (and forget a wish to keep it); False if none."""

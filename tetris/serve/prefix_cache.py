@@ -31,6 +31,7 @@ from tetris.control import ControlPlane
 from tetris.control.decode_kept import DecodeKept
 from tetris.control.prefix_index import PrefixIndex
 from tetris.errors import PrefixMissing
+from tetris.serve.remote_errors import carried
 
 __all__ = ["block_hashes", "clear", "drop_kept", "finished_run", "forget_missing", "index_run",
            "keep_kw", "make_decode_kept", "make_index", "retained", "route_to_kept", "told",
@@ -123,9 +124,19 @@ async def route_to_kept(d, req, aid: str, tl):
     instance = d._route(req, aid, tl, instances - {best[0]})
     plan = await d._plan(aid, len(prompt), tl, prompt)
     run = kept.covering(instance, hashes, plan.cached_tokens) if plan.cached_tokens else None
-    prefix = {"prefix_from": run, "prefix_tokens": plan.cached_tokens} if run else {}
-    await d.decode.reserve(instance, aid, prompt, req.sampling, keep=True, **prefix)
-    return instance, plan, ({"prefix_streamed": False} if run else {})
+    if run is not None:
+        try:
+            await d.decode.reserve(instance, aid, prompt, req.sampling, keep=True,
+                                   prefix_from=run, prefix_tokens=plan.cached_tokens)
+            kept.reused(plan.cached_tokens)
+            return instance, plan, {"prefix_streamed": False}
+        except Exception as e:
+            if carried(e, ValueError) is None:
+                raise
+            # the instance freed that run to make room (KeptKV.make_room): stream the prefix
+            kept.remove(instance, run)
+    await d.decode.reserve(instance, aid, prompt, req.sampling, keep=True)
+    return instance, plan, {}
 
 
 def finished_run(d, req, aid: str, tl, output_ids, completed: bool) -> list[tuple[int, str]]:
