@@ -5,8 +5,9 @@ Per layer, member ``r`` of a group of ``s`` holds queries for its zigzag share o
 (all heads) and its KV *block* (its history share plus its chunk share, all KV heads), exactly
 what the ring starts from. Head shard ``j`` is query heads ``[j·Hq/s, (j+1)·Hq/s)`` with the KV
 heads they read, ``[j·Hkv/s, (j+1)·Hkv/s)`` (GQA: query head ``h`` reads KV head
-``h // (Hq/Hkv)``), so ``s`` must divide ``Hkv``; a group that does not runs the ring instead
-(``resolve_sp_layout``).
+``h // (Hq/Hkv)``), so ``s`` must divide ``Hkv``, or be a multiple of it: then each KV head is
+replicated on ``s/Hkv`` members, and sent to each of them (head_shards.py); any other group
+runs the ring instead (``resolve_sp_layout``).
 
 1. A2A #1: member ``r`` sends member ``j`` the rows of head shard ``j``: its queries and its
    whole block's K, V. History KV travels with the chunk's, so head shard ``j`` ends up with
@@ -33,7 +34,7 @@ import time
 from datetime import timedelta
 
 import torch
-from tetris.actors.prefill.head_shards import head_split_problem
+from tetris.actors.prefill.head_shards import head_shard_slices, head_split_problem
 from tetris.actors.prefill.ring import partial_attention
 from tetris.actors.prefill.world import DefaultWorld, PeerLink
 
@@ -48,27 +49,24 @@ __all__ = [
 
 def resolve_sp_layout(requested: str, sp_size: int, num_kv_heads: int,
                       num_heads: int | None = None) -> tuple[str, str]:
-    """The layout a chunk of ``sp_size`` members runs, and why: "a2a" needs the group size to
-    divide the KV heads (head shards hold whole KV heads; replicating them is not built);
-    "sptp" needs head shards (head_shards.py: KV heads replicated on larger groups; without
-    ``num_heads`` only the KV-head condition is checked here, the worker checks the rest)."""
+    """The layout a chunk of ``sp_size`` members runs, and why: "a2a" and "sptp" need head
+    shards (head_shards.py: the group divides the KV heads, or is a multiple of them and
+    replicates them); without ``num_heads`` only the KV-head condition is checked here, the
+    worker checks the rest."""
     if requested == "sptp":
         why = head_split_problem(sp_size, num_heads or num_kv_heads * sp_size, num_kv_heads)
         return ("sptp", "") if not why else ("ring", f"sptp asked, ring run: {why}")
     if requested != "a2a":
         return requested, ""
-    if num_kv_heads % sp_size:
-        return "ring", (f"a2a asked, ring run: a group of {sp_size} does not divide "
-                        f"{num_kv_heads} KV heads")
-    return "a2a", ""
+    why = head_split_problem(sp_size, num_heads or num_kv_heads * sp_size, num_kv_heads)
+    return ("a2a", "") if not why else ("ring", f"a2a asked, ring run: {why}")
 
 
 def head_shard(j: int, sp_size: int, num_heads: int, num_kv_heads: int) -> tuple[slice, slice]:
-    """Query-head and KV-head slices of head shard ``j``."""
-    if num_kv_heads % sp_size or num_heads % num_kv_heads:
-        raise ValueError(f"SP-NTP: a group of {sp_size} does not divide {num_kv_heads} KV heads")
-    hq, hkv = num_heads // sp_size, num_kv_heads // sp_size
-    return slice(j * hq, (j + 1) * hq), slice(j * hkv, (j + 1) * hkv)
+    """Query-head and KV-head slices of head shard ``j``: whole KV heads when ``sp_size``
+    divides them, one KV head replicated on ``sp_size / Hkv`` members when ``Hkv`` divides
+    ``sp_size`` (head_shards.py)."""
+    return head_shard_slices(j, sp_size, num_heads, num_kv_heads)
 
 
 def attend_head_shard(qs, q_pos, kvs, k_pos, scale=None) -> list[torch.Tensor]:
@@ -139,7 +137,7 @@ class AllToAllAttention:
         """
         s = self.sp_size
         hq, hkv, d = q.shape[1], k_block.shape[1], q.shape[2]
-        qh_n, kh_n = hq // s, hkv // s
+        qh_n, kh_n = hq // s, max(hkv // s, 1)   # a KV head per member when replicated
         # A2A #1: one flat message per peer, [its heads' queries ; its heads' K, V of my block].
         outgoing = []
         for j in range(s):

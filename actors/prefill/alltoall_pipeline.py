@@ -50,7 +50,7 @@ class PipelinedAllToAll(AllToAllAttention):
     def __call__(self, q, q_pos, k_block, v_block, layer: int = 0, scale=None):
         s, r, M = self.sp_size, self.rank, self.micro_partitions
         hq, hkv, d = q.shape[1], k_block.shape[1], q.shape[2]
-        qn, kn = hq // s, hkv // s
+        qn, kn = hq // s, max(hkv // s, 1)   # a KV head per member when replicated
         kv = torch.stack([k_block, v_block], dim=1)                 # [m_r, 2, Hkv, D]
         shards = [head_shard(j, s, hq, hkv) for j in range(s)]
         out = q.new_empty(q.shape)

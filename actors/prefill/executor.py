@@ -92,14 +92,13 @@ class ModelExecutor:
             raise ValueError(f"chunk {task.chunk_index}: token count does not match positions")
         if task.kv_receivers:
             self._check_streaming(task)
-        if task.sp_layout == "a2a" and self.model.local_num_kv_heads % len(task.group):
-            raise ValueError(f"chunk {task.chunk_index}: SP-NTP on a group of {len(task.group)} "
-                             f"needs it to divide {self.model.local_num_kv_heads} KV heads")
-        if task.sp_layout == "sptp":
+        if task.sp_layout in ("a2a", "sptp"):   # head shards (KV heads replicated past Hkv)
             why = head_split_problem(len(task.group), self.model.local_num_heads,
                                      self.model.local_num_kv_heads)
-            if why or self.model.tp_size > 1:
-                raise ValueError(f"chunk {task.chunk_index}: SP-TP: {why or 'TP-1 instances only'}")
+            if not why and task.sp_layout == "sptp" and self.model.tp_size > 1:
+                why = "TP-1 instances only"
+            if why:
+                raise ValueError(f"chunk {task.chunk_index}: {task.sp_layout}: {why}")
         self.store.reserve(task.request_id, normalize_ranges(
             list(task.chunk_positions[task.rank]) + list(incoming)))
 

@@ -69,11 +69,12 @@ def test_a_slow_inter_node_link_moves_the_crossover():
     assert split.times["ring"] == pytest.approx(32 * 3 * (1536 / 4 * 2 * 8 * 128 * 2) / 25e9)
 
 
-def test_groups_not_dividing_the_kv_heads_stay_on_the_ring():
+def test_groups_that_cannot_split_the_heads_stay_on_the_ring():
+    """12 members cannot split 32 heads (16 can: KV heads replicated, test_sp_comm_sptp.py)."""
     chooser = LayoutChooser(("ring", "a2a"), LLAMA3_8B, FLAT)
-    pick = chooser.choose(tuple(range(16)), (0,) * 16, 100_000, 1024)
+    pick = chooser.choose(tuple(range(12)), (0,) * 16, 100_000, 1024)
     assert pick.times["a2a"] < pick.times["ring"]
-    assert pick.layout == "ring" and "group of 16 does not divide 8 KV heads" in pick.reason
+    assert pick.layout == "ring" and "group of 12 cannot split 32 heads over 8 KV heads" in pick.reason
 
 
 def test_ring_transfers_hide_behind_attention():

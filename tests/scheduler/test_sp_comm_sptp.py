@@ -60,18 +60,26 @@ def test_appendix_a_rule_never_picks_sp_ntp_at_two_members():
         assert chooser.choose((0, 1), (0, 0), 0, lin).layout != "a2a"
 
 
-def test_sp16_over_8_kv_heads_takes_sptp_where_a2a_cannot_run():
-    """LLaMA3-8B, 16 members on 2 nodes, ring charged in full: a long history makes the ring's
-    NIC hop dear; SP-NTP is out (16 does not divide 8 KV heads), SP-TP runs with KV heads
-    replicated and is cheapest; with little history the ring stays."""
+def test_sp16_over_8_kv_heads_replicates_them_for_a2a_and_sptp():
+    """LLaMA3-8B, 16 members on 2 nodes, ring charged in full: both head-sharded layouts run
+    with each KV head on 2 members (R = 16 KV heads travel); with a long history the ring's NIC
+    hop is dearest, SP-NTP cheapest, SP-TP in between; with no history SP-TP loses to the ring."""
+    g, n, h, lin = LLAMA3_8B, 16, 131072, 8192
+    assert layout_volume("a2a", g, n, h, lin) == pytest.approx(
+        (n - 1) / n * (2 * lin * g.num_heads * g.head_dim + 2 * (h + lin) * 16 * g.head_dim))
     links = CommLinks.from_config(SpLayoutConfig())
-    chooser = LayoutChooser(("ring", "a2a", "sptp"), LLAMA3_8B, links, ring_overlap=False)
     group, node_of = tuple(range(16)), (0,) * 8 + (1,) * 8
-    long = chooser.choose(group, node_of, 131072, 8192)
-    assert long.layout == "sptp" and long.delta_s < 0
-    assert "a2a out: a group of 16 does not divide 8 KV heads" in long.reason
-    assert chooser.choose(group, node_of, 0, 8192).layout == "ring"
-    assert "cannot split" in LayoutChooser(("ring", "sptp"), LLAMA3_8B, links).feasible("sptp", 3)
+    every = LayoutChooser(("ring", "a2a", "sptp"), g, links, ring_overlap=False)
+    pick = every.choose(group, node_of, h, lin)
+    assert pick.layout == "a2a" and "out" not in pick.reason
+    assert pick.times["a2a"] < pick.times["sptp"] < pick.times["ring"]
+    no_a2a = LayoutChooser(("ring", "sptp"), g, links, ring_overlap=False)
+    assert no_a2a.choose(group, node_of, h, lin).layout == "sptp"
+    # no history: SP-TP's all-gather of d = 4096 per token moves more than the ring's
+    # 2·Hkv·d_h = 2048, SP-NTP's less (from N = 5 on at any h)
+    assert no_a2a.choose(group, node_of, 0, lin).layout == "ring"
+    assert every.choose(group, node_of, 0, lin).layout == "a2a"
+    assert "cannot split" in every.feasible("sptp", 3) and "cannot split" in every.feasible("a2a", 12)
 
 
 def test_config_accepts_sptp():

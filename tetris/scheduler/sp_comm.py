@@ -7,7 +7,8 @@ layer (elements summed over the group; ``Hq``, ``Hkv`` heads of ``d_h``, ``d = H
         V_ring = (N−1)·(h+l)·2·Hkv·d_h
     a2a (SP-NTP, Ulysses; actors/prefill/alltoall.py): A2A #1 carries queries of the chunk and
     K, V of the chunk and its history, A2A #2 the outputs; a member keeps 1/N of each
-        V_a2a = (N−1)/N · (2·l·Hq·d_h + 2·(h+l)·Hkv·d_h)
+        V_a2a = (N−1)/N · (2·l·Hq·d_h + 2·(h+l)·R·d_h),  R = max(Hkv, N)
+        (R = Hkv when N divides the KV heads; past Hkv each KV head goes to N/Hkv members)
         (Appendix A's 4·L_in·d·(N−1)/N at h = 0 with MHA; GQA per csps-notes §2.1 [RECON])
     all-gather (SP-TP, Megatron-SP; Appendix A, chunk only)
         V_ag = 2·l·d·(N−1)
@@ -105,8 +106,8 @@ def layout_volume(layout: str, g: ModelGeometry, sp: int, history: int, tokens: 
     n, h, l, dh = sp, history, tokens, g.head_dim
     if layout == "ring":
         return (n - 1) * (h + l) * 2 * g.num_kv_heads * dh
-    if layout == "a2a":
-        return (n - 1) / n * (2 * l * g.num_heads * dh + 2 * (h + l) * g.num_kv_heads * dh)
+    if layout == "a2a":   # KV heads replicated past N > Hkv: R = max(Hkv, N) heads travel
+        return (n - 1) / n * (2 * l * g.num_heads * dh + 2 * (h + l) * max(g.num_kv_heads, n) * dh)
     if layout == "allgather":
         return 2 * l * g.hidden * (n - 1)
     if layout == "sptp":
@@ -141,7 +142,7 @@ def layout_time(layout: str, g: ModelGeometry, links: CommLinks, node_counts: Se
         hidden = attention_s / (g.num_layers * n)
         per_layer = (n - 1) * max(0.0, block / hop + links.message_latency_s - hidden)
     elif layout == "a2a":
-        qkv = (l / n * g.num_heads + (h + l) / n * 2 * g.num_kv_heads) / n * dh * b
+        qkv = (l / n * g.num_heads + (h + l) / n * 2 * max(g.num_kv_heads, n)) / n * dh * b
         out = l / n * g.num_heads / n * dh * b
         per_layer = _spread(node_counts, qkv, links) + _spread(node_counts, out, links)
     elif layout == "allgather":
@@ -190,9 +191,9 @@ class LayoutChooser:
     def feasible(self, layout: str, sp: int) -> str:
         """Why ``layout`` cannot run on ``sp`` instances ("" when it can)."""
         g = self.geometry
-        if layout == "a2a" and g.num_kv_heads % sp:
-            return f"a group of {sp} does not divide {g.num_kv_heads} KV heads"
-        if layout == "sptp" and (g.num_heads % sp or (g.num_kv_heads % sp and sp % g.num_kv_heads)):
+        # head shards (actors/prefill/head_shards.py): KV heads replicated when sp > Hkv
+        if layout in ("a2a", "sptp") and (
+                g.num_heads % sp or (g.num_kv_heads % sp and sp % g.num_kv_heads)):
             return f"a group of {sp} cannot split {g.num_heads} heads over {g.num_kv_heads} KV heads"
         return ""
 

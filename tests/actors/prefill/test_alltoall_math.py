@@ -101,13 +101,15 @@ def test_all_to_all_over_gloo_matches_causal_attention():
         _check([o[i] for o in outs], q * (1 + i), k, v, q_pos, end)
 
 
-def test_a_group_that_does_not_divide_the_kv_heads_falls_back_to_the_ring():
+def test_a_group_that_cannot_split_the_heads_falls_back_to_the_ring():
+    """A group dividing the KV heads, or a multiple of them (KV heads replicated), runs a2a."""
     assert resolve_sp_layout("a2a", 2, 2) == ("a2a", "")
-    with pytest.raises(ValueError, match="group of 3 does not divide 4 KV heads"):
+    assert resolve_sp_layout("a2a", 4, 2) == ("a2a", "")
+    with pytest.raises(ValueError, match="group of 3 does not divide 8 heads"):
         simulate_all_to_all(*[[torch.zeros(1, 8, 2)] * 3] * 2, *[[torch.zeros(1, 4, 2)] * 3] * 2,
                             [torch.zeros(1, dtype=torch.long)] * 3)
-    lay, why = resolve_sp_layout("a2a", 4, 2)
-    assert lay == "ring" and "group of 4 does not divide 2 KV heads" in why
+    lay, why = resolve_sp_layout("a2a", 3, 2)
+    assert lay == "ring" and "group of 3 neither divides 2 KV heads" in why
     assert resolve_sp_layout("ring", 4, 2) == ("ring", "")
 
 
@@ -118,11 +120,11 @@ def test_forced_plan_spec_names_layouts_and_the_fallback():
         parse_plan_layouts("300x1:ring/2,restx2")
     with pytest.raises(PlanError, match="layout 'tree'"):
         parse_plan_layouts("300x1:tree,restx2")
-    plan = forced_plan("p", 1500, "300x1,500x2:a2a/4,restx4:a2a/2", (0, 0, 1, 1), num_kv_heads=2)
+    plan = forced_plan("p", 1500, "300x1,500x2:a2a/4,restx3:a2a/2", (0, 0, 1, 1), num_kv_heads=2)
     assert [c.sp_layout for c in plan.chunks] == ["ring", "a2a", "ring"]
     assert [c.sp_micro_partitions for c in plan.chunks] == [1, 4, 1]
     assert plan.chunks[1].sp_layout_reason == ""
-    assert "does not divide 2 KV heads" in plan.chunks[2].sp_layout_reason
+    assert "neither divides 2 KV heads" in plan.chunks[2].sp_layout_reason
 
 
 @pytest.mark.parametrize("s,micro", [(2, 3), (4, 5), (2, 1)])

@@ -1,6 +1,6 @@
 """SP-NTP (all-to-all) chunks, pipelined or not, and plans that mix layouts on a pool of 4 Ray
 actors over 2 nodes (gloo), against single-instance prefill of the tiny model (8 heads, 2 KV
-heads: groups of 1 and 2 run all-to-all, a group of 4 falls back to the ring)."""
+heads: groups of 1 and 2 run all-to-all, a group of 4 with each KV head on 2 members)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.ray
     (900, "300x2:a2a,restx2:a2a", ["a2a", "a2a"]),                  # history from an a2a chunk
     (1100, "300x1,400x2:a2a,restx4", ["ring", "a2a", "ring"]),      # mixed, balanced history
     (1000, "300x2,restx2:a2a", ["ring", "a2a"]),                    # a2a over a ring's history
-    (800, "300x1:a2a,restx4:a2a", ["a2a", "ring"]),                 # group of 4: the ring
+    (800, "300x1:a2a,restx4:a2a", ["a2a", "a2a"]),                  # group of 4: KV heads replicated
     # three-phase pipelining: pipelined a2a with history, mixed with the ring and plain a2a
     (900, "300x2:a2a/3,restx2:a2a/4", ["a2a", "a2a"]),
     (1100, "300x1,400x2:a2a/5,restx4", ["ring", "a2a", "ring"]),
