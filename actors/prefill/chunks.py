@@ -35,6 +35,7 @@ class RunOptions(NamedTuple):
     on_chunk_end: Callable[[int, bool], None] | None
     # False: the decode instance has the cached prefix already (prefix caching's decode side)
     prefix_streamed: bool = True
+    kv_ranges: tuple = ()   # elastic decode: KVRange targets (actors/prefill/range_stream.py)
 
 
 class ChunkFailed(Exception):
@@ -62,6 +63,7 @@ def chunk_task(plan: PrefillPlan, k: int, r: int, lay, token_ids: TokenIds, seq:
         sampling=opts.sampling, return_logits=opts.return_logits, timeout_s=timeout_s,
         kv_receivers=opts.kv_receivers, world=world, sp_layout=c.sp_layout,
         sp_micro_partitions=c.sp_micro_partitions, sp_layout_delta_s=c.sp_layout_delta_s,
+        kv_ranges=opts.kv_ranges,
     )
 
 

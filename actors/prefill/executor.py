@@ -24,6 +24,8 @@ from tetris.actors.prefill.emulated_kv import EmulatedHoldings
 from tetris.actors.prefill.head_shards import head_split_problem
 from tetris.actors.prefill.kv_store import PagedKVStore, ranges_tensor
 from tetris.actors.prefill.messages import ChunkResult, ChunkTask
+from tetris.actors.prefill.range_stream import (check_ranges, open_range_shards,
+                                                stream_range_layer)
 from tetris.actors.prefill.ring import RING_TAG_KIND, RingAttention
 from tetris.actors.prefill.sptp import SpTpAttention
 from tetris.actors.prefill.world import PeerLink
@@ -90,7 +92,7 @@ class ModelExecutor:
             self.store.slots(task.request_id, kept)   # KeyError if the history is not here
         if len(task.token_ids) != ranges_len(task.chunk_positions[task.rank]):
             raise ValueError(f"chunk {task.chunk_index}: token count does not match positions")
-        if task.kv_receivers:
+        if task.kv_receivers or task.kv_ranges:
             self._check_streaming(task)
         if task.sp_layout in ("a2a", "sptp"):   # head shards (KV heads replicated past Hkv)
             why = head_split_problem(len(task.group), self.model.local_num_heads,
@@ -107,6 +109,8 @@ class ModelExecutor:
         if self.pump is None:
             raise RuntimeError(f"chunk {task.chunk_index} streams KV but transfer is not enabled "
                                f"on prefill instance {task.instance}")
+        if task.kv_ranges:
+            return check_ranges(task, self.model.local_num_kv_heads)
         hkv, n = self.model.local_num_kv_heads, len(task.kv_receivers)
         if hkv % n or len(set(task.kv_receivers)) != n:
             raise ValueError(f"{hkv} KV heads cannot be split over receivers {task.kv_receivers}")
@@ -156,8 +160,9 @@ class ModelExecutor:
         sent = normalize_ranges([p for m in balancer.sends for p in m.positions])
         store.release(req, sent)
         token, logits, logprob = self._first_token(task, hidden, q_pos)
-        streamed = token is not None and bool(heads) and stream_first_token(
-            self.pump, task, token, logprob)
+        # by ranges, the master starts once every holder has its range (elastic_pool.commit)
+        streamed = (token is not None and bool(heads) and not task.kv_ranges
+                    and stream_first_token(self.pump, task, token, logprob))
         return ChunkResult(
             request_id=req, chunk_index=task.chunk_index, instance=task.instance,
             rank=task.rank, elapsed_s=time.perf_counter() - t0,
@@ -168,6 +173,8 @@ class ModelExecutor:
 
     def _open_shards(self, task: ChunkTask) -> list[tuple[int, slice]]:
         """One shard per receiver over this member's zigzag share; (receiver, head slice) pairs."""
+        if task.kv_ranges:
+            return open_range_shards(self.pump, self.model, task)
         if not task.kv_receivers:
             return []
         model = self.model
@@ -183,6 +190,8 @@ class ModelExecutor:
 
     def _stream_layer(self, task: ChunkTask, layer: int, k, v, heads) -> None:
         """k, v [n, Hkv, D] of this member's share -> per receiver a fresh [n, 2, h, D] tensor."""
+        if task.kv_ranges:
+            return stream_range_layer(self.pump, task, layer, k, v, heads)
         parts = [(r, torch.stack((k[:, hs], v[:, hs]), dim=1)) for r, hs in heads]
         with self.pump.locked() as mgr:
             for r, kv in parts:
@@ -240,6 +249,8 @@ class EmulatedExecutor:
             raise ValueError(f"chunk {task.chunk_index} is empty")
         me = task.instance
         incoming = [p for m in task.moves if m.dst == me for p in m.positions]
+        if task.kv_ranges:
+            raise ValueError("per-range KV streaming (elastic decode) is not emulated")
         if task.kv_receivers:
             if self.pump is None or self.model is None:
                 raise RuntimeError(f"chunk {task.chunk_index} streams KV but transfer is not "

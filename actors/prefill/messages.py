@@ -68,6 +68,17 @@ class Move(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     positions: Ranges
 
 
+class KVRange(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Elastic decode: prompt positions ``[start, end)`` stream to ``receivers`` (one decode
+    instance's TP ranks) as transfer ``transfer_id``, in range-local positions
+    (actors/prefill/range_stream.py)."""
+
+    start: int
+    end: int
+    transfer_id: str
+    receivers: tuple[int, ...]
+
+
 class ChunkTask(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One member's share of one chunk. Instances are world ranks of the pool."""
 
@@ -97,6 +108,7 @@ class ChunkTask(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sp_layout: str = "ring"       # the chunk's attention across the group (tetris/plan.py)
     sp_micro_partitions: int = 1  # "a2a": three-phase pipelining (alltoall_pipeline.py)
     sp_layout_delta_s: float = 0.0   # the plan's layout delta; the emulated body waits it too
+    kv_ranges: tuple[KVRange, ...] = ()   # elastic decode: a target per token range instead
 
     @property
     def instance(self) -> int:

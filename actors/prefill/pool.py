@@ -163,14 +163,15 @@ class PrefillPool:
             balance: BalanceMode | None = None, kv_receivers: tuple[int, ...] = (),
             on_chunk_start: Callable[[int], None] | None = None,
             on_chunk_end: Callable[[int, bool], None] | None = None,
-            prefix_streamed: bool = True) -> PrefillResult:
+            prefix_streamed: bool = True, kv_ranges: tuple = ()) -> PrefillResult:
         """Execute a plan; returns the first token. Raises PlanError / PrefillError.
 
         Commits the plan unless ``commit`` did. Each chunk waits for its turn on its members;
         ``on_chunk_start(k)`` runs right before chunk ``k``'s prepare, ``on_chunk_end(k, ok)``
         after its execute (or its failure), both in this thread. ``prefix_streamed=False``: the
         decode instance has the cached prefix already (prefix caching's decode side), only the
-        chunks stream.
+        chunks stream. ``kv_ranges``: elastic decode's targets per token range instead of
+        ``kv_receivers`` (actors/prefill/range_stream.py).
         """
         plan.validate(self.size)
         token_ids = compact_tokens(token_ids)   # no copy for the dispatcher's int32 array
@@ -182,7 +183,7 @@ class PrefillPool:
                                 f"the prompt has {len(token_ids)}")
             opts = RunOptions(balance or self.balance, sampling, return_logits,
                               tuple(kv_receivers), on_chunk_start, on_chunk_end,
-                              prefix_streamed)
+                              prefix_streamed, tuple(kv_ranges))
             return self._run_chunks(plan, token_ids, opts)
         finally:
             self._tickets.finish(plan.request_id)

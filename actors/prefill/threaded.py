@@ -72,7 +72,7 @@ class ThreadedPool:
 
     def run(self, plan: PrefillPlan, token_ids: Sequence[int], *,
             sampling: SamplingParams | None = None, return_logits: bool = False,
-            balance: BalanceMode = "overlap") -> PrefillResult:
+            balance: BalanceMode = "overlap", kv_ranges: tuple = ()) -> PrefillResult:
         """Prefill ``token_ids`` by ``plan``; returns the first token (and logits if asked).
         The request's KV stays in the members' stores until ``release``."""
         plan.validate(self.size)
@@ -80,7 +80,8 @@ class ThreadedPool:
         if len(ids) != plan.prompt_tokens:
             raise ValueError(f"plan {plan.request_id} is for {plan.prompt_tokens} tokens, "
                              f"the prompt has {len(ids)}")
-        opts = RunOptions(balance, sampling, return_logits, (), None, None)
+        opts = RunOptions(balance, sampling, return_logits, (), None, None,
+                          kv_ranges=tuple(kv_ranges))   # streamed by executors with a pump
         layouts, final = plan_layout(plan, balance)
         t0 = time.perf_counter()
         results: list[list[ChunkResult]] = []
