@@ -30,6 +30,7 @@ operations sorted by (pair, direction), the same order on both ends of every pai
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from tetris.actors.prefill.world import PeerLink
+from tetris.actors.timer_slack import loose_timers
 
 __all__ = ["Backend", "RankDevice", "choose_backend", "nccl_available", "peer_link",
            "StagedLink", "rank_device", "agree_backend", "process_group", "form_tp_group",
@@ -164,7 +166,8 @@ def process_group(store, rank: int, size: int, backend: Backend, timeout: timede
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, options)
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
+    with loose_timers():   # its transport thread's idle 10 ms ticks (actors/timer_slack.py)
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
 def form_tp_group(host: str, port: int, rank: int, size: int, timeout_s: float,
@@ -174,7 +177,8 @@ def form_tp_group(host: str, port: int, rank: int, size: int, timeout_s: float,
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
     backend = agree_backend(store, rank, size, me, nccl_available() if nccl is None else nccl)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+    with loose_timers() if backend == "gloo" else contextlib.nullcontext():
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     return backend
 
 

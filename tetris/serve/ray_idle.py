@@ -14,9 +14,8 @@ supervisor's probes (``tetris/serve/supervisor.py``) are untouched. Measured per
 docs/benchmarks.md, "Idle CPU".
 
 What this cannot reach: every Ray worker process's main thread wakes every 10 ms to check for
-signals (``CoreWorker.CheckSignal`` in ``RunTaskExecutionLoop``, a literal in Ray's C++), and
-each gloo process group's transport thread ``epoll_wait``s with a 10 ms timeout (a literal in
-gloo's TCP loop).
+signals (``CoreWorker.CheckSignal`` in ``RunTaskExecutionLoop``, a literal in Ray's C++, on a
+timerfd, which timer slack does not stretch), and Ray's gRPC pollers' fixed deadlines.
 """
 
 from __future__ import annotations
@@ -53,6 +52,9 @@ _SETTINGS: dict[str, tuple[str, str, str]] = {
     # these make it glob every 5 s (new workers' output reaches the driver up to 5 s later).
     "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": ("0", "1000", "log monitor glob"),
     "LOG_NAME_UPDATE_INTERVAL_S": ("5", "0.5", "log monitor glob"),
+    # gloo's transport thread wakes every 10 ms; 50 ms of timer slack lets the kernel fold
+    # those idle ticks (data still wakes it at once; actors/timer_slack.py says what waits).
+    "TETRIS_GLOO_TIMER_SLACK_MS": ("50", "0", "gloo idle ticks"),
 }
 
 RAY_IDLE_ENV_VARS = {name: value for name, (value, _, _) in _SETTINGS.items()}
