@@ -3,7 +3,8 @@
 The simulated A100 cluster (16 TP-1 prefill instances on 2 nodes of 8, LLaMA3-8B: 8 KV heads)
 runs the Long workload under the ``tetris`` policy (online θ) with each ``SpLayoutConfig``:
 the ring only (the default), ring or SP-NTP all-to-all per chunk by the CSPS Appendix A model
-with ring transfers hidden behind attention (the model as shipped), and the same with the
+with ring transfers hidden behind attention (the model as shipped), ring or SP-TP, and the
+three layouts; SP-NTP and SP-TP on SP 16 replicate the 8 KV heads; and the same with the
 ring's transfers charged in full (``ring_overlap = False``: an upper bound on what all-to-all
 saves). A chunk on all-to-all runs ``T_s(h, l) + Δ`` on the simulated hardware, the delta the
 plan predicted. Per configuration: capacity (the simulator's bisection against the SLO of
@@ -27,6 +28,9 @@ CONFIGS = {
     "ring only": SpLayoutConfig(),
     "ring|a2a": SpLayoutConfig(layouts=("ring", "a2a")),
     "ring|a2a, ring charged in full": SpLayoutConfig(layouts=("ring", "a2a"), ring_overlap=False),
+    "ring|sptp": SpLayoutConfig(layouts=("ring", "sptp")),
+    "ring|a2a|sptp, ring charged in full": SpLayoutConfig(layouts=("ring", "a2a", "sptp"),
+                                                          ring_overlap=False),
 }
 
 
@@ -53,13 +57,16 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--rates", default="0.5,1.0")
     ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--configs", default=";".join(CONFIGS),
+                    help="which configurations, by name, separated by ; (default all)")
     args = ap.parse_args()
     seeds = tuple(int(s) for s in args.seeds.split(","))
     rates = [float(r) for r in args.rates.split(",")]
     light = light_load("8b", args.workload)
     print(f"SIMULATION, 8B cluster, {args.workload}, tetris (online θ), {args.requests} requests, "
           f"seeds {list(seeds)}; light-load TTFT P50 {light[0]:.3f} s P99 {light[1]:.3f} s")
-    for name, cfg in CONFIGS.items():
+    for name in args.configs.split(";"):
+        cfg = CONFIGS[name]
         t0 = time.perf_counter()
         base = RunSpec(model="8b", workload=args.workload, policy="tetris",
                        requests=args.requests, sp_layout=cfg)
