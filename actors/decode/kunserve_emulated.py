@@ -62,6 +62,7 @@ class PipelinedEmulatedEngine(EmulatedDecodeEngine):
         self.emulated_s = 0.0
         self.steps = 0
         self._step_start = self._step_end = self._last_seconds = 0.0
+        self.continuing = False
         self.held: list[tuple[float, Sequence]] = []    # arriving by KV exchange
         self.pending_s = 0.0     # transfers the next iteration waits for (swap over PCIe)
 
@@ -73,13 +74,18 @@ class PipelinedEmulatedEngine(EmulatedDecodeEngine):
                 + recompute * self.prefill_s_per_token + self.pending_s) * self.time_scale
 
     def step(self):
-        # Back to back, an iteration begins where the last one ended (the model's time
-        # includes the step's CPU work, ``per_seq_s``: the bookkeeping between two iterations
-        # overlaps them); after an idle gap, now.
+        # Back to back (``continuing``: the driver had no idle wait since the last step), an
+        # iteration begins where the last one ended, however late this thread got here: the
+        # unit's iterations form one timeline, as on a GPU, and the model's time includes the
+        # step's CPU work (``per_seq_s``). After an idle gap, it begins now.
         now = time.monotonic()
-        busy = 0.0 <= now - self._step_end < self._last_seconds
-        self._step_start = self._step_end if busy else now
+        self._step_start = self._step_end if self.continuing and self._step_end else now
         return super().step()
+
+    @property
+    def step_end(self) -> float:
+        """When the last iteration ends on the unit's timeline (``time.monotonic`` seconds)."""
+        return self._step_end
 
     def _execute(self, plan) -> tuple[list[Sequence], list[int]]:
         """Sleep until the iteration's model time after it began."""

@@ -22,7 +22,10 @@ no block; the request goes back to the head of the dispatcher's queue with its o
 and is prefilled again), ``swap`` (the victim's KV goes to host memory, the next iteration
 waits for the PCIe copy, and it comes back before new admissions) and ``kunserve``
 (recompute plus the controller). Times are multiplied by ``time_scale`` on the wall clock and
-divided back in the results.
+divided back in the results. A token's time is read off its unit's iteration timeline (when
+the iteration ends: back-to-back iterations chain, however late the thread that runs them is
+scheduled), a first token's when its prefill ends; so a loaded machine delays what the threads
+do next (admissions, regrouping, the next iteration's batch), not the clock they report.
 """
 
 from __future__ import annotations
@@ -166,12 +169,14 @@ class KunServeEmulation:
                 if not self._runnable(e):
                     timeout = 0.05 if nxt is None else max(0.0, nxt - self.now()) * self.scale
                     self.cv.wait(timeout=timeout)
+                    e.continuing = False
                     continue
             with u.step_lock, self.lock:
                 if u.stopped:
                     return
                 outputs = e.step()     # releases self.lock while the iteration sleeps
-                now = self.now()
+                e.continuing = True
+                now = (e.step_end - self.t0) / self.scale    # the iteration's end, trace time
                 for out in outputs:
                     if out.finished:
                         self._finish(int(out.request_id), now)
@@ -238,8 +243,8 @@ class KunServeEmulation:
             while not self.closing:
                 now = self.now()
                 while self.prefills and self.prefills[0][0] <= now:
-                    _, rid = heapq.heappop(self.prefills)
-                    self._commit(rid, now)
+                    ready, rid = heapq.heappop(self.prefills)
+                    self._commit(rid, ready)     # the prefill's end, however late noticed
                 nxt = self.prefills[0][0] if self.prefills else now + 0.05
                 self.cv.wait(timeout=max(0.0, nxt - now) * self.scale)
 
