@@ -175,6 +175,9 @@ class DecodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # activation reserve, or the rank fails at start with the numbers (tetris/device.py).
     gpu_memory_utilization: float = 0.9
     activation_reserve_gib: float = 2.0
+    # Elastic decode (issue #25): a request whose KV fits no single instance but the free
+    # room of several is placed over a decode group (tetris/serve/elastic_dispatch.py)
+    elastic: bool = False
 
     def __post_init__(self) -> None:
         if min(self.num_instances, self.tp_size, self.max_batch_size, self.block_size) <= 0:
