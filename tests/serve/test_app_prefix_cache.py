@@ -118,6 +118,8 @@ def test_shared_prefixes_are_served_from_the_cache_token_for_token(app):
     # q1 cold; q2 hits the document's whole blocks; q1 again hits all but its last token;
     # the second turn hits q1's 640 tokens (its answer's tokens were never prefilled).
     assert cached == [0, 592, len(q1) - 1, 640], cached
+    # each hit reads a prefix sharded over several prefill instances (q1 ran on SP > 1)
+    assert all(len(p["cached_instances"]) >= 2 for p in plans[-3:]), plans[-3:]
     assert cache["enabled"] and cache["hits"] == 3 and cache["queries"] == 4
     # The decode side: q2, q1 again and the second turn were routed to the instance keeping
     # q1's run (prompt and answer but its last token), which copied their cached prefix from
