@@ -96,20 +96,13 @@ class SpTpAttention:
         """hidden [n_r, d] (layer input), k_block, v_block [m_r, Hkv, D] (this member's block,
         history rows first) -> hidden + attention output [n_r, d], as ``layer_attn_out``."""
         s, d = self.sp_size, model.head_dim
-        hq, hkv, width = model.local_num_heads, model.local_num_kv_heads, hidden.shape[1]
-        shards = [head_shard_slices(j, s, hq, hkv) for j in range(s)]
+        shards = [head_shard_slices(j, s, model.local_num_heads, model.local_num_kv_heads)
+                  for j in range(s)]
         n_hist = self.history_positions[self.rank].numel()
-        outgoing = []
-        for _, kh in shards:
-            kv = torch.stack((k_block[:n_hist, kh], v_block[:n_hist, kh]), dim=1)
-            outgoing.append(torch.cat((hidden.reshape(-1), kv.reshape(-1))))
-        my_kh = shards[self.rank][1].stop - shards[self.rank][1].start
-        sizes = [(self.query_positions[j].numel() * width,
-                  self.history_positions[j].numel() * 2 * my_kh * d) for j in range(s)]
-        incoming = self._exchange(outgoing, [a + b for a, b in sizes], hidden.dtype, i, 1)
-        rows = torch.cat([m[:a].view(-1, width) for m, (a, _) in zip(incoming, sizes)])
-        hist_kv = [m[a:].view(-1, 2, my_kh, d) for m, (a, _) in zip(incoming, sizes)]
+        hist_out = [torch.stack((k_block[:n_hist, kh], v_block[:n_hist, kh]), dim=1)
+                    for _, kh in shards]
         qh, kh = shards[self.rank]
+        rows, hist_kv = self.all_gather(hidden, hist_out, kh.stop - kh.start, d, i)
         q, k, v = shard_qkv(model, i, rows[self.order], self.chunk_pos, qh, kh)
         out = attend_head_shard([q], [self.chunk_pos],
                                 hist_kv + [torch.stack((k, v), dim=1)],
@@ -117,12 +110,29 @@ class SpTpAttention:
         w_o = model.layers[i].self_attn.o_proj.weight
         partial = F.linear(out.reshape(out.shape[0], -1).to(hidden.dtype),
                            w_o[:, qh.start * d: qh.stop * d])
+        return hidden + self.reduce_scatter(partial, hidden.shape[0], i)
+
+    def all_gather(self, hidden, hist_out, my_kh: int, d: int, layer: int):
+        """Every member's rows in member order [l, width], and per member the history KV
+        ``[m_j, 2, my_kh, D]`` of my heads; hist_out[j]: my history KV for member j's heads."""
+        s, width = self.sp_size, hidden.shape[1]
+        outgoing = [torch.cat((hidden.reshape(-1), kv.reshape(-1))) for kv in hist_out]
+        sizes = [(self.query_positions[j].numel() * width,
+                  self.history_positions[j].numel() * 2 * my_kh * d) for j in range(s)]
+        incoming = self._exchange(outgoing, [a + b for a, b in sizes], hidden.dtype, layer, 1)
+        rows = torch.cat([m[:a].view(-1, width) for m, (a, _) in zip(incoming, sizes)])
+        return rows, [m[a:].view(-1, 2, my_kh, d) for m, (a, _) in zip(incoming, sizes)]
+
+    def reduce_scatter(self, partial, n_mine: int, layer: int):
+        """Σ over members of their partial rows of my queries [n_mine, width]; partial: this
+        member's ``[l, width]`` in position order."""
+        width = partial.shape[1]
         back = self._exchange([partial[r].reshape(-1).contiguous() for r in self.rows_of],
-                              [hidden.shape[0] * width] * s, hidden.dtype, i, 2)
+                              [n_mine * width] * self.sp_size, partial.dtype, layer, 2)
         total = back[0].view(-1, width).clone()
         for b in back[1:]:          # member order on every member: deterministic sums
             total += b.view(-1, width)
-        return hidden + total
+        return total
 
     def _exchange(self, outgoing, in_sizes, dtype, layer: int, which: int) -> list[torch.Tensor]:
         """Send outgoing[j] to member j, receive in_sizes[j] elements from it (own: kept)."""

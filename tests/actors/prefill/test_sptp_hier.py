@@ -1,0 +1,65 @@
+"""Hierarchical SP-TP collectives (actors/prefill/sptp_hier.py) over gloo with ranks as
+threads: the attention block equals the model's own over the whole sequence, and the elements
+crossing nodes are one copy per node pair, G times fewer than the flat collectives'."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from tetris.actors.prefill.balance import plan_balance
+from tetris.actors.prefill.kv_store import ranges_tensor
+from tetris.actors.prefill.sptp_hier import HierarchicalSpTp
+from tetris.actors.prefill.world import World, free_port
+from tetris.actors.prefill.zigzag import zigzag_layout
+from tetris.kernels.attention import attention_with_lse_ref
+
+
+@pytest.mark.parametrize("nodes,hist", [((0, 0, 1, 1), 0), ((0, 1, 1, 0), 27), ((0, 1, 1, 2), 13)])
+@torch.inference_mode()
+def test_hierarchical_attention_block_matches_and_crosses_nodes_once(model, nodes, hist):
+    s, i, end = len(nodes), 2, hist + 47
+    d = model.embed_tokens.weight.shape[1]
+    x = torch.randn(end, d, generator=torch.Generator().manual_seed(hist))
+    q, k, v = model.layer_qkv(i, x, torch.arange(end))
+    ref = model.layer_attn_out(i, x, attention_with_lse_ref(q, k, v, causal=True)[0])
+    _, after = plan_balance(list(zigzag_layout(0, hist, 2)), tuple(range(s)))
+    chunk = zigzag_layout(hist, end, s)
+    q_pos = [ranges_tensor(c) for c in chunk]
+    blocks = [ranges_tensor(tuple(sorted(after[r] + chunk[r]))) for r in range(s)]
+    port, outs, errors = free_port(), [None] * s, []
+
+    def member(r):
+        try:
+            world = World(0, "127.0.0.1", port, r, s, timeout_s=20.0)
+            sp = HierarchicalSpTp(tuple(range(s)), r, q_pos, blocks, hist, tag=4,
+                                  timeout_s=20.0, link=world, member_nodes=nodes)
+            out = sp.attention_block(model, i, x[q_pos[r]], k[blocks[r]], v[blocks[r]])
+            outs[r] = (out, sp.inter_node_elements)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(s)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    for r in range(s):
+        torch.testing.assert_close(outs[r][0], ref[q_pos[r]], rtol=1e-5, atol=1e-5)
+    n = [p.numel() for p in q_pos]
+    hist_rows = [b[b < hist].numel() for b in blocks]
+    per_node = {}
+    for j, a in enumerate(nodes):
+        per_node[a] = per_node.get(a, 0) + n[j]
+    # each node's rows go once to every other node (all-gather), and every node receives once
+    # the sums for its rows from every other node (reduce-scatter); history KV goes directly
+    # (one KV head of d_h = 32 per member: 4 members over 2 KV heads)
+    hier = sum(2 * per_node[a] * d * (len(per_node) - 1) for a in per_node)
+    hist_kv = sum(hist_rows[r] * 2 * 32 for r in range(s) for j in range(s)
+                  if nodes[j] != nodes[r])
+    assert sum(e for _, e in outs) == hier + hist_kv
+    flat = sum(2 * n[r] * d * sum(nodes[j] != nodes[r] for j in range(s)) for r in range(s))
+    if nodes.count(0) == 2 and len(per_node) == 2:
+        assert flat == 2 * hier          # G = 2 members per node: half the inter-node bytes
