@@ -27,12 +27,15 @@ def _run(cfg):
 
 
 def test_layout_choice_on_the_paper_cluster():
-    """With ring transfers hidden behind attention no chunk of the Long workload leaves the
-    ring (the run is the ring-only one); charged in full, SP 8 chunks go all-to-all and end
-    earlier, as planned (the plan already holds the delta)."""
+    """With ring transfers hidden behind attention only SP 16 chunks (spanning both nodes, 8 KV
+    heads replicated) with long history leave the ring: a few requests change, none planned
+    wrong; charged in full, SP 8 chunks go all-to-all too and end earlier, as planned (the plan
+    already holds the delta)."""
     ring_only, _ = _run(SpLayoutConfig())
     hidden, _ = _run(SpLayoutConfig(layouts=("ring", "a2a")))
-    assert hidden.ttft_s == ring_only.ttft_s and len(hidden.ttft_s) == 150
+    assert len(hidden.ttft_s) == 150 and hidden.max_plan_deviation_s < 1e-9
+    changed = sum(a != b for a, b in zip(hidden.ttft_s, ring_only.ttft_s))
+    assert 0 < changed < 150 // 2
     full, _ = _run(SpLayoutConfig(layouts=("ring", "a2a"), ring_overlap=False))
     assert full.max_plan_deviation_s < 1e-9
     assert full.ttft.mean < ring_only.ttft.mean
