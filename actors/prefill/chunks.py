@@ -49,7 +49,8 @@ class ChunkFailed(Exception):
 
 
 def chunk_task(plan: PrefillPlan, k: int, r: int, lay, token_ids: TokenIds, seq: int,
-               opts: RunOptions, world: int, *, timeout_s: float, emulated: bool) -> ChunkTask:
+               opts: RunOptions, world: int, *, timeout_s: float, emulated: bool,
+               node_of: Sequence[int] = ()) -> ChunkTask:
     """What member ``r`` of chunk ``k`` (layout ``lay``) runs, on world generation ``world``."""
     c = plan.chunks[k]
     balance = opts.balance
@@ -64,6 +65,8 @@ def chunk_task(plan: PrefillPlan, k: int, r: int, lay, token_ids: TokenIds, seq:
         kv_receivers=opts.kv_receivers, world=world, sp_layout=c.sp_layout,
         sp_micro_partitions=c.sp_micro_partitions, sp_layout_delta_s=c.sp_layout_delta_s,
         kv_ranges=opts.kv_ranges,
+        sp_member_nodes=(tuple(node_of[i] for i in lay.group)
+                         if node_of and c.sp_layout == "sptp" else ()),
     )
 
 

@@ -28,6 +28,7 @@ from tetris.actors.prefill.range_stream import (check_ranges, open_range_shards,
                                                 stream_range_layer)
 from tetris.actors.prefill.ring import RING_TAG_KIND, RingAttention
 from tetris.actors.prefill.sptp import SpTpAttention
+from tetris.actors.prefill.sptp_hier import HierarchicalSpTp
 from tetris.actors.prefill.world import PeerLink
 from tetris.actors.prefill.zigzag import normalize_ranges, ranges_len
 from tetris.engine.logprobs import token_logprob
@@ -357,9 +358,11 @@ def _group_attention(task: ChunkTask, blocks, link: PeerLink | None):
                                  tag, task.timeout_s, link,
                                  micro_partitions=task.sp_micro_partitions)
     if task.sp_layout == "sptp":
-        return SpTpAttention(task.group, task.rank,
-                             [ranges_tensor(c) for c in task.chunk_positions], block_pos,
-                             task.chunk_start, tag, task.timeout_s, link)
+        args = (task.group, task.rank, [ranges_tensor(c) for c in task.chunk_positions],
+                block_pos, task.chunk_start, tag, task.timeout_s, link)
+        if len(set(task.sp_member_nodes)) > 1:   # intra-node first (sptp_hier.py)
+            return HierarchicalSpTp(*args, member_nodes=task.sp_member_nodes)
+        return SpTpAttention(*args)
     if task.sp_layout == "a2a":
         return AllToAllAttention(task.group, task.rank,
                                  [ranges_tensor(c) for c in task.chunk_positions], block_pos,

@@ -108,6 +108,9 @@ class ChunkTask(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sp_layout: str = "ring"       # the chunk's attention across the group (tetris/plan.py)
     sp_micro_partitions: int = 1  # "a2a": three-phase pipelining (alltoall_pipeline.py)
     sp_layout_delta_s: float = 0.0   # the plan's layout delta; the emulated body waits it too
+    # "sptp": the members' nodes in group order; a group spanning nodes runs the hierarchical
+    # collectives (sptp_hier.py). Empty: flat.
+    sp_member_nodes: tuple[int, ...] = ()
     kv_ranges: tuple[KVRange, ...] = ()   # elastic decode: a target per token range instead
 
     @property

@@ -235,7 +235,8 @@ class PrefillPool:
             self._await_replacements(plan, k)
             with self.worlds.in_world() as (world, workers):
                 tasks = [chunk_task(plan, k, r, lay, token_ids, seq, opts, world,
-                                    timeout_s=self.timeout_s, emulated=self.emulated)
+                                    timeout_s=self.timeout_s, emulated=self.emulated,
+                                    node_of=self.node_of)
                          for r in range(len(lay.group))]
                 handles = [workers[t.instance] for t in tasks]
                 run_phase(plan, k, tasks, handles, "prepare", **phase)

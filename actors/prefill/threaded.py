@@ -36,12 +36,13 @@ class ThreadedPool:
     """``num_instances`` prefill instances of ``model`` (on the model's device) in this process."""
 
     def __init__(self, model, num_instances: int, *, num_blocks: int, block_size: int,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, node_of: Sequence[int] = ()) -> None:
         if num_instances < 1:
             raise ValueError("a pool needs at least one instance")
         self.model = model
         self.size = num_instances
         self.timeout_s = timeout_s
+        self.node_of = tuple(node_of)   # instances' nodes, if any: SP-TP goes hierarchical
         device = str(model.device)
         self.stores = [PagedKVStore(model.num_layers, num_blocks, block_size,
                                     model.local_num_kv_heads, model.head_dim,
@@ -89,7 +90,8 @@ class ThreadedPool:
             for k, lay in enumerate(layouts):
                 self._seq += 1
                 tasks = [chunk_task(plan, k, r, lay, ids, self._seq, opts, 0,
-                                    timeout_s=self.timeout_s, emulated=False)
+                                    timeout_s=self.timeout_s, emulated=False,
+                                    node_of=self.node_of)
                          for r in range(len(lay.group))]
                 for t in tasks:
                     self.executors[t.instance].prepare(t)

@@ -63,3 +63,24 @@ def test_hierarchical_attention_block_matches_and_crosses_nodes_once(model, node
     flat = sum(2 * n[r] * d * sum(nodes[j] != nodes[r] for j in range(s)) for r in range(s))
     if nodes.count(0) == 2 and len(per_node) == 2:
         assert flat == 2 * hier          # G = 2 members per node: half the inter-node bytes
+
+
+@pytest.mark.parametrize("n,spec", [(900, "300x2:sptp,restx4:sptp"), (800, "300x1,restx4:sptp")])
+def test_pool_runs_sptp_hierarchically_across_nodes(model, monkeypatch, n, spec):
+    """A ThreadedPool told its instances' nodes hands SP-TP chunks spanning nodes the
+    hierarchical collectives, and the plan still matches the single instance."""
+    from cdsp_check import check_plan, prompt
+    from tetris.actors.prefill.layout import forced_plan
+    from tetris.actors.prefill.threaded import ThreadedPool
+
+    calls = []
+    block = HierarchicalSpTp.attention_block
+    monkeypatch.setattr(HierarchicalSpTp, "attention_block",
+                        lambda self, *a, **kw: calls.append(self.rank) or block(self, *a, **kw))
+    node_of = (0, 0, 1, 1)
+    pool = ThreadedPool(model, 4, num_blocks=96, block_size=16, timeout_s=20.0, node_of=node_of)
+    plan = forced_plan(f"hier-{spec}", n, spec, node_of, num_kv_heads=2, num_heads=8)
+    check_plan(pool, model, plan, prompt(n, n + 2))
+    spanning = [c for c in plan.chunks if len({node_of[i] for i in c.instances}) > 1]
+    assert spanning and len(calls) == model.num_layers * sum(c.sp_size for c in spanning)
+    pool.release(plan.request_id)
