@@ -86,3 +86,18 @@ def test_config_accepts_sptp():
     assert SpLayoutConfig(layouts=("ring", "a2a", "sptp")).layouts[-1] == "sptp"
     with pytest.raises(ValueError, match="may add 'a2a', 'sptp'"):
         SpLayoutConfig(layouts=("ring", "tree"))
+
+
+def test_sptp_across_nodes_is_timed_as_the_hierarchical_collectives():
+    """Two nodes of 8, no history, no latency: each collective is 7 intra-node sends, one
+    node bundle of 8 members' rows over the NIC, and 7 forwards of the other node's 8 rows."""
+    links = CommLinks(intra_node=240e9, inter_node=25e9, message_latency_s=0.0)
+    g, lin = LLAMA3_8B._replace(num_layers=1), 8192
+    rows = lin / 16 * g.hidden * 2
+    per = 7 * rows / 240e9 + 8 * rows / 25e9 + 7 * 8 * rows / 240e9
+    assert layout_time("sptp", g, links, [8, 8], 0, lin) == pytest.approx(2 * per, rel=1e-12)
+    # Flat, every member sends 8 rows over its own NIC at once: the same NIC time as the
+    # leader's bundle, without the two intra-node steps. With one NIC per GPU (the deployment's
+    # per-instance bandwidths) the leader-based hierarchy saves inter-node bytes (8x), not time.
+    flat = 2 * max(7 * rows / 240e9, 8 * rows / 25e9)
+    assert flat < layout_time("sptp", g, links, [8, 8], 0, lin)

@@ -17,6 +17,9 @@ layer (elements summed over the group; ``Hq``, ``Hkv`` heads of ``d_h``, ``d = H
     KV heads every other member reads (``R = max(Hkv, N)`` KV heads over the shards: a KV head
     is replicated on N/Hkv members when N > Hkv)
         V_sptp = 2·l·d·(N−1) + (N−1)/N · h·2·R·d_h
+    (flat; a group spanning nodes runs the hierarchical collectives of sptp_hier.py, which
+    cross each node pair once: its time is three steps per collective, ``_hierarchical``;
+    the history KV goes directly, charged before them)
     SP-NTP on a TP deployment (Appendix A): members hold 1/N of the attention weights and
     must all-gather them first, ``4·d²·(N−1)`` per layer (``LayoutChooser(ntp_gathers_weights)``).
     Against SP-TP at h = 0 with MHA, SP-NTP then wins iff L > 2dN/(N−2): never at N = 2 (the
@@ -128,6 +131,17 @@ def _spread(counts: Sequence[int], pair_bytes: float, links: CommLinks) -> float
     return worst + links.message_latency_s
 
 
+def _hierarchical(counts: Sequence[int], rows: float, links: CommLinks) -> float:
+    """One hierarchical all-gather (or reduce-scatter) of ``rows`` bytes per member: inside each
+    node, then each leader sends its node's rows once to every other leader, then leaders
+    forward the remote rows to their members; three sequential steps, the slowest node each."""
+    n, k = sum(counts), len(counts)
+    inside = max((c - 1) * rows for c in counts) / links.intra_node
+    across = max(c * rows * (k - 1) for c in counts) / links.inter_node
+    forward = max((c - 1) * (n - c) * rows for c in counts) / links.intra_node
+    return inside + across + forward + 3 * links.message_latency_s
+
+
 def layout_time(layout: str, g: ModelGeometry, links: CommLinks, node_counts: Sequence[int],
                 history: int, tokens: int, attention_s: float = 0.0) -> float:
     """Exposed seconds of communication for the whole chunk (all layers) on a group whose
@@ -151,7 +165,12 @@ def layout_time(layout: str, g: ModelGeometry, links: CommLinks, node_counts: Se
     elif layout == "sptp":
         rows = l / n * g.hidden * b
         hist = h / n * 2 * max(g.num_kv_heads, n) / n * dh * b   # history KV per peer
-        per_layer = _spread(node_counts, rows + hist, links) + _spread(node_counts, rows, links)
+        if len(node_counts) > 1:   # hierarchical collectives (actors/prefill/sptp_hier.py)
+            per_layer = (_spread(node_counts, hist, links)
+                         + 2 * _hierarchical(node_counts, rows, links))
+        else:
+            per_layer = (_spread(node_counts, rows + hist, links)
+                         + _spread(node_counts, rows, links))
     elif layout == "ntp_weights":
         per_layer = _spread(node_counts, 4 * g.hidden ** 2 / n * b, links)
     else:
