@@ -60,14 +60,24 @@ class SendSide:
             self.sent.pop(request_id, None)
             self.failed.pop(request_id, None)
 
+    def _transfers(self, request_id: str) -> list[str]:
+        """The request's transfer and its elastic decode ranges' (``<id>@<start>``, as
+        ``range_transfer_id`` names them: range_stream.py streams a range under its own id)."""
+        ranged = f"{request_id}@"
+        ranges = {k[0] for k in self.mgr.shards
+                  if k[0].startswith(ranged) and k[0][len(ranged):].isdigit()}
+        return [request_id, *sorted(ranges)]
+
     def release(self, request_id: str) -> None:
         with self.pump.locked():
-            self._forget(request_id)
+            for tid in self._transfers(request_id):
+                self._forget(tid)
 
     def abort(self, request_id: str) -> None:
         with self.pump.locked() as mgr:
-            mgr.abort(request_id, f"prefill of {request_id} aborted")
-            self._forget(request_id)
+            for tid in self._transfers(request_id):
+                mgr.abort(tid, f"prefill of {request_id} aborted")
+                self._forget(tid)
 
     def state(self, request_id: str) -> dict:
         with self.pump.locked() as mgr:

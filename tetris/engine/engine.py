@@ -119,7 +119,7 @@ class LLMEngine:
         self.batcher.add(seq)
 
     def _new_sequence(self, request_id: str, prompt_token_ids: Seq[int],
-                      params: SamplingParams) -> Sequence:
+                      params: SamplingParams, kv_start: int = 0) -> Sequence:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if request_id in self._seqs:
@@ -129,7 +129,7 @@ class LLMEngine:
         except ValueError as e:
             raise ValueError(f"prompt token ids must be integers in the vocabulary "
                              f"[0, {self.vocab_size}): {e}") from None
-        self._validate_prompt(prompt)
+        self._validate_prompt(prompt, kv_start)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
         seed = None
@@ -137,12 +137,14 @@ class LLMEngine:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                        else self._eos)
-        # A sequence never outgrows the whole cache, so one that runs alone always fits.
-        max_total = min(self.max_model_len, self._usable_blocks * self.blocks.block_size)
+        # A sequence never outgrows the whole cache, so one that runs alone always fits (an
+        # elastic master holds positions from kv_start on: engine/elastic_rows.py).
+        max_total = min(self.max_model_len,
+                        kv_start + self._usable_blocks * self.blocks.block_size)
         return Sequence(request_id, prompt, params, seed=seed, stop_token_ids=stop_ids,
                         max_total_tokens=max_total)
 
-    def _validate_prompt(self, prompt: Seq[int]) -> None:
+    def _validate_prompt(self, prompt: Seq[int], kv_start: int = 0) -> None:
         if not prompt:
             raise ValueError("prompt is empty: at least one token is needed")
         if len(prompt) > self.max_model_len:
@@ -154,9 +156,10 @@ class LLMEngine:
             bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         capacity = self._usable_blocks * self.blocks.block_size
-        if self.blocks.blocks_needed(len(prompt) + 1) > self._usable_blocks:
+        if self.blocks.blocks_needed(len(prompt) - kv_start + 1) > self._usable_blocks:
+            at = f" ({len(prompt) - kv_start} from position {kv_start} on)" if kv_start else ""
             raise ValueError(
-                f"prompt has {len(prompt)} tokens but the KV cache holds only {capacity} tokens"
+                f"prompt has {len(prompt)} tokens{at} but the KV cache holds only {capacity} tokens"
             )
 
     def abort_request(self, request_id: str) -> bool:
@@ -202,7 +205,7 @@ class LLMEngine:
         ``kv_start``: this engine is the master of a request whose positions before it are held
         by other decode instances (engine/elastic_rows.py): blocks for ``[kv_start, n)`` only,
         the table's first block holding position ``kv_start``."""
-        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        seq = self._new_sequence(request_id, prompt_token_ids, params, kv_start)
         if generated:
             self._resume(seq, generated)
         if not 0 <= kv_start < seq.num_tokens:

@@ -58,7 +58,7 @@ from tetris.plan import PrefillPlan
 from tetris.scheduler.latency import load_profile
 from tetris.scheduler.rate import ImprovementRateTable
 from tetris.scheduler.router import DecodeRouter, NoInstanceUp
-from tetris.serve import prefix_cache
+from tetris.serve import elastic_dispatch, prefix_cache
 from tetris.serve.backend import Overloaded
 from tetris.serve.clients import DecodeClient, PrefillClient
 from tetris.serve.dispatcher_admin import DispatcherAdmin
@@ -112,6 +112,9 @@ class Dispatcher(DispatcherAdmin):
                                     monitor=self._make_monitor(rate_table),
                                     prefix_index=prefix_cache.make_index(deployment.prefix_cache))
         self.decode_kept = prefix_cache.make_decode_kept(deployment.prefix_cache)
+        # [decode] elastic: first runs placed by ElasticPlacer on the same router
+        self.elastic = elastic_dispatch.make_routing(deployment, self.control.router,
+                                                     decode_capacities)
         if metrics is not None:
             for i in range(self.control.router.num_instances):
                 metrics.set_decode_up(i, True)
@@ -223,10 +226,8 @@ class Dispatcher(DispatcherAdmin):
             instance, plan, run_kw = kept
         else:
             # The decode instance reserves the request's blocks while the plan is made.
-            instance = self._route(req, aid, tl)
-            reserving = asyncio.ensure_future(
-                self.decode.reserve(instance, aid, req.prompt_token_ids, req.sampling,
-                                    **prefix_cache.keep_kw(self)))
+            instance, reserve = self._route_reserve(req, aid, tl)
+            reserving = asyncio.ensure_future(reserve)
             sent.stage = "planning"
             try:
                 plan = await self._plan(aid, len(prompt), tl, prompt)
@@ -238,8 +239,12 @@ class Dispatcher(DispatcherAdmin):
             # Refused here (no KV room), the committed plan is aborted with the run.
             await reserving
         sent.stage = "prefill"
-        result = await self.prefill.run(plan, prompt, req.sampling,
-                                        self.decode.receiver_ids(instance), **run_kw)
+        receivers = self.decode.receiver_ids(instance)
+        if (group := self.elastic and self.elastic.ranges(aid)) is not None:
+            # each range streams to its holder (elastic decode, tetris/serve/elastic_dispatch.py)
+            run_kw = {"kv_ranges": self.elastic.kv_ranges(aid, self.decode.receiver_ids)}
+            receivers = ()
+        result = await self.prefill.run(plan, prompt, req.sampling, receivers, **run_kw)
         if not resumed:   # the run that gives the client its first token times the TTFT
             tl.prefill_end = self.clock()
             tl.prefill_start = tl.prefill_end - float(result.elapsed_s)
@@ -263,7 +268,9 @@ class Dispatcher(DispatcherAdmin):
                 yield first
         # the logprob goes along only when asked for (clients without logprobs need not take it)
         extra = () if first_logprob is None else (first_logprob,)
-        if not getattr(result, "first_token_streamed", False):
+        if group is not None:   # the master starts once every holder has its range
+            await self.decode.elastic_commit(aid, group, int(result.first_token), *extra)
+        elif not getattr(result, "first_token_streamed", False):
             # else the sampling member sent the token with the KV: the instance has it
             await self.decode.commit(instance, aid, int(result.first_token), *extra)
         if self.relay:   # the ingress streams the decode outputs itself (tetris.serve.relay)
@@ -323,6 +330,21 @@ class Dispatcher(DispatcherAdmin):
             raise Overloaded(f"{e}: restarting, retry shortly", retry_after_s=2.0) from None
         tl.decode_instance = instance
         return instance
+
+    def _route_reserve(self, req: GenerateRequest, aid: str, tl: RequestTimeline):
+        """A first run's decode instance (its master when ``[decode] elastic`` places it over
+        a group) and the call reserving its blocks there (tetris/serve/elastic_dispatch.py)."""
+        if self.elastic is None:
+            instance = self._route(req, aid, tl)
+            return instance, self.decode.reserve(instance, aid, req.prompt_token_ids,
+                                                 req.sampling, **prefix_cache.keep_kw(self))
+        group = self.elastic.route(aid, len(req.prompt_token_ids), req.sampling.max_tokens)
+        tl.decode_instance = group.master
+        if (ranges := self.elastic.ranges(aid)) is not None:
+            return group.master, self.decode.elastic_place(aid, req.prompt_token_ids,
+                                                           req.sampling, ranges)
+        return group.master, self.decode.reserve(group.master, aid, req.prompt_token_ids,
+                                                 req.sampling, **prefix_cache.keep_kw(self))
 
     async def _reroute(self, req: GenerateRequest, aid: str, tl: RequestTimeline,
                        sent: ClientProgress) -> int:
@@ -394,6 +416,8 @@ class Dispatcher(DispatcherAdmin):
         virtual usage."""
         tl.first_output = tl.first_output or self.clock()
         self.control.kv_arrived(aid)
+        if self.elastic is not None:
+            self.elastic.arrived(aid)
         if not prefix_cache.retained(self.control, aid):   # else the cache's, until let go
             await self.prefill.release(aid)
 
@@ -412,6 +436,11 @@ class Dispatcher(DispatcherAdmin):
         completed, its state on both pools (a lost instance's answers are logged, not raised)."""
         self.control.finished(aid, self.clock())
         self._relay.close(aid)
+        if self.elastic is not None:   # the placer's usage and a group's ranges on every member
+            try:
+                await self.elastic.free(self.decode, aid, completed=completed)
+            except Exception as e:  # noqa: BLE001 - cleanup must reach every side
+                log.warning("cleanup of %s's decode group: %s", aid, e)
         if completed:
             return
         try:

@@ -57,14 +57,7 @@ class DecodeHandleClient:
         try:
             await self.h.reserve.remote(instance, request_id, prompt, sampling, generated, **prefix)
         except Exception as e:
-            from tetris.actors.decode.instance import DecodeError, DecodeFull
-
-            if (full := carried(e, DecodeFull)) is not None:
-                raise Overloaded(f"decode instance {instance} has no KV room: {full}",
-                                 retry_after_s=getattr(full, "retry_after_s", 1.0)) from None
-            if (broken := carried(e, DecodeError)) is not None:   # the dispatcher heals it
-                raise Overloaded(f"decode instance {instance} is unavailable: {broken}",
-                                 retry_after_s=2.0) from None
+            _refused(e, instance)
             raise
 
     async def commit(self, instance, request_id, first_token, logprob=None) -> None:
@@ -72,6 +65,23 @@ class DecodeHandleClient:
             await self.h.commit.remote(instance, request_id, first_token, logprob)
         except Exception as e:
             raise as_lost(e) from None
+
+    # elastic decode (tetris/serve/elastic_dispatch.py): ranges are (instance, start, end)
+    async def elastic_place(self, request_id, prompt, sampling, ranges) -> None:
+        try:
+            await self.h.elastic_place.remote(request_id, prompt, sampling, ranges)
+        except Exception as e:
+            _refused(e, ranges[-1][0])
+            raise
+
+    async def elastic_commit(self, request_id, ranges, first_token, logprob=None) -> None:
+        try:
+            await self.h.elastic_commit.remote(request_id, ranges, first_token, logprob)
+        except Exception as e:
+            raise as_lost(e) from None
+
+    async def elastic_release(self, request_id, ranges) -> None:
+        await self.h.elastic_release.remote(request_id, ranges)
 
     async def stream(self, instance, request_id) -> AsyncIterator:
         gen = self.h.options(stream=True).stream.remote(instance, request_id)
@@ -91,3 +101,15 @@ class DecodeHandleClient:
 
     async def stats(self) -> list:
         return await self.h.stats.remote()
+
+
+def _refused(e: BaseException, instance: int) -> None:
+    """A reservation's refusal as ``Overloaded`` (no KV room, or an instance being healed)."""
+    from tetris.actors.decode.instance import DecodeError, DecodeFull
+
+    if (full := carried(e, DecodeFull)) is not None:
+        raise Overloaded(f"decode instance {instance} has no KV room: {full}",
+                         retry_after_s=getattr(full, "retry_after_s", 1.0)) from None
+    if (broken := carried(e, DecodeError)) is not None:   # the dispatcher heals it
+        raise Overloaded(f"decode instance {instance} is unavailable: {broken}",
+                         retry_after_s=2.0) from None

@@ -66,10 +66,13 @@ class PrefillPoolServer:
     async def busy_for(self) -> list[float]:
         return self.pool.busy_for()
 
-    async def run(self, plan, token_ids, sampling, kv_receivers, prefix_streamed=True):
-        # token_ids: the dispatcher's int32 array, handed on as is (the pool slices it)
+    async def run(self, plan, token_ids, sampling, kv_receivers, prefix_streamed=True,
+                  kv_ranges=()):
+        # token_ids: the dispatcher's int32 array, handed on as is (the pool slices it);
+        # kv_ranges: elastic decode's targets per token range, in place of kv_receivers
         return await self._call(self.pool.run, plan, token_ids, sampling=sampling,
-                                kv_receivers=tuple(kv_receivers), prefix_streamed=prefix_streamed)
+                                kv_receivers=tuple(kv_receivers), prefix_streamed=prefix_streamed,
+                                kv_ranges=tuple(kv_ranges))
 
     async def release(self, request_id: str) -> None:
         await self._call(self.pool.release, request_id)
@@ -90,14 +93,21 @@ class DecodePoolServer:
 
         self.instances = [DecodeInstance(deployment, d, transfer=deployment.transfer)
                           for d in range(deployment.decode.num_instances)]
+        self.deployment_elastic = deployment.decode.elastic
         self._started = asyncio.Lock()
         self._up = False
+        self.world = None   # [decode] elastic: the instances' ElasticWorld
 
     async def start(self) -> None:
         async with self._started:
             if not self._up:
                 for inst in self.instances:
                     await inst.start()
+                if self.deployment_elastic:
+                    from tetris.actors.decode.elastic_pool import ElasticWorld
+
+                    self.world = ElasticWorld(self.instances)
+                    await self.world.start()
                 self._up = True
 
     async def kv_capacities(self) -> list[int]:
@@ -140,6 +150,19 @@ class DecodePoolServer:
                       generated=(), **prefix) -> None:
         # prefix: keep / prefix_from / prefix_tokens (prefix caching's decode side)
         await self.instances[instance].reserve(request_id, prompt, sampling, generated, **prefix)
+
+    # -- elastic decode: a request's ranges over a decode group (ElasticWorld) ------------
+    async def elastic_place(self, request_id: str, prompt, sampling, ranges) -> None:
+        """``Hold`` each (instance, start, end) but the last, ``Lead`` and ``Reserve``
+        from its start on the last (the master); ``DecodeFull`` if the master has no room."""
+        await self.world.place(request_id, prompt, sampling, [tuple(r) for r in ranges])
+
+    async def elastic_commit(self, request_id: str, ranges, first_token: int,
+                             logprob=None) -> None:
+        await self.world.commit(request_id, [tuple(r) for r in ranges], first_token, logprob)
+
+    async def elastic_release(self, request_id: str, ranges) -> None:
+        self.world.release(request_id, [tuple(r) for r in ranges])
 
     async def drop_kept(self, instance: int, run_id: str) -> None:
         self.instances[instance].drop_kept(run_id)
