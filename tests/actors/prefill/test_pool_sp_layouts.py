@@ -23,10 +23,12 @@ pytestmark = pytest.mark.ray
     # three-phase pipelining: pipelined a2a with history, mixed with the ring and plain a2a
     (900, "300x2:a2a/3,restx2:a2a/4", ["a2a", "a2a"]),
     (1100, "300x1,400x2:a2a/5,restx4", ["ring", "a2a", "ring"]),
+    # SP-TP: the group of 4 spans both nodes, so its collectives run hierarchically
+    (1000, "300x2:sptp,restx4:sptp", ["sptp", "sptp"]),
 ])
 def test_sp_ntp_and_mixed_plans_match_single_instance(pool, model, n, spec, layouts):
     ids = torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-    plan = forced_plan(f"sp-{spec}", n, spec, pool.node_of, num_kv_heads=2)
+    plan = forced_plan(f"sp-{spec}", n, spec, pool.node_of, num_kv_heads=2, num_heads=8)
     assert [c.sp_layout for c in plan.chunks] == layouts
     res = pool.run(plan, ids, return_logits=True)
     ref_logits, ref_k, ref_v = reference(model, ids)
