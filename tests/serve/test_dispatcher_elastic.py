@@ -40,8 +40,11 @@ class GroupDecode(FakeDecode):
         self.placed: dict[str, list] = {}
         self.released: dict[str, list] = {}
         self.elastic_first: dict[str, int] = {}
+        self.keep: dict[str, bool] = {}
 
-    async def reserve(self, instance, request_id, prompt, sampling, generated=()) -> None:
+    async def reserve(self, instance, request_id, prompt, sampling, generated=(),
+                      keep=False) -> None:
+        self.keep[request_id] = keep
         if len(prompt) + sampling.max_tokens > CAPACITY:
             raise Overloaded(f"decode instance {instance} has no KV room", retry_after_s=1.0)
         await super().reserve(instance, request_id, prompt, sampling, generated)
@@ -62,10 +65,13 @@ class GroupDecode(FakeDecode):
         self.released[request_id] = list(ranges)
 
 
-def _dispatcher(prefill, decode, elastic: bool) -> Dispatcher:
+def _dispatcher(prefill, decode, elastic: bool, prefix_cache: bool = False) -> Dispatcher:
     dep = load_deployment(None)
     dep = msgspec.structs.replace(dep, decode=msgspec.structs.replace(
         dep.decode, num_instances=2, elastic=elastic))
+    if prefix_cache:
+        dep = msgspec.structs.replace(dep, prefix_cache=msgspec.structs.replace(
+            dep.prefix_cache, enabled=True, decode_runs=4))
     return Dispatcher(dep, prefill, decode, node_of=[0, 0, 1, 1],
                       decode_capacities=[CAPACITY, CAPACITY],
                       metrics=ServingMetrics("tiny", requests=False))
@@ -134,3 +140,14 @@ def test_a_prompt_beyond_the_instances_sum_is_refused_and_frees_its_booking():
     with pytest.raises(Overloaded, match="no KV room"):
         asyncio.run(_collect(d, _req("d", 2 * CAPACITY + 1, 4)))
     _idle(d)
+
+
+def test_a_split_run_is_not_kept_for_prefix_reuse_a_whole_one_is():
+    prefill, decode = RangePrefill(), GroupDecode()
+    d = _dispatcher(prefill, decode, elastic=True, prefix_cache=True)
+    asyncio.run(_collect(d, _req("e", 700, 4)))
+    asyncio.run(_collect(d, _req("f", 300, 4)))
+    assert "e" in decode.placed and "f" not in decode.placed
+    kept = {run for runs in d.decode_kept._runs.values() for run in runs}
+    assert kept == {"f"}   # the master of e holds only its range: nothing to copy a prefix from
+    assert decode.keep == {"f": True}

@@ -198,8 +198,10 @@ class Dispatcher(DispatcherAdmin):
             # cancels the handle calls a cancelled request made (it finds them through the
             # context), which would cancel the very aborts that free the request's KV. The loop
             # keeps only a weak reference to a task, so the dispatcher holds it until done.
-            drops = prefix_cache.finished_run(self, req, attempt_id(rid, tl.retries), tl,
-                                              sent.token_ids, tl.outcome in _COMPLETED)
+            aid = attempt_id(rid, tl.retries)
+            # a run split over a decode group is not kept: its master holds only its range
+            keep = tl.outcome in _COMPLETED and not (self.elastic and self.elastic.ranges(aid))
+            drops = prefix_cache.finished_run(self, req, aid, tl, sent.token_ids, keep)
             task = asyncio.get_running_loop().create_task(self._cleanup(rid, tl, drops),
                                                           context=contextvars.Context())
             self._cleanups.add(task)
