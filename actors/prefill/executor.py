@@ -28,7 +28,7 @@ from tetris.actors.prefill.range_stream import (check_ranges, open_range_shards,
                                                 stream_range_layer)
 from tetris.actors.prefill.ring import RING_TAG_KIND, RingAttention
 from tetris.actors.prefill.sptp import SpTpAttention
-from tetris.actors.prefill.sptp_hier import HierarchicalSpTp
+from tetris.actors.prefill.sptp_hier import hierarchical_sptp
 from tetris.actors.prefill.world import PeerLink
 from tetris.actors.prefill.zigzag import normalize_ranges, ranges_len
 from tetris.engine.logprobs import token_logprob
@@ -361,7 +361,7 @@ def _group_attention(task: ChunkTask, blocks, link: PeerLink | None):
         args = (task.group, task.rank, [ranges_tensor(c) for c in task.chunk_positions],
                 block_pos, task.chunk_start, tag, task.timeout_s, link)
         if len(set(task.sp_member_nodes)) > 1:   # intra-node first (sptp_hier.py)
-            return HierarchicalSpTp(*args, member_nodes=task.sp_member_nodes)
+            return hierarchical_sptp(*args, member_nodes=task.sp_member_nodes)
         return SpTpAttention(*args)
     if task.sp_layout == "a2a":
         return AllToAllAttention(task.group, task.rank,

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import torch
 from tetris.actors.prefill.sptp import SpTpAttention
 
-__all__ = ["HierarchicalSpTp"]
+__all__ = ["HierarchicalSpTp", "RailSpTp", "hierarchical_sptp"]
 
 
 class HierarchicalSpTp(SpTpAttention):
@@ -180,4 +180,96 @@ class HierarchicalSpTp(SpTpAttention):
         fwd = [(torch.cat([piece[k] for piece in per_node]), t)
                for k, t in enumerate(local) if k > 0]
         self._talk(fwd, [], dt, layer, 3)
+        return total
+
+
+def hierarchical_sptp(*args, member_nodes: Sequence[int], **kwargs) -> HierarchicalSpTp:
+    """Rails where every node holds as many members, else one leader per node."""
+    counts = {n: list(member_nodes).count(n) for n in member_nodes}
+    cls = RailSpTp if len(set(counts.values())) == 1 else HierarchicalSpTp
+    return cls(*args, member_nodes=member_nodes, **kwargs)
+
+
+class RailSpTp(HierarchicalSpTp):
+    """Hierarchical SP-TP over *rails*, for nodes of equal size ``G``: member ``i`` of a node
+    talks across nodes only to member ``i`` of every other node, so the inter-node bytes are
+    the leader scheme's but spread over the ``G`` NICs of a node.
+
+    All-gather: (1) each member sends its rows along its rail to the other ``k−1`` nodes; (2)
+    inside the node, each member sends every peer its own rows and those its rail brought.
+    Reduce-scatter: (1) inside the node, member ``i`` sends peer ``p`` its partial rows of the
+    rail-``p`` members of every node; ``p`` sums them in member order (the node's sum for its
+    rail); (2) along the rail, member ``p`` sends each other node's rail-``p`` member the sum
+    for its rows; each member adds the ``k`` node sums in node order. History KV goes directly.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if len({len(m) for m in self.nodes}) != 1:
+            raise ValueError("rails need nodes of equal size")
+
+    def _rail(self, j: int) -> list[int]:
+        """Members on member ``j``'s rail (the same index in every node), in node order."""
+        i = self.nodes[self.node_of[j]].index(j)
+        return [members[i] for members in self.nodes]
+
+    def all_gather(self, hidden, hist_out, my_kh: int, d: int, layer: int):
+        s, r, width, dt = self.sp_size, self.rank, hidden.shape[1], hidden.dtype
+        _, local, _ = self._mine()
+        flat = hidden.reshape(-1)
+        rail = self._rail(r)
+        hist_n = [self.history_positions[j].numel() * 2 * my_kh * d for j in range(s)]
+        # step 1: rows along the rail, and every member's history KV directly
+        sends, recvs = [], []
+        for j in range(s):
+            if j == r:
+                continue
+            on_rail = j in rail
+            sends.append((torch.cat((flat, hist_out[j].reshape(-1))) if on_rail
+                          else hist_out[j].reshape(-1), j))
+            recvs.append(((self._n(j) * width if on_rail else 0) + hist_n[j], j))
+        got = self._talk(sends, recvs, dt, layer, 1)
+        rows, hist_kv = {r: hidden}, {r: hist_out[r]}
+        for j, m in got.items():
+            cut = self._n(j) * width if j in rail else 0
+            if cut:
+                rows[j] = m[:cut].view(-1, width)
+            hist_kv[j] = m[cut:].view(-1, 2, my_kh, d)
+        # step 2: inside the node, my rail's rows (node order) to every peer
+        mine = torch.cat([rows[j].reshape(-1) for j in rail])
+        peers = [p for p in local if p != r]
+        got = self._talk([(mine, p) for p in peers],
+                         [(sum(self._n(j) for j in self._rail(p)) * width, p) for p in peers],
+                         dt, layer, 2)
+        for p, m in got.items():
+            members = self._rail(p)
+            for j, part in zip(members, m.split([self._n(j) * width for j in members])):
+                rows[j] = part.view(-1, width)
+        return torch.cat([rows[j] for j in range(s)]), [hist_kv[j] for j in range(s)]
+
+    def reduce_scatter(self, partial, n_mine: int, layer: int):
+        r, width, dt = self.rank, partial.shape[1], partial.dtype
+        _, local, _ = self._mine()
+        # step 1: to each node peer p, my partial rows of p's rail (node order)
+        peers = [p for p in local if p != r]
+        sends = [(torch.cat([partial[self.rows_of[j]].reshape(-1) for j in self._rail(p)]), p)
+                 for p in peers]
+        need = sum(self._n(j) for j in self._rail(r)) * width
+        got = self._talk(sends, [(need, p) for p in peers], dt, layer, 1)
+        mine = {r: torch.cat([partial[self.rows_of[j]].reshape(-1) for j in self._rail(r)]
+                             + [partial.new_empty(0)])}
+        mine.update(got)
+        node_sum = mine[local[0]].clone()
+        for p in local[1:]:     # member order
+            node_sum += mine[p]
+        # step 2: along my rail, each node's rail member gets this node's sum for its rows
+        rail = self._rail(r)
+        cuts = [self._n(j) * width for j in rail]
+        pieces = dict(zip(rail, node_sum.split(cuts)))
+        got = self._talk([(pieces[j], j) for j in rail if j != r],
+                         [(n_mine * width, j) for j in rail if j != r], dt, layer, 2)
+        total = None
+        for j in rail:          # node order
+            x = (pieces[r] if j == r else got[j]).view(-1, width)
+            total = x.clone() if total is None else total + x
         return total

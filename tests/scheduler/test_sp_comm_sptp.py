@@ -63,7 +63,7 @@ def test_appendix_a_rule_never_picks_sp_ntp_at_two_members():
 def test_sp16_over_8_kv_heads_replicates_them_for_a2a_and_sptp():
     """LLaMA3-8B, 16 members on 2 nodes, ring charged in full: both head-sharded layouts run
     with each KV head on 2 members (R = 16 KV heads travel); with a long history the ring's NIC
-    hop is dearest, SP-NTP cheapest, SP-TP in between; with no history SP-TP loses to the ring."""
+    hop is dearest, SP-NTP cheapest, SP-TP (rails across the nodes) in between."""
     g, n, h, lin = LLAMA3_8B, 16, 131072, 8192
     assert layout_volume("a2a", g, n, h, lin) == pytest.approx(
         (n - 1) / n * (2 * lin * g.num_heads * g.head_dim + 2 * (h + lin) * 16 * g.head_dim))
@@ -75,10 +75,12 @@ def test_sp16_over_8_kv_heads_replicates_them_for_a2a_and_sptp():
     assert pick.times["a2a"] < pick.times["sptp"] < pick.times["ring"]
     no_a2a = LayoutChooser(("ring", "sptp"), g, links, ring_overlap=False)
     assert no_a2a.choose(group, node_of, h, lin).layout == "sptp"
-    # no history: SP-TP's all-gather of d = 4096 per token moves more than the ring's
-    # 2·Hkv·d_h = 2048, SP-NTP's less (from N = 5 on at any h)
-    assert no_a2a.choose(group, node_of, 0, lin).layout == "ring"
+    # no history, across the two nodes: SP-TP's rails put 1/8 of its rows on each NIC and beat
+    # the ring's NIC hop; SP-NTP is cheaper still (from N = 5 on at any h)
+    assert no_a2a.choose(group, node_of, 0, lin).layout == "sptp"
     assert every.choose(group, node_of, 0, lin).layout == "a2a"
+    # inside one node SP-TP's 2·d per token loses to the ring's 2·Hkv·d_h
+    assert no_a2a.choose(group, (0,) * 16, 0, lin).layout == "ring"
     assert "cannot split" in every.feasible("sptp", 3) and "cannot split" in every.feasible("a2a", 12)
 
 
@@ -89,15 +91,20 @@ def test_config_accepts_sptp():
 
 
 def test_sptp_across_nodes_is_timed_as_the_hierarchical_collectives():
-    """Two nodes of 8, no history, no latency: each collective is 7 intra-node sends, one
-    node bundle of 8 members' rows over the NIC, and 7 forwards of the other node's 8 rows."""
+    """No history, no latency. Two nodes of 8 run rails: per collective one row set over each
+    member's NIC, then 2 row sets to each of 7 node peers; G = 8 times less NIC time than flat,
+    where every member sends its rows to the 8 members of the other node. Nodes of 8 and 4 run
+    one leader per node (7 intra sends, the leader's bundle of 8 over its NIC, 7 forwards of
+    the other node's 4), which saves inter-node bytes but, with one NIC per GPU, not time."""
     links = CommLinks(intra_node=240e9, inter_node=25e9, message_latency_s=0.0)
     g, lin = LLAMA3_8B._replace(num_layers=1), 8192
     rows = lin / 16 * g.hidden * 2
-    per = 7 * rows / 240e9 + 8 * rows / 25e9 + 7 * 8 * rows / 240e9
-    assert layout_time("sptp", g, links, [8, 8], 0, lin) == pytest.approx(2 * per, rel=1e-12)
-    # Flat, every member sends 8 rows over its own NIC at once: the same NIC time as the
-    # leader's bundle, without the two intra-node steps. With one NIC per GPU (the deployment's
-    # per-instance bandwidths) the leader-based hierarchy saves inter-node bytes (8x), not time.
+    rails = rows / 25e9 + 7 * 2 * rows / 240e9
+    assert layout_time("sptp", g, links, [8, 8], 0, lin) == pytest.approx(2 * rails, rel=1e-12)
     flat = 2 * max(7 * rows / 240e9, 8 * rows / 25e9)
-    assert flat < layout_time("sptp", g, links, [8, 8], 0, lin)
+    assert layout_time("sptp", g, links, [8, 8], 0, lin) < flat / 3
+    rows = lin / 12 * g.hidden * 2
+    leader = 7 * rows / 240e9 + 8 * rows / 25e9 + 7 * 4 * rows / 240e9
+    assert layout_time("sptp", g, links, [8, 4], 0, lin) == pytest.approx(2 * leader, rel=1e-12)
+    assert layout_time("sptp", g, links, [8, 4], 0, lin) > 2 * max(7 * rows / 240e9,
+                                                                   8 * rows / 25e9)

@@ -132,10 +132,17 @@ def _spread(counts: Sequence[int], pair_bytes: float, links: CommLinks) -> float
 
 
 def _hierarchical(counts: Sequence[int], rows: float, links: CommLinks) -> float:
-    """One hierarchical all-gather (or reduce-scatter) of ``rows`` bytes per member: inside each
-    node, then each leader sends its node's rows once to every other leader, then leaders
-    forward the remote rows to their members; three sequential steps, the slowest node each."""
+    """One hierarchical all-gather (or reduce-scatter) of ``rows`` bytes per member
+    (actors/prefill/sptp_hier.py). Nodes of equal size ``G`` use rails: each member sends its
+    rows to its counterpart on each of the other ``k−1`` nodes, then ``k`` row sets to each of
+    its ``G−1`` node peers (two steps). Otherwise one leader per node: inside each node, each
+    leader sends its node's rows once to every other leader, leaders forward the remote rows
+    (three steps, the slowest node each)."""
     n, k = sum(counts), len(counts)
+    if len(set(counts)) == 1:
+        g = counts[0]
+        return ((k - 1) * rows / links.inter_node + (g - 1) * k * rows / links.intra_node
+                + 2 * links.message_latency_s)
     inside = max((c - 1) * rows for c in counts) / links.intra_node
     across = max(c * rows * (k - 1) for c in counts) / links.inter_node
     forward = max((c - 1) * (n - c) * rows for c in counts) / links.intra_node

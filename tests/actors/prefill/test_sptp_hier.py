@@ -10,15 +10,18 @@ import pytest
 import torch
 from tetris.actors.prefill.balance import plan_balance
 from tetris.actors.prefill.kv_store import ranges_tensor
-from tetris.actors.prefill.sptp_hier import HierarchicalSpTp
+from tetris.actors.prefill.sptp_hier import HierarchicalSpTp, RailSpTp
 from tetris.actors.prefill.world import World, free_port
 from tetris.actors.prefill.zigzag import zigzag_layout
 from tetris.kernels.attention import attention_with_lse_ref
 
 
-@pytest.mark.parametrize("nodes,hist", [((0, 0, 1, 1), 0), ((0, 1, 1, 0), 27), ((0, 1, 1, 2), 13)])
+@pytest.mark.parametrize("cls,nodes,hist", [
+    (HierarchicalSpTp, (0, 0, 1, 1), 0), (HierarchicalSpTp, (0, 1, 1, 0), 27),
+    (HierarchicalSpTp, (0, 1, 1, 2), 13),
+    (RailSpTp, (0, 0, 1, 1), 0), (RailSpTp, (0, 1, 1, 0), 27), (RailSpTp, (0, 1, 2, 3), 13)])
 @torch.inference_mode()
-def test_hierarchical_attention_block_matches_and_crosses_nodes_once(model, nodes, hist):
+def test_hierarchical_attention_block_matches_and_crosses_nodes_once(model, cls, nodes, hist):
     s, i, end = len(nodes), 2, hist + 47
     d = model.embed_tokens.weight.shape[1]
     x = torch.randn(end, d, generator=torch.Generator().manual_seed(hist))
@@ -33,8 +36,8 @@ def test_hierarchical_attention_block_matches_and_crosses_nodes_once(model, node
     def member(r):
         try:
             world = World(0, "127.0.0.1", port, r, s, timeout_s=20.0)
-            sp = HierarchicalSpTp(tuple(range(s)), r, q_pos, blocks, hist, tag=4,
-                                  timeout_s=20.0, link=world, member_nodes=nodes)
+            sp = cls(tuple(range(s)), r, q_pos, blocks, hist, tag=4, timeout_s=20.0,
+                     link=world, member_nodes=nodes)
             out = sp.attention_block(model, i, x[q_pos[r]], k[blocks[r]], v[blocks[r]])
             outs[r] = (out, sp.inter_node_elements)
         except Exception as e:  # noqa: BLE001 - reported below
