@@ -22,8 +22,11 @@ A member's result is its node's partials summed in member order plus the other n
 node order: deterministic, the same terms as the flat reduce-scatter in another order (within
 fp32 rounding). Inter-node elements per layer drop from ``2·l·d·Σ_a n_a·(N − G_a)/…`` (every
 member pair across nodes) to one copy per node pair: by the node size ``G`` for equal nodes.
-``inter_node_elements`` counts them. Not wired into plans: a ``ChunkTask`` does not carry the
-members' nodes (docs/csps.md).
+``inter_node_elements`` counts them. With one NIC per member, though, the leader's bundle
+takes as long on its NIC as the flat sends on every member's NIC: it saves bytes, not time.
+``RailSpTp`` (nodes of equal size) spreads the same inter-node bytes over every NIC of a node;
+``hierarchical_sptp`` picks rails where it can. The executor runs them for an ``sptp`` chunk
+whose members (``ChunkTask.sp_member_nodes``) span nodes.
 """
 
 from __future__ import annotations
