@@ -29,6 +29,7 @@ CONFIGS = {
     "ring|a2a": SpLayoutConfig(layouts=("ring", "a2a")),
     "ring|a2a, ring charged in full": SpLayoutConfig(layouts=("ring", "a2a"), ring_overlap=False),
     "ring|sptp": SpLayoutConfig(layouts=("ring", "sptp")),
+    "ring|sptp, ring charged in full": SpLayoutConfig(layouts=("ring", "sptp"), ring_overlap=False),
     "ring|a2a|sptp, ring charged in full": SpLayoutConfig(layouts=("ring", "a2a", "sptp"),
                                                           ring_overlap=False),
 }
