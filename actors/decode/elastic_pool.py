@@ -28,6 +28,7 @@ import itertools
 from collections.abc import Sequence
 
 from tetris.actors.decode.elastic import Hold, Lead, Release, range_transfer_id
+from tetris.actors.decode.messages import DecodeInstanceLost
 
 __all__ = ["ElasticWorld"]
 
@@ -85,9 +86,14 @@ class ElasticWorld:
     # -- a request's group ----------------------------------------------------------------------
 
     async def place(self, request_id: str, prompt_token_ids, sampling,
-                    ranges: Sequence[tuple[int, int, int]]) -> int:
-        """Reserve ``ranges`` (instance, start, end), tiling the prompt in order; the last
-        instance masters the request. Returns the request's key on the world's wire."""
+                    ranges: Sequence[tuple[int, int, int]], generated=()) -> int:
+        """Reserve ``ranges`` (instance, start, end), tiling the prompt (and ``generated``,
+        the output a resumed request already made) in order; the last instance masters the
+        request. Returns the request's key on the world's wire."""
+        for i, _, _ in ranges:   # a lost member refuses the group (the caller places it anew)
+            if self.instances[i].broken is not None:
+                raise DecodeInstanceLost(f"decode instance {i} of {request_id}'s group is "
+                                         f"broken: {self.instances[i].broken}")
         key = next(self._keys)
         master, kv_start, _ = ranges[-1]
         holders = tuple(i for i, _, _ in ranges[:-1])
@@ -98,7 +104,7 @@ class ElasticWorld:
             self.instances[inst].submit(Hold(request_id, key, master, s, e))
         if holders:
             self.instances[master].submit(Lead(request_id, key, holders))
-        await self.instances[master].reserve(request_id, prompt_token_ids, sampling,
+        await self.instances[master].reserve(request_id, prompt_token_ids, sampling, generated,
                                              kv_start=kv_start)
         return key
 

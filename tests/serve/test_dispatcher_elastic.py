@@ -12,6 +12,8 @@ import asyncio
 import msgspec
 import pytest
 from test_dispatcher import FakeDecode, FakePrefill, _collect, _req
+from test_dispatcher_retry import ToyDecode, ToyPrefill, _client_view, _reference, _text
+from test_dispatcher_retry import _collect as _collect_toy
 
 from tetris.config import load_deployment
 from tetris.serve.backend import Overloaded
@@ -80,7 +82,7 @@ def _dispatcher(prefill, decode, elastic: bool, prefix_cache: bool = False) -> D
 def _idle(d: Dispatcher) -> None:
     assert d.held() == {"inflight": 0, "queue_bookings": 0, "virtual_usage": 0,
                         "virtual_requests": 0, "cleanups": 0, "relayed": 0}
-    assert d.control.router.virtual == [0, 0] and not d.elastic.groups
+    assert not any(d.control.router.virtual) and not d.elastic.groups
     assert not d.elastic.placer.groups
 
 
@@ -151,3 +153,70 @@ def test_a_split_run_is_not_kept_for_prefix_reuse_a_whole_one_is():
     kept = {run for runs in d.decode_kept._runs.values() for run in runs}
     assert kept == {"f"}   # the master of e holds only its range: nothing to copy a prefix from
     assert decode.keep == {"f": True}
+
+
+class ToyGroupDecode(ToyDecode):
+    """``ToyDecode`` (the retry tests' toy model) with the elastic calls: a group's run decodes
+    at its master; ``placed`` and ``released`` record the groups."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.placed: list[tuple[str, list, tuple[int, ...]]] = []
+        self.released: list[tuple[str, list]] = []
+
+    async def reserve(self, instance, request_id, prompt, sampling, generated=(),
+                      keep=False) -> None:
+        if len(prompt) + sampling.max_tokens > CAPACITY:
+            raise Overloaded(f"decode instance {instance} has no KV room", retry_after_s=1.0)
+        await super().reserve(instance, request_id, prompt, sampling, generated)
+
+    async def elastic_place(self, request_id, prompt, sampling, ranges, generated=()) -> None:
+        self.placed.append((request_id, list(ranges), tuple(generated)))
+        await super().reserve(ranges[-1][0], request_id, prompt, sampling, generated)
+
+    async def elastic_commit(self, request_id, ranges, first_token) -> None:
+        await self.commit(ranges[-1][0], request_id, first_token)
+
+    async def elastic_release(self, request_id, ranges) -> None:
+        self.released.append((request_id, list(ranges)))
+
+
+class ToyRangePrefill(ToyPrefill):
+    async def run(self, plan, token_ids, sampling, kv_receivers, kv_ranges=()):
+        assert kv_ranges and not kv_receivers and kv_ranges[-1].end == len(token_ids)
+        return await super().run(plan, token_ids, sampling, kv_receivers)
+
+
+def test_a_lost_holder_resumes_the_request_over_a_new_group_with_each_token_once():
+    """Four instances of 512 tokens: a 700-token request is split over 0 and 1; its holder
+    dies after 4 tokens (the master's stream ends with an InstanceLost, HolderLost in the
+    pool), the supervisor marks it down, and the run again is placed over 2 and 3 (its master
+    0 is avoided as any lost run's instance is) with the 4 tokens the client has."""
+    prompt = [(i * 7) % 50 + 3 for i in range(700)]
+    d = None
+
+    def holder_down(master):
+        holder = d.elastic.ranges("a")[0][0]
+        d.control.set_decode_up(holder, False)
+
+    prefill, decode = ToyRangePrefill(), ToyGroupDecode(instances=4, lose_after={0: 4},
+                                                        on_lose=holder_down)
+    dep = load_deployment(None)
+    dep = msgspec.structs.replace(dep, decode=msgspec.structs.replace(
+        dep.decode, num_instances=4, elastic=True))
+    d = Dispatcher(dep, prefill, decode, node_of=[0, 0, 1, 1],
+                   decode_capacities=[CAPACITY] * 4,
+                   metrics=ServingMetrics("tiny", requests=False))
+    outs = asyncio.run(_collect_toy(d, "a", prompt, 12))
+    ref = _reference(prompt, 12)
+    assert _client_view(outs) == (ref, _text(ref))
+    (_, first, gen0), (_, again, gen1) = decode.placed
+    assert [i for i, _, _ in first] == [1, 0] and gen0 == ()
+    # the run again: prompt and the 4 tokens tiled over instances 2 and 3, no others
+    assert sorted(i for i, _, _ in again) == [2, 3] and gen1 == tuple(ref[:4])
+    assert again[0][1] == 0 and again[0][2] == again[1][1] and again[1][2] == 704
+    assert prefill.ran == [("a", 700), ("a#retry1", 704)]
+    # both groups released on every member: the lost one at the loss, the second at the end
+    assert decode.released == [("a", first), ("a#retry1", again)]
+    assert "a" in decode.aborted and d.timelines[-1].retries == 1
+    _idle(d)

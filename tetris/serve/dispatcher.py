@@ -356,12 +356,18 @@ class Dispatcher(DispatcherAdmin):
         deadline = self.clock() + self.retry_wait_s
         while True:
             try:
+                if self.elastic is not None:   # whole or over a decode group
+                    tl.decode_instance = await self.elastic.reserve_again(
+                        self.decode, req, aid, avoid, tuple(sent.token_ids))
+                    return tl.decode_instance
                 instance = self._route(req, aid, tl, avoid)
                 await self.decode.reserve(instance, aid, req.prompt_token_ids, req.sampling,
                                           tuple(sent.token_ids))
                 return instance
             except Overloaded as e:
                 self.control.kv_arrived(aid)   # give the virtual usage back before trying again
+                if self.elastic is not None:   # and the placer's, and any range held already
+                    await self.elastic.free(self.decode, aid, completed=False)
                 if self.clock() >= deadline:
                     raise RuntimeError(f"request {req.request_id}: no decode instance took it back "
                                        f"within {self.retry_wait_s:g} s of losing its own: {e}") from None

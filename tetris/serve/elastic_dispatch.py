@@ -21,7 +21,7 @@ room of several does: LoongServe's memory-triggered scale-up) is driven on the d
 Only the memory trigger runs here: ``spread_for_time`` needs a decode step model of the served
 deployment, which the dispatcher does not have for the model it serves (the simulator has one
 per cluster). A run again after a lost instance (``HolderLost`` is an ``InstanceLost``) is
-routed whole by the control plane, as any resumed run; it is refused when no instance has room.
+placed anew the same way (``reserve_again``), whole or over a group, around the lost one.
 """
 
 from __future__ import annotations
@@ -70,10 +70,11 @@ class ElasticRouting:
         self.placer = placer
         self.groups: dict[str, list[tuple[int, int, int]]] = {}   # sharded runs only
 
-    def route(self, run_id: str, prompt_tokens: int, max_tokens: int) -> DecodeGroup:
+    def route(self, run_id: str, prompt_tokens: int, max_tokens: int,
+              avoid: frozenset[int] = frozenset()) -> DecodeGroup:
         """Place a run's KV (prompt and output; the output at the master), booking it."""
         try:
-            group = self.placer.place(run_id, prompt_tokens + max_tokens, max_tokens)
+            group = self.placer.place(run_id, prompt_tokens + max_tokens, max_tokens, avoid)
         except NoInstanceUp as e:
             raise Overloaded(f"{e}: restarting, retry shortly", retry_after_s=2.0) from None
         if group.sharded:
@@ -91,6 +92,22 @@ class ElasticRouting:
         return tuple(KVRange(s, e, range_id(run_id, s, k == len(ranges) - 1),
                              tuple(receiver_ids(i)))
                      for k, (i, s, e) in enumerate(ranges))
+
+    async def reserve_again(self, decode, req, run_id: str, avoid: frozenset[int],
+                            generated: tuple[int, ...]) -> int:
+        """A run again after a lost instance (a lost holder too): placed anew around
+        ``avoid``, whole or as a group, its prefill covering the prompt and ``generated``
+        (the output the client has); reserved there. Returns its (master) instance."""
+        done = len(generated)
+        group = self.route(run_id, len(req.prompt_token_ids) + done,
+                           req.sampling.max_tokens - done, avoid)
+        if (ranges := self.ranges(run_id)) is None:
+            await decode.reserve(group.master, run_id, req.prompt_token_ids, req.sampling,
+                                 generated)
+        else:
+            await decode.elastic_place(run_id, req.prompt_token_ids, req.sampling, ranges,
+                                       generated)
+        return group.master
 
     def arrived(self, run_id: str) -> None:
         self.placer.arrived(run_id)

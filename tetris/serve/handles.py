@@ -67,9 +67,9 @@ class DecodeHandleClient:
             raise as_lost(e) from None
 
     # elastic decode (tetris/serve/elastic_dispatch.py): ranges are (instance, start, end)
-    async def elastic_place(self, request_id, prompt, sampling, ranges) -> None:
+    async def elastic_place(self, request_id, prompt, sampling, ranges, generated=()) -> None:
         try:
-            await self.h.elastic_place.remote(request_id, prompt, sampling, ranges)
+            await self.h.elastic_place.remote(request_id, prompt, sampling, ranges, generated)
         except Exception as e:
             _refused(e, ranges[-1][0])
             raise

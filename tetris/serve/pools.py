@@ -152,10 +152,13 @@ class DecodePoolServer:
         await self.instances[instance].reserve(request_id, prompt, sampling, generated, **prefix)
 
     # -- elastic decode: a request's ranges over a decode group (ElasticWorld) ------------
-    async def elastic_place(self, request_id: str, prompt, sampling, ranges) -> None:
+    async def elastic_place(self, request_id: str, prompt, sampling, ranges,
+                            generated=()) -> None:
         """``Hold`` each (instance, start, end) but the last, ``Lead`` and ``Reserve``
-        from its start on the last (the master); ``DecodeFull`` if the master has no room."""
-        await self.world.place(request_id, prompt, sampling, [tuple(r) for r in ranges])
+        from its start on the last (the master); ``DecodeFull`` if the master has no room.
+        ``generated``: a resumed request's output so far (its KV is in the ranges too)."""
+        await self.world.place(request_id, prompt, sampling, [tuple(r) for r in ranges],
+                               generated)
 
     async def elastic_commit(self, request_id: str, ranges, first_token: int,
                              logprob=None) -> None:
