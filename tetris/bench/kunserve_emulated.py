@@ -174,8 +174,9 @@ class KunServeEmulation:
             with u.step_lock, self.lock:
                 if u.stopped:
                     return
+                ran = e.steps
                 outputs = e.step()     # releases self.lock while the iteration sleeps
-                e.continuing = True
+                e.continuing = e.steps > ran     # an empty plan ran nothing: not back to back
                 now = (e.step_end - self.t0) / self.scale    # the iteration's end, trace time
                 for out in outputs:
                     if out.finished:
