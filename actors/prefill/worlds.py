@@ -10,14 +10,17 @@ Lifecycle of a dead worker (``reform``):
 3. A replacement starts, loads its model, gets the send side and the receivers
    (``_start_replacements``) while chunks go on elsewhere; it waits in ``_ready``.
 4. Every worker, the replacements in place, joins a new generation of the world beside the
-   chunks it runs (``new_world``, ``_form_world``); the receivers learn the new senders; only
-   then do new chunks start on it (``in_world``). Each worker leaves the generations no chunk
-   runs on any more (``_drop_unused_worlds``).
+   chunks it runs (``new_world``, ``joining.form_world``); the receivers learn the new
+   senders; only then do new chunks start on it (``in_world``). Each worker leaves the
+   generations no chunk runs on any more (``_drop_unused_worlds``).
 
 The chunk driver (``pool.PrefillPool``) asks the keeper for the current world and its workers
 (``in_world``), which instances are being replaced (``replacing_held``, ``replacing``,
 ``replacements_for``), to replace dead workers (``reform``), and to form a new generation with
 every worker alive after a ring failed (``new_world([])``).
+
+The Ray calls that join workers to a generation and probe them for dead ones are
+``joining.py``'s (``form_world``, ``dead_among``); this module decides when and with whom.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 import ray
 
 from tetris.actors.placement import Placement, node_map, place_prefill
-from tetris.actors.prefill.messages import first_line
+from tetris.actors.prefill.joining import dead_among, form_world
 from tetris.actors.prefill.tp import rank_options
 from tetris.actors.prefill.tp_groups import workers_per_instance
 from tetris.actors.prefill.wiring import TransferWiring
@@ -78,7 +81,7 @@ class WorldKeeper:
         self.node_of = tuple(node_map(self.node_ids, node_size))
         self._init_generations()
         try:
-            dead = self._form_world(self.workers, 0)
+            dead = form_world(self.workers, 0, self.timeout_s)
             if dead:
                 raise RuntimeError(f"prefill workers {sorted(dead)} died while the pool started")
         except BaseException:
@@ -170,34 +173,6 @@ class WorldKeeper:
             i, self.node_of[i], self.deployment.model, self.deployment.prefill,
             profile=self._profile, instance_options=opts if tp > 1 else None)
 
-    def _form_world(self, workers: list, generation: int) -> dict[int, object]:
-        """Have ``workers`` join generation ``generation`` of the world, its store in worker 0
-        on a port free on worker 0's node. Workers join beside the chunks they run.
-
-        Returns the workers found dead meanwhile (instance -> handle; the world is not formed
-        then). Every join has ended, one way or the other, before this returns: a worker's
-        joins run one at a time, so a join left waiting would make the next attempt's time
-        out too. Raises if the world did not form for another reason (a timeout)."""
-        timeout = max(120.0, self.timeout_s)
-        try:
-            host, port = ray.get(workers[0].store_address.remote(), timeout=timeout)
-        except ray.exceptions.RayActorError:
-            return {0: workers[0]}
-        refs = [w.join_world.remote(generation, host, port, len(workers), self.timeout_s)
-                for w in workers]
-        ray.wait(refs, num_returns=len(refs), timeout=timeout)
-        dead, failed = {}, []
-        for i, ref in enumerate(refs):
-            try:
-                ray.get(ref, timeout=0)
-            except ray.exceptions.RayActorError:
-                dead[i] = workers[i]
-            except Exception as e:  # noqa: BLE001 - reported together below
-                failed.append(f"instance {i}: {type(e).__name__}: {first_line(e)}")
-        if not dead and failed:
-            raise RuntimeError(f"world {generation} did not form: {'; '.join(failed[:3])}")
-        return dead
-
     def new_world(self, mine: list[int]) -> dict:
         """Swap the started replacements in (``_ready``: instance -> worker, ``mine`` among
         them) and start new chunks on a new generation of the world formed with them. Chunks
@@ -224,7 +199,8 @@ class WorldKeeper:
                 try:
                     # A worker already dead would keep the others waiting for the whole
                     # timeout: probe first (``alive`` answers beside a chunk).
-                    dead = _dead_among(workers, _PROBE_S) or self._form_world(workers, generation)
+                    dead = (dead_among(workers, _PROBE_S)
+                            or form_world(workers, generation, self.timeout_s))
                 except Exception as e:  # noqa: BLE001 - a slow machine: try again
                     log.warning("forming world %d (attempt %d): %s", generation, attempt, e)
                     continue
@@ -374,7 +350,7 @@ class WorldKeeper:
         tells the receivers too (``TransferWiring.restore``), and they give up the dead worker's
         shards at once. A worker that does not answer within ``timeout_s`` but is not known dead
         is left alone."""
-        dead = _dead_among(list(self.workers), timeout_s)
+        dead = dead_among(list(self.workers), timeout_s)
         if dead:
             self.reform(dead)
         return sorted(dead)
@@ -395,20 +371,4 @@ class WorldKeeper:
             ray.kill(w)
         self.workers = []
         self.placement.remove()
-
-
-def _dead_among(workers: list, timeout_s: float) -> dict:
-    """instance -> handle of the workers known dead after probing them all (``alive``) for at
-    most ``timeout_s``; one that does not answer in time is not counted dead."""
-    refs = [w.alive.remote() for w in workers]
-    ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    dead = {}
-    for i, (w, ref) in enumerate(zip(workers, refs)):
-        try:
-            ray.get(ref, timeout=0)
-        except ray.exceptions.RayActorError:
-            dead[i] = w
-        except ray.exceptions.GetTimeoutError:
-            pass
-    return dead
 
