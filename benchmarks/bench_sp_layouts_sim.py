@@ -12,6 +12,11 @@ plan predicted. Per configuration: capacity (the simulator's bisection against t
 each layout and SP size.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_sp_layouts_sim.py [--seeds 0,1,2]
+        [--tail 1000000 --tail-every 50]
+
+``--tail`` replaces every ``--tail-every``-th prompt by a ``--tail``-token one (the 1M-token
+tail of ``benchmarks/bench_elastic_decode.py``, ``tetris.sim.elastic_runs.with_tail``); the
+light-load reference of the capacity SLO is then taken over the same tailed workload.
 """
 
 from __future__ import annotations
@@ -58,20 +63,27 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--rates", default="0.5,1.0")
     ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--tail", type=int, default=0,
+                    help="tokens of the tail prompts (0: no tail)")
+    ap.add_argument("--tail-every", type=int, default=50)
+    ap.add_argument("--capacity-lo", type=float, default=0.25,
+                    help="the bisection's lowest rate (must be sustainable)")
     ap.add_argument("--configs", default=";".join(CONFIGS),
                     help="which configurations, by name, separated by ; (default all)")
     args = ap.parse_args()
     seeds = tuple(int(s) for s in args.seeds.split(","))
     rates = [float(r) for r in args.rates.split(",")]
-    light = light_load("8b", args.workload)
-    print(f"SIMULATION, 8B cluster, {args.workload}, tetris (online θ), {args.requests} requests, "
+    tail = {"tail_every": args.tail_every, "tail_tokens": args.tail} if args.tail else {}
+    light = light_load("8b", args.workload, **tail)
+    label = args.workload + (f" + every {args.tail_every}th prompt {args.tail} tokens" if tail else "")
+    print(f"SIMULATION, 8B cluster, {label}, tetris (online θ), {args.requests} requests, "
           f"seeds {list(seeds)}; light-load TTFT P50 {light[0]:.3f} s P99 {light[1]:.3f} s")
     for name in args.configs.split(";"):
         cfg = CONFIGS[name]
         t0 = time.perf_counter()
         base = RunSpec(model="8b", workload=args.workload, policy="tetris",
-                       requests=args.requests, sp_layout=cfg)
-        cap = capacity(base, seeds, light=light)
+                       requests=args.requests, sp_layout=cfg, **tail)
+        cap = capacity(base, seeds, lo=args.capacity_lo, light=light)
         cells = []
         for rate in rates:
             ttft = [run_one(RunSpec(**{**_fields(base), "rate": rate, "seed": s}))[0].ttft

@@ -62,6 +62,8 @@ class RunSpec(msgspec.Struct, frozen=True):
     output_mean: float = OUTPUT_LENGTHS.mean_tokens   # mean output tokens (named workloads only)
     execution: str = "profile"         # chunk times on the simulated hardware: profile | measured
     sp_layout: SpLayoutConfig = SpLayoutConfig()   # per-chunk layout choice (scheduler/sp_comm.py)
+    tail_every: int = 0                # > 0: every tail_every-th prompt has tail_tokens (elastic_runs.with_tail)
+    tail_tokens: int = 1_000_000
 
 
 def rate_table_path(model: str, workload: str) -> Path:
@@ -129,6 +131,10 @@ def run_one(spec: RunSpec, requests: list[SimRequest] | None = None,
     if requests is None:
         requests = make_requests(spec.workload, spec.rate, spec.requests, spec.seed,
                                  spec.output_mean)
+        if spec.tail_every > 0:
+            from tetris.sim.elastic_runs import with_tail  # it imports this module
+
+            requests = with_tail(requests, spec.tail_every, spec.tail_tokens)
     if spec.policy == "loongserve":
         if simulation:
             raise ValueError(f"the loongserve simulation takes no {sorted(simulation)}")
@@ -194,11 +200,17 @@ def _pooled(spec: RunSpec, seeds: Iterable[int]) -> dict:
 
 
 def light_load(model: str, workload: str, n: int = 2000, seed: int = 0,
-               execution: str = "profile") -> tuple[float, float]:
-    """``ℓ50, ℓ99``: percentiles of each request's TTFT alone on an idle pool."""
+               execution: str = "profile", tail_every: int = 0,
+               tail_tokens: int = 1_000_000) -> tuple[float, float]:
+    """``ℓ50, ℓ99``: percentiles of each request's TTFT alone on an idle pool (the workload
+    with its tail when ``tail_every`` > 0, as ``RunSpec`` builds it)."""
     cluster = cluster_by_name(model)
     run = execution_fn(model, execution)
     reqs = make_requests(workload, 1.0, n, seed)
+    if tail_every > 0:
+        from tetris.sim.elastic_runs import with_tail
+
+        reqs = with_tail(reqs, tail_every, tail_tokens)
     sizes = [s for s in cluster.sp_candidates if s <= cluster.prefill_instances]
     alone = np.array([min(run(s, 0, r.prompt_tokens) for s in sizes) for r in reqs])
     return float(np.percentile(alone, 50)), float(np.percentile(alone, 99))
