@@ -66,8 +66,13 @@ def scale_deployment(cfg: DeploymentConfig, time_scale: float, workdir: Path) ->
         table = write_scaled_table(pc.emulated_measurements, time_scale,
                                    workdir / f"measurements-x{time_scale:g}.csv")
         pc = msgspec.structs.replace(pc, emulated_measurements=str(table))
+    # the layout chooser's links slowed alike: a chunk's layout delta scales with its Eq. 1 time
+    lay = cfg.sp_layout
+    lay = msgspec.structs.replace(lay, intra_node_gbps=lay.intra_node_gbps / time_scale,
+                                  inter_node_gbps=lay.inter_node_gbps / time_scale,
+                                  message_latency_s=lay.message_latency_s * time_scale)
     out = msgspec.structs.replace(
-        cfg, prefill=pc, scheduler=msgspec.structs.replace(sc, profile=str(path)),
+        cfg, prefill=pc, sp_layout=lay, scheduler=msgspec.structs.replace(sc, profile=str(path)),
         transfer=msgspec.structs.replace(
             tc, emulated_link_bandwidth=tc.emulated_link_bandwidth / time_scale,
             timeout_s=tc.timeout_s * time_scale))
@@ -125,6 +130,7 @@ def simulate(cfg: DeploymentConfig, requests) -> dict:
     """The simulator on the deployment's cluster: TTFT per request and the decision times."""
     from tetris.scheduler.decode_latency import DecodeLatencyModel
     from tetris.scheduler.latency import load_profile
+    from tetris.scheduler.layout_policy import with_layout_choice
     from tetris.scheduler.policies import make_policy
     from tetris.control import ControlPlane, PrefillQueue
     from tetris.scheduler.router import DecodeRouter
@@ -133,9 +139,10 @@ def simulate(cfg: DeploymentConfig, requests) -> dict:
     cluster, spec = _cluster(cfg)
     sc, dc = cfg.scheduler, cfg.decode
     latency = load_profile(sc.profile or "a100-llama3-8b-tp1")
-    policy = _TimedPolicy(make_policy(sc.policy, latency, sp_candidates=sc.sp_candidates or None,
-                                      min_chunk_tokens=sc.min_chunk_tokens,
-                                      improvement_rate=sc.improvement_rate))
+    policy = _TimedPolicy(with_layout_choice(   # the deployment's [sp_layout], as the dispatcher
+        make_policy(sc.policy, latency, sp_candidates=sc.sp_candidates or None,
+                    min_chunk_tokens=sc.min_chunk_tokens, improvement_rate=sc.improvement_rate),
+        cfg))
     capacity = dc.kv_blocks * dc.block_size
     # the hardware the emulated workers stand for: the profile, or its measurements
     execution = None
@@ -163,13 +170,14 @@ def _pcts(xs) -> dict:
             "mean": float(v.mean())}
 
 
-def run_fidelity(config: str | Path | None, *, workload: str = "short", rates: list[float],
+def run_fidelity(config: str | Path | DeploymentConfig | None, *, workload: str = "short", rates: list[float],
                  requests: int = 40, seed: int = 0, time_scale: float = 1.0, max_output: int = 16,
                  tick: Callable[[int], None] | None = None) -> dict:
     """Both runs at every rate; one dict (JSON-ready) with the comparison per rate."""
     from tetris.bench.fidelity_live import LiveCluster
 
-    base = load_deployment(config or "paper-llama3-8b-emulated.toml")
+    base = (config if isinstance(config, DeploymentConfig)
+            else load_deployment(config or "paper-llama3-8b-emulated.toml"))
     if base.prefill.executor != "emulated" or base.decode.executor != "emulated":
         raise ValueError("the fidelity benchmark needs an emulated deployment "
                          "(prefill.executor = decode.executor = \"emulated\")")
