@@ -27,14 +27,14 @@ streams the KV it computes to the decode ranks, layer by layer, while the chunk 
 
 The workers, the generations of their world and their replacement are the world keeper's
 (``worlds.WorldKeeper``), the transfer wiring (send side, receivers' table) is
-``wiring.TransferWiring``'s. This module, the chunk driver, asks the keeper for the current
+``wiring.TransferWiring``'s, and which workers may hold something of a request is
+``holders.PlanMembers``'. This module, the chunk driver, asks the keeper for the current
 world and its workers (``in_world``), which instances are being replaced, and to replace dead
 workers (``reform``).
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import threading
@@ -47,6 +47,7 @@ from tetris.actors.placement import PLACEMENT_TIMEOUT_S, Placement
 from tetris.actors.prefill.chunk_order import ChunkTickets
 from tetris.actors.prefill.chunks import (ChunkFailed, RunOptions, chunk_task, prefill_result,
                                           run_phase)
+from tetris.actors.prefill.holders import PlanMembers, on_workers
 from tetris.actors.prefill.layout import plan_layout
 from tetris.actors.prefill.messages import (BalanceMode, ChunkResult, PrefillPlanOutdated,
                                             PrefillResult)
@@ -62,8 +63,6 @@ from tetris.token_ids import TokenIds, compact_tokens
 from tetris.transfer.messages import AgentInfo
 
 __all__ = ["PrefillPool"]
-
-_MAX_MEMBERS = 65536   # requests whose plan members are kept for release / abort
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +89,7 @@ class PrefillPool:
         self._seq = itertools.count()
         self._lock = threading.Lock()
         self._tickets = ChunkTickets(n)
-        # request -> its plan's instances, from commit (or run) to release or abort: the only
-        # workers that can hold something of it (``_holders``)
-        self._members: collections.OrderedDict[str, tuple[int, ...]] = collections.OrderedDict()
-        self._forgot_members = False   # an entry made room for newer ones (``_MAX_MEMBERS``)
+        self._members = PlanMembers(n)   # the workers that may hold something of a request
         self._wiring = TransferWiring(timeout_s)
         # the workers, their world's generations and their replacement
         self.worlds = WorldKeeper(
@@ -146,7 +142,7 @@ class PrefillPool:
                     f"plan {plan.request_id} uses prefill instances {replacing}, whose workers "
                     "are being replaced; plan it again around them", tuple(replacing))
             self._tickets.commit(plan)
-        self._note_members(plan)
+        self._members.note(plan.request_id, plan.instances)
         return self.busy_for()
 
     def busy_for(self) -> list[float]:
@@ -176,7 +172,7 @@ class PrefillPool:
         plan.validate(self.size)
         token_ids = compact_tokens(token_ids)   # no copy for the dispatcher's int32 array
         self._tickets.start(plan)
-        self._note_members(plan)
+        self._members.note(plan.request_id, plan.instances)
         try:
             if len(token_ids) != plan.prompt_tokens:
                 raise PlanError(f"plan {plan.request_id} is for {plan.prompt_tokens} tokens, "
@@ -318,46 +314,18 @@ class PrefillPool:
         or under way) raises ``PrefillError``, and its KV and unfinished KV shards are freed on
         ``instances`` (default: its plan's members). A chunk already executing finishes first."""
         self._tickets.cancel(request_id)
-        holders = self._holders(request_id)
+        holders = self._members.holders(request_id)
         self._abort_workers(request_id, holders if instances is None else instances)
 
     def release(self, request_id: str) -> None:
         """The request's KV has been handed off: free it on its plan's members."""
         workers = list(self.workers)
-        self._on_workers([workers[i] for i in self._holders(request_id)],
+        self._on_workers([workers[i] for i in self._members.holders(request_id)],
                          lambda w: w.release.remote(request_id))
 
-    def _note_members(self, plan: PrefillPlan) -> None:
-        with self._lock:
-            self._members[plan.request_id] = plan.instances
-            self._members.move_to_end(plan.request_id)
-            while len(self._members) > _MAX_MEMBERS:
-                self._members.popitem(last=False)
-                self._forgot_members = True
-
-    def _holders(self, request_id: str) -> list[int]:
-        """The instances that may hold something of the request (KV, unfinished KV shards):
-        its plan's members (the last group: groups only grow), forgotten from now on. Nothing
-        runs for a request before it is committed, so one the pool never knew holds nothing;
-        one forgotten for room may be anywhere."""
-        with self._lock:
-            members = self._members.pop(request_id, None)
-            if members is None:
-                return list(range(self.size)) if self._forgot_members else []
-        return sorted(members)
-
     def _on_workers(self, workers, call, timeout_s: float | None = None) -> list:
-        """``call(worker)`` (an ObjectRef) on each worker actor, answers in order. A dead
-        worker answers None: it holds nothing any more, and it is replaced when a chunk or
-        ``connect_receivers`` finds it, so freeing a request must not fail on it."""
-        refs = [call(w) for w in list(workers)]
-        out = []
-        for ref in refs:
-            try:
-                out.append(ray.get(ref, timeout=timeout_s or self.chunk_timeout_s))
-            except ray.exceptions.RayActorError:
-                out.append(None)
-        return out
+        """``holders.on_workers``, by default with the chunk timeout."""
+        return on_workers(workers, call, timeout_s or self.chunk_timeout_s)
 
     def export_kv(self, request_id: str) -> dict[int, tuple]:
         """instance -> (positions, k [L, n, Hkv, D], v) for every worker holding some of it."""
