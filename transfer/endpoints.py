@@ -22,8 +22,9 @@ import torch
 from tetris.config import TransferConfig
 from tetris.kernels.kv_pack_dispatch import pack_kv
 from tetris.transfer.backends import make_agent
+from tetris.transfer.block_allocator import SimpleBlockAllocator
 from tetris.transfer.messages import AgentInfo, ControlMessage, Envelope
-from tetris.transfer.receive_manager import ReceiveManager, SimpleBlockAllocator
+from tetris.transfer.receive_manager import ReceiveManager
 from tetris.transfer.send_manager import SendManager
 from tetris.transfer.states import TransferEvent
 

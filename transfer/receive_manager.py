@@ -8,6 +8,7 @@ Driven by its owner, never blocking:
     for env in mgr.drain_outbox(): route env.msg to sender env.dst_id
 
 ``on_event`` (optional) is called with each event as well, e.g. to set an asyncio event.
+The decode instance's block pool it allocates from is a ``block_allocator.BlockAllocator``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from tetris.config import TransferConfig
 from tetris.kernels.kv_pack import packed_bytes_per_token
 from tetris.kernels.kv_pack_dispatch import scatter_kv   # Triton on CUDA caches
 from tetris.transfer.backends.base import TransferAgent
+from tetris.transfer.block_allocator import BlockAllocator
 from tetris.transfer.direct import BlockHolds, register_cache
 from tetris.transfer.messages import (Abort, FirstToken, ControlMessage, DirectTarget, Envelope, Grant, Handshake,
                                       LayersReady, PieceNotice, TransferError, decode_notice)
@@ -32,42 +33,10 @@ from tetris.transfer.protocol import (IncomingRequest, IncomingShard, ReceiveBac
 from tetris.transfer.states import (ChunkArrived, FirstTokenIn, MessageRejected, RequestReady, TransferEvent,
                                     TransferFailed, TransferState)
 
-__all__ = ["PRESET_CHUNK", "BlockAllocator", "ReceiveManager", "SimpleBlockAllocator"]
+__all__ = ["PRESET_CHUNK", "ReceiveManager"]
 
 # The chunk index ``preset`` counts its positions under (the prefill's cached prefix is -1).
 PRESET_CHUNK = -2
-
-
-class BlockAllocator(Protocol):
-    """The decode instance's KV block pool (its block manager implements this)."""
-
-    def allocate(self, num_blocks: int) -> list[int] | None: ...
-
-    def free(self, blocks: Sequence[int]) -> None: ...
-
-
-class SimpleBlockAllocator:
-    """A free list of block ids, lowest first; enough for tests and single-engine tools."""
-
-    def __init__(self, num_blocks: int, order: Sequence[int] | None = None) -> None:
-        # ``order``: the initial free list (a permutation), e.g. to scatter a request's blocks
-        self._free = list(range(num_blocks)) if order is None else list(order)
-        if sorted(self._free) != list(range(num_blocks)):
-            raise ValueError("order must be a permutation of range(num_blocks)")
-        self.num_blocks = num_blocks
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, num_blocks: int) -> list[int] | None:
-        if num_blocks > len(self._free):
-            return None
-        out, self._free = self._free[:num_blocks], self._free[num_blocks:]
-        return out
-
-    def free(self, blocks: Sequence[int]) -> None:
-        self._free = sorted(set(self._free).union(blocks))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -12,7 +12,8 @@ import pytest
 import torch
 from tetris.kernels import kv_pack_dispatch as kpd
 from tetris.transfer.backends import make_agent, nixl_unavailable_reason
-from tetris.transfer.receive_manager import ReceiveManager, SimpleBlockAllocator
+from tetris.transfer.block_allocator import SimpleBlockAllocator
+from tetris.transfer.receive_manager import ReceiveManager
 from tetris.transfer.send_manager import SendManager
 from tetris.transfer.states import RequestReady, TransferFailed
 

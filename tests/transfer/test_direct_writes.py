@@ -14,9 +14,10 @@ import pytest
 import torch
 from tetris.kernels.kv_pack import pack_kv
 from tetris.transfer.backends import make_agent, nixl_unavailable_reason
+from tetris.transfer.block_allocator import SimpleBlockAllocator
 from tetris.transfer.direct import piece_descriptors
 from tetris.transfer.messages import DirectTarget, RegionDesc
-from tetris.transfer.receive_manager import ReceiveManager, SimpleBlockAllocator
+from tetris.transfer.receive_manager import ReceiveManager
 from tetris.transfer.send_manager import SendManager
 from tetris.transfer.states import RequestReady, TransferFailed
 from transfer_helpers import BS, HKV, LAYERS, D, paged_cache, source_kv

@@ -11,8 +11,9 @@ import torch
 from tetris.config import TransferConfig
 from tetris.kernels.kv_pack import pack_kv
 from tetris.transfer.backends import InProcAgent
+from tetris.transfer.block_allocator import SimpleBlockAllocator
 from tetris.transfer.messages import TransferError
-from tetris.transfer.receive_manager import ReceiveManager, SimpleBlockAllocator
+from tetris.transfer.receive_manager import ReceiveManager
 from tetris.transfer.send_manager import SendManager
 from tetris.transfer.states import RequestReady, ShardSent, TransferFailed, TransferState
 

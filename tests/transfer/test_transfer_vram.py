@@ -13,8 +13,9 @@ import torch
 from tetris.config import TransferConfig
 from tetris.transfer.backends.base import BackendCapabilities, TransferAgent
 from tetris.transfer.backends.nixl_ucx import NixlAgent, nixl_segment
+from tetris.transfer.block_allocator import SimpleBlockAllocator
 from tetris.transfer.messages import AgentInfo, Grant, RegionDesc
-from tetris.transfer.receive_manager import ReceiveManager, SimpleBlockAllocator
+from tetris.transfer.receive_manager import ReceiveManager
 from tetris.transfer.send_manager import SendManager
 
 

@@ -9,7 +9,8 @@ import torch
 from tetris.config import TransferConfig
 from tetris.kernels.kv_pack import pack_kv
 from tetris.transfer.backends import InProcAgent
-from tetris.transfer.receive_manager import ReceiveManager, SimpleBlockAllocator
+from tetris.transfer.block_allocator import SimpleBlockAllocator
+from tetris.transfer.receive_manager import ReceiveManager
 from tetris.transfer.send_manager import SendManager
 
 _names = itertools.count()

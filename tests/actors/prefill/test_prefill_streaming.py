@@ -18,7 +18,8 @@ from tetris.config import ModelConfig, TransferConfig, load_deployment
 from tetris.kernels.kv_pack import pack_kv
 from tetris.plan import Chunk, PrefillPlan
 from tetris.transfer.backends import make_agent, nixl_unavailable_reason
-from tetris.transfer.receive_manager import ReceiveManager, SimpleBlockAllocator
+from tetris.transfer.block_allocator import SimpleBlockAllocator
+from tetris.transfer.receive_manager import ReceiveManager
 from tetris.transfer.states import RequestReady, TransferFailed
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]

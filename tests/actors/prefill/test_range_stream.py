@@ -20,7 +20,8 @@ from tetris.actors.prefill.threaded import ThreadedPool
 from tetris.actors.transfer_pump import TransferPump
 from tetris.kernels.attention import attention_with_lse
 from tetris.transfer.backends import make_agent
-from tetris.transfer.receive_manager import ReceiveManager, SimpleBlockAllocator
+from tetris.transfer.block_allocator import SimpleBlockAllocator
+from tetris.transfer.receive_manager import ReceiveManager
 from tetris.transfer.send_manager import SendManager
 from tetris.transfer.states import FirstTokenIn, RequestReady, ShardSent, TransferFailed
 
