@@ -68,6 +68,8 @@ def main() -> None:
     ap.add_argument("--tail-every", type=int, default=50)
     ap.add_argument("--capacity-lo", type=float, default=0.25,
                     help="the bisection's lowest rate (must be sustainable)")
+    ap.add_argument("--capacity-tol", type=float, default=0.05,
+                    help="the bisection's resolution in req/s")
     ap.add_argument("--configs", default=";".join(CONFIGS),
                     help="which configurations, by name, separated by ; (default all)")
     args = ap.parse_args()
@@ -83,7 +85,7 @@ def main() -> None:
         t0 = time.perf_counter()
         base = RunSpec(model="8b", workload=args.workload, policy="tetris",
                        requests=args.requests, sp_layout=cfg, **tail)
-        cap = capacity(base, seeds, lo=args.capacity_lo, light=light)
+        cap = capacity(base, seeds, lo=args.capacity_lo, tol=args.capacity_tol, light=light)
         cells = []
         for rate in rates:
             ttft = [run_one(RunSpec(**{**_fields(base), "rate": rate, "seed": s}))[0].ttft
