@@ -8,7 +8,8 @@ Driven by its owner, never blocking:
     for env in mgr.drain_outbox(): route env.msg to sender env.dst_id
 
 ``on_event`` (optional) is called with each event as well, e.g. to set an asyncio event.
-The decode instance's block pool it allocates from is a ``block_allocator.BlockAllocator``.
+The decode instance's block pool it allocates from is a ``block_allocator.BlockAllocator``;
+what it refuses of a handshake or a piece is ``receive_checks.py``'s.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tetris.transfer.messages import (Abort, FirstToken, ControlMessage, DirectT
                                       LayersReady, PieceNotice, TransferError, decode_notice)
 from tetris.transfer.protocol import (IncomingRequest, IncomingShard, ReceiveBackend, assign_backends,
                                       shard_positions)
+from tetris.transfer.receive_checks import check_handshake, check_piece
 from tetris.transfer.states import (ChunkArrived, FirstTokenIn, MessageRejected, RequestReady, TransferEvent,
                                     TransferFailed, TransferState)
 
@@ -37,10 +39,6 @@ __all__ = ["PRESET_CHUNK", "ReceiveManager"]
 
 # The chunk index ``preset`` counts its positions under (the prefill's cached prefix is -1).
 PRESET_CHUNK = -2
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class ReceiveManager:
@@ -215,25 +213,8 @@ class ReceiveManager:
         self.requests[request_id] = req
         return req
 
-    def _check_handshake(self, hs: Handshake) -> str | None:
-        if hs.receiver_id != self.receiver_id:
-            return f"handshake for decode instance {hs.receiver_id} reached {self.receiver_id}"
-        if self.config.dedicated_backends and not 0 <= hs.sender_id < self.config.pool_size:
-            # backend i serves prefill instance i: any other sender would never get a grant
-            return (f"sender {hs.sender_id} is outside the prefill pool of {self.config.pool_size} "
-                    f"instances that this receiver's dedicated backends serve")
-        want = (self.num_layers, self.kv_heads, self.head_dim, _dtype_name(self.dtype))
-        got = (hs.num_layers, hs.kv_heads, hs.head_dim, hs.dtype)
-        if got != want:
-            return f"KV shape (layers, kv_heads, head_dim, dtype) {got} differs from this cache's {want}"
-        if hs.request_id in self._closed:
-            return f"request already {self._closed[hs.request_id]}"
-        if hs.prompt_tokens <= 0:
-            return "prompt_tokens must be positive"
-        return None
-
     def _on_handshake(self, hs: Handshake, now: float) -> None:
-        reason = self._check_handshake(hs)
+        reason = check_handshake(self, hs)
         positions = None
         if reason is None:
             try:
@@ -261,30 +242,6 @@ class ReceiveManager:
         self._sender_agents[hs.sender_id] = hs.agent
 
     # ---- pieces ----------------------------------------------------------------------------
-    def _check_piece(self, peer: str, n: PieceNotice) -> tuple[str | None, IncomingShard | None]:
-        if not 0 <= n.backend_id < len(self.backends) or not 0 <= n.slot < self.config.backend_slots:
-            return f"no receive backend {n.backend_id} slot {n.slot}", None
-        req = self.requests.get(n.request_id)
-        if req is None:
-            return "unknown request", None
-        shard = req.shards.get((n.sender_id, n.chunk_index))
-        if shard is None:
-            return f"no handshake for chunk {n.chunk_index} from sender {n.sender_id}", None
-        if self._sender_agents.get(n.sender_id) != peer:
-            return f"piece from agent {peer!r}, sender {n.sender_id} handshook as another agent", None
-        if self.backends[n.backend_id].credits.get(n.slot) != (n.request_id, shard.key):
-            return f"backend {n.backend_id} slot {n.slot} was not granted to this shard", None
-        if n.dtype != _dtype_name(self.dtype):
-            return f"dtype {n.dtype} differs from the cache's {_dtype_name(self.dtype)}", shard
-        if not (0 <= n.layer < self.num_layers and n.num_tokens > 0 and n.token_offset >= 0
-                and n.token_offset + n.num_tokens <= shard.positions.size):
-            return f"layer {n.layer} tokens [{n.token_offset}, +{n.num_tokens}) outside the shard", shard
-        if n.nbytes != n.num_tokens * self.bytes_per_token or n.nbytes > self.config.slot_bytes:
-            return f"{n.nbytes} bytes for {n.num_tokens} tokens (want {n.num_tokens * self.bytes_per_token})", shard
-        if shard.received[n.layer, n.token_offset:n.token_offset + n.num_tokens].any():
-            return f"duplicate piece: layer {n.layer} tokens from {n.token_offset} already arrived", shard
-        return None, shard
-
     def _on_notice(self, peer: str, raw: bytes, now: float) -> None:
         try:
             n = decode_notice(raw)
@@ -295,7 +252,7 @@ class ReceiveManager:
         if backend is not None and n.slot in backend.fenced and n.slot not in backend.credits:
             del backend.fenced[n.slot]   # the straggler of an aborted request has landed
             self._holds.landed(n.backend_id, n.slot)
-        reason, shard = self._check_piece(peer, n)
+        reason, shard = check_piece(self, peer, n)
         if reason is not None:
             if shard is not None:         # the credit was spent on a bad piece; grant again
                 self._spend(backend, n.slot, shard)
