@@ -320,7 +320,8 @@ class KunServeEmulation:
                 if self.closing:
                     return
                 bs = self.mem.block_size
-                queued = sum(-(-(r.prompt + 1) // bs) for r in self.waiting)
+                queued = sum(-(-(r.prompt + len(self.generated.get(r.rid, ())) + 1) // bs)
+                             for r in self.waiting)      # a requeued victim's output too
                 total = sum(u.engine.blocks.num_blocks for u in self.units)
                 loads = {u.members[0]: self._load(u, queued, total) for u in self.units}
                 if self.control.decide(loads) is None:
