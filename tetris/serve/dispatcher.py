@@ -35,7 +35,8 @@ Lifecycle of one request (``generate``), on the dispatcher's monotonic clock:
    found dead, not yet started there) runs again without being charged against ``retries``.
 
 The two sides are reached through ``PrefillClient`` and ``DecodeClient``
-(``tetris.serve.clients``).
+(``tetris.serve.clients``). Booking and freeing a run's decode side (steps 1, 5 and 6) is in
+``tetris.serve.run_bookings``; the operator surface in ``tetris.serve.dispatcher_admin``.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from tetris.errors import InstanceLost, InstanceReplacing, PlanOutdated
 from tetris.plan import PrefillPlan
 from tetris.scheduler.latency import load_profile
 from tetris.scheduler.rate import ImprovementRateTable
-from tetris.scheduler.router import DecodeRouter, NoInstanceUp
+from tetris.scheduler.router import DecodeRouter
 from tetris.serve import elastic_dispatch, prefix_cache
 from tetris.serve.backend import Overloaded
 from tetris.serve.clients import DecodeClient, PrefillClient
@@ -66,6 +67,7 @@ from tetris.serve.first_token import EarlyFirstToken, StreamCursor
 from tetris.serve.metrics import ServingMetrics
 from tetris.serve.protocol import GenerateRequest
 from tetris.serve.relay import DecodeHandoff, RelayBoxes, RelayReport
+from tetris.serve.run_bookings import COMPLETED, RunBookings
 from tetris.serve.timeline import ClientProgress, RequestTimeline, attempt_id
 from tetris.token_ids import TokenIds, compact_tokens
 
@@ -74,12 +76,11 @@ __all__ = ["Dispatcher", "PrefillClient", "DecodeClient", "RequestTimeline", "DE
 log = logging.getLogger(__name__)
 
 DEFAULT_PROFILE = "a100-llama3-8b-tp1"
-_COMPLETED = ("stop", "length")   # finish reasons after which nothing is left to abort
 _PLAN_TRIES = 3                   # plans per run refused for instances being replaced, at most
 _OUTDATED_RUNS = 4                # runs again for outdated plans, beyond ``retries``
 
 
-class Dispatcher(DispatcherAdmin):
+class Dispatcher(RunBookings, DispatcherAdmin):
     def __init__(self, deployment: DeploymentConfig, prefill: PrefillClient, decode: DecodeClient,
                  *, node_of: Sequence[int], decode_capacities: Sequence[int],
                  metrics: ServingMetrics | None = None, max_pending: int = 256,
@@ -200,7 +201,7 @@ class Dispatcher(DispatcherAdmin):
             # keeps only a weak reference to a task, so the dispatcher holds it until done.
             aid = attempt_id(rid, tl.retries)
             # a run split over a decode group is not kept: its master holds only its range
-            keep = tl.outcome in _COMPLETED and not (self.elastic and self.elastic.ranges(aid))
+            keep = tl.outcome in COMPLETED and not (self.elastic and self.elastic.ranges(aid))
             drops = prefix_cache.finished_run(self, req, aid, tl, sent.token_ids, keep)
             task = asyncio.get_running_loop().create_task(self._cleanup(rid, tl, drops),
                                                           context=contextvars.Context())
@@ -322,57 +323,6 @@ class Dispatcher(DispatcherAdmin):
         """A report from the ingress on a relayed run (False: the run is gone)."""
         return self._relay.deliver(run_id, report)
 
-    def _route(self, req: GenerateRequest, aid: str, tl: RequestTimeline,
-               avoid: frozenset[int] = frozenset()) -> int:
-        """The run's decode instance (control plane); its blocks are reserved by the caller."""
-        kv_tokens = len(req.prompt_token_ids) + req.sampling.max_tokens
-        try:
-            instance = self.control.route(aid, kv_tokens, avoid)
-        except NoInstanceUp as e:
-            raise Overloaded(f"{e}: restarting, retry shortly", retry_after_s=2.0) from None
-        tl.decode_instance = instance
-        return instance
-
-    def _route_reserve(self, req: GenerateRequest, aid: str, tl: RequestTimeline):
-        """A first run's decode instance (its master when ``[decode] elastic`` places it over
-        a group) and the call reserving its blocks there (tetris/serve/elastic_dispatch.py)."""
-        if self.elastic is None:
-            instance = self._route(req, aid, tl)
-            return instance, self.decode.reserve(instance, aid, req.prompt_token_ids,
-                                                 req.sampling, **prefix_cache.keep_kw(self))
-        group = self.elastic.route(aid, len(req.prompt_token_ids), req.sampling.max_tokens)
-        tl.decode_instance = group.master
-        if (ranges := self.elastic.ranges(aid)) is not None:
-            return group.master, self.decode.elastic_place(aid, req.prompt_token_ids,
-                                                           req.sampling, ranges)
-        return group.master, self.decode.reserve(group.master, aid, req.prompt_token_ids,
-                                                 req.sampling, **prefix_cache.keep_kw(self))
-
-    async def _reroute(self, req: GenerateRequest, aid: str, tl: RequestTimeline,
-                       sent: ClientProgress) -> int:
-        """Route a run after a lost instance: another decode instance if one is up, else the
-        lost one once it is back (restarted by its healer); ``retry_wait_s`` at most."""
-        avoid = frozenset() if sent.lost_decode is None else frozenset({sent.lost_decode})
-        deadline = self.clock() + self.retry_wait_s
-        while True:
-            try:
-                if self.elastic is not None:   # whole or over a decode group
-                    tl.decode_instance = await self.elastic.reserve_again(
-                        self.decode, req, aid, avoid, tuple(sent.token_ids))
-                    return tl.decode_instance
-                instance = self._route(req, aid, tl, avoid)
-                await self.decode.reserve(instance, aid, req.prompt_token_ids, req.sampling,
-                                          tuple(sent.token_ids))
-                return instance
-            except Overloaded as e:
-                self.control.kv_arrived(aid)   # give the virtual usage back before trying again
-                if self.elastic is not None:   # and the placer's, and any range held already
-                    await self.elastic.free(self.decode, aid, completed=False)
-                if self.clock() >= deadline:
-                    raise RuntimeError(f"request {req.request_id}: no decode instance took it back "
-                                       f"within {self.retry_wait_s:g} s of losing its own: {e}") from None
-                await asyncio.sleep(self.retry_poll_s)
-
     async def _plan(self, aid: str, prompt_tokens: int, tl: RequestTimeline,
                     prompt: Sequence[int] | None = None) -> PrefillPlan:
         control = self.control
@@ -418,46 +368,3 @@ class Dispatcher(DispatcherAdmin):
         busy = await self.prefill.busy_for()
         if busy is not None:
             self.control.pool_report(busy, self.clock())
-
-    async def _kv_arrived(self, aid: str, tl: RequestTimeline) -> None:
-        """The decode instance has all the KV (its first output): drop the prefill copy and the
-        virtual usage."""
-        tl.first_output = tl.first_output or self.clock()
-        self.control.kv_arrived(aid)
-        if self.elastic is not None:
-            self.elastic.arrived(aid)
-        if not prefix_cache.retained(self.control, aid):   # else the cache's, until let go
-            await self.prefill.release(aid)
-
-    async def _cleanup(self, rid: str, tl: RequestTimeline, drops=()) -> None:
-        """Free everything the request still holds (and the decode KV the prefix cache let
-        go for it: ``drops``); every step is idempotent."""
-        tl.finished = self.clock()
-        self._inflight.pop(rid, None)
-        await self._free(attempt_id(rid, tl.retries), tl.decode_instance,
-                         completed=tl.outcome in _COMPLETED)
-        await prefix_cache.drop_kept(self.decode, drops)
-        self.timelines.append(tl)
-
-    async def _free(self, aid: str, decode_instance: int, *, completed: bool) -> None:
-        """Free what one run of a request holds: bookings, virtual usage and, unless it
-        completed, its state on both pools (a lost instance's answers are logged, not raised)."""
-        self.control.finished(aid, self.clock())
-        self._relay.close(aid)
-        if self.elastic is not None:   # the placer's usage and a group's ranges on every member
-            try:
-                await self.elastic.free(self.decode, aid, completed=completed)
-            except Exception as e:  # noqa: BLE001 - cleanup must reach every side
-                log.warning("cleanup of %s's decode group: %s", aid, e)
-        if completed:
-            return
-        try:
-            if not prefix_cache.retained(self.control, aid):   # a cached prefill stays
-                await self.prefill.abort(aid)
-        except Exception as e:  # noqa: BLE001 - cleanup must reach every side
-            log.warning("cleanup of %s on the prefill pool: %s", aid, e)
-        if decode_instance >= 0:
-            try:
-                await self.decode.abort(decode_instance, aid)
-            except Exception as e:  # noqa: BLE001
-                log.warning("cleanup of %s on decode instance %d: %s", aid, decode_instance, e)
