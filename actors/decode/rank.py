@@ -9,11 +9,11 @@ Lifecycle of a rank (driven by ``DecodeInstance``):
    engine's cache, driven by a ``TransferPump`` thread; ``connect_senders`` names the prefill
    workers it answers. Senders' control messages arrive through ``deliver_transfer`` (Ray
    concurrency group ``"transfer"``, so they are handled while a decode step computes).
-3. ``round(commands)`` every round, on rank 0 only: ``step`` (apply the driver's commands,
-   run one engine step, report outputs (rank 0), the requests whose KV completed or failed
-   here, and the engine's stats) on every rank; rank 0 hands the commands to the other ranks
-   and collects their replies over a socket to each (``lockstep.py``), so a round
-   is one Ray call whatever the TP size.
+3. ``round(commands)`` every round, on rank 0 only: ``step`` (apply the driver's commands
+   (``rank_commands.py``), run one engine step, report outputs (rank 0), the requests whose
+   KV completed or failed here, and the engine's stats) on every rank; rank 0 hands the
+   commands to the other ranks and collects their replies over a socket to each
+   (``lockstep.py``), so a round is one Ray call whatever the TP size.
 
 Every rank applies the same commands in the same order, so all engine replicas make the same
 decisions (lockstep); only transfer events differ between ranks, and the driver combines them.
@@ -38,10 +38,11 @@ import torch
 import torch.distributed as dist
 
 from tetris.actors.decode.counts import ControlCounts, CountingPeer
-from tetris.actors.decode.elastic import ELASTIC_COMMANDS, ElasticMember
+from tetris.actors.decode.elastic import ElasticMember
 from tetris.actors.decode.lockstep import Follower, Leader
-from tetris.actors.decode.messages import (Abort, Add, Command, Commit, Failed, FirstTokenArrived,
-                                           RankHeld, Rejected, Reserve, StepReply)
+from tetris.actors.decode.messages import (Command, Failed, FirstTokenArrived, RankHeld, Rejected,
+                                           StepReply)
+from tetris.actors.decode.rank_commands import RankCommands
 from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
 from tetris.config import DeploymentConfig, TransferConfig
 from tetris.engine.engine import EngineStats, LLMEngine
@@ -104,7 +105,7 @@ class EngineBlocks:
         engine_blocks.free_owned(_HELD_FOR_WRITES, blocks)
 
 
-class DecodeRank:
+class DecodeRank(RankCommands):
     def __init__(self, instance: int, tp_rank: int, tp_size: int, deployment: DeploymentConfig,
                  *, seed: int = 0, threads: int = 1) -> None:
         if not 0 <= tp_rank < tp_size:
@@ -293,87 +294,6 @@ class DecodeRank:
         return StepReply(rank=self.tp_rank, outputs=deltas,
                          ready=ready, failed=failed, rejected=rejected, stats=engine.stats(),
                          step_s=step_s, first_tokens=first)
-
-    def _apply(self, cmd: Command) -> Rejected | None:
-        engine = self._engine()
-        rid = cmd.request_id
-        try:
-            if isinstance(cmd, Reserve):
-                return self._reserve(cmd)
-            if isinstance(cmd, Commit):
-                engine.commit_prefilled(rid, cmd.first_token, cmd.first_logprob)
-            elif isinstance(cmd, Add):
-                engine.add_request(rid, cmd.prompt_token_ids, cmd.sampling)
-            elif isinstance(cmd, Abort):
-                self._abort(rid, cmd.reason)
-            elif isinstance(cmd, ELASTIC_COMMANDS) and self.elastic is not None:
-                return self.elastic.apply(cmd)
-            else:
-                raise TypeError(f"unknown decode command {type(cmd).__name__}")
-        except ValueError as exc:
-            return Rejected(rid, str(exc))
-        return None
-
-    def _reserve(self, cmd: Reserve) -> Rejected | None:
-        engine = self._engine()
-        if self.pump is None:
-            return Rejected(cmd.request_id, "this decode instance has no KV transfer enabled")
-        kv_tokens = len(cmd.prompt_token_ids) + len(cmd.generated) - cmd.kv_start
-        if self.kept is not None and not engine.can_reserve(kv_tokens):
-            self.kept.make_room(kv_tokens, cmd.prefix_from)   # kept KV yields to requests
-        if not engine.can_reserve(kv_tokens):
-            stats = engine.stats()
-            return Rejected(cmd.request_id, f"{kv_tokens} prompt tokens do not fit "
-                            f"{stats.free_blocks} free blocks of {stats.block_size}", full=True)
-        kept = self._kept() if cmd.keep or cmd.prefix_tokens else None
-        if cmd.prefix_tokens and not kept.covers(cmd.prefix_from, cmd.prompt_token_ids,
-                                                 cmd.prefix_tokens):
-            return Rejected(cmd.request_id, f"no kept KV of {cmd.prefix_from!r} holding the "
-                            f"prompt's first {cmd.prefix_tokens} tokens here")
-        # Under the pump's lock: no handshake may see the engine's blocks before the manager does.
-        with self.pump.locked() as manager:
-            table = engine.reserve_blocks(cmd.request_id, cmd.prompt_token_ids, cmd.sampling,
-                                          cmd.generated, kv_start=cmd.kv_start)
-            self._blocks.lend(table)
-            try:
-                ok = manager.reserve(cmd.request_id, kv_tokens, time.monotonic())
-                if ok and cmd.prefix_tokens:   # copied here, so not streamed (kept_kv.py)
-                    kept.copy_prefix(cmd.prefix_from, table, cmd.prefix_tokens)
-                    manager.preset(cmd.request_id, cmd.prefix_tokens)
-            finally:
-                self._blocks.lend(None)
-            if not ok:
-                engine.abort_request(cmd.request_id)
-                return Rejected(cmd.request_id, "the receive manager refused the reservation "
-                                "(request id already used for a transfer)")
-        if cmd.keep:
-            kept.want(cmd.request_id)
-        return None
-
-    def _kept(self):
-        if self.kept is None:
-            from tetris.engine.kept_kv import KeptKV
-
-            self.kept = KeptKV(self._engine())
-        return self.kept
-
-    def _abort(self, request_id: str, reason: str) -> None:
-        # Receive side first, under the pump's lock: once it returns no piece can land in the
-        # blocks the engine is about to free and hand to another request.
-        engine = self._engine()
-        if self.pump is None:
-            engine.abort_request(request_id)
-            if self.kept is not None:   # a kept run's KV is freed by an abort too
-                self.kept.drop(request_id)
-            return
-        with self.pump.locked() as manager:
-            manager.abort(request_id, reason, time.monotonic())
-            engine.abort_request(request_id)
-            if self.kept is not None:
-                self.kept.drop(request_id)
-            # direct writes: a granted write may still land in these blocks, so the engine
-            # does not reuse them until the receive manager lets them go (transfer/direct.py)
-            self._blocks.withhold(engine.blocks, manager.held_back())
 
     # -- introspection --------------------------------------------------------------------
     @ray.method(concurrency_group=TRANSFER_GROUP)
