@@ -24,7 +24,8 @@ per round, ``lockstep.py``); it routes outputs and transfer events, and sleeps o
 when there is nothing to do; while KV is arriving it wakes every ``poll_interval_s`` to
 collect ranks' ready events.
 The requests' bookkeeping (live and ended requests, the next round's commands, what replies do
-to them) is ``requests.RequestBook``'s.
+to them) is ``requests.RequestBook``'s; breaking, checking and restarting the instance is
+``instance_health.InstanceHealth``'s.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from collections.abc import AsyncIterator
 
 import ray
 
+from tetris.actors.decode.instance_health import InstanceHealth
 from tetris.actors.decode.messages import (Abort, Add, Command, DecodeError, DecodeFull,
                                            DecodeInstanceLost, Reserve, StepReply)
 from tetris.actors.decode.rank import DecodeRankActor
@@ -56,10 +58,8 @@ __all__ = ["DecodeInstance", "DecodeFull", "DecodeError", "DecodeInstanceLost"]
 
 log = logging.getLogger(__name__)
 
-_ALIVE_FRESH_S = 1.0   # a round answered this recently proves every rank alive (``check``)
 
-
-class DecodeInstance:
+class DecodeInstance(InstanceHealth):
     def __init__(self, deployment: DeploymentConfig, instance: int, *,
                  transfer: TransferConfig | None, placement: str | None = None, seed: int = 0,
                  timeout_s: float = 60.0, poll_interval_s: float = 0.003,
@@ -159,51 +159,6 @@ class DecodeInstance:
         """Sender actors keyed by sender id; each rank's pump answers them."""
         self._senders.update(peers)
         await asyncio.gather(*[r.connect_senders.remote(dict(peers)) for r in self.ranks])
-
-    # -- health ---------------------------------------------------------------------------
-    @property
-    def broken(self) -> BaseException | None:
-        """Why the instance stopped serving (a round failed: a rank died or diverged), or None."""
-        return self._broken
-
-    async def check(self, timeout_s: float = 10.0) -> BaseException | None:
-        """``broken``, after making sure every rank is still alive: an idle instance sends no
-        rounds, so a rank that died meanwhile would otherwise fail the next request first. Every
-        rank answering a round proves it alive, so a busy instance is not pinged. A rank too
-        busy to answer within ``timeout_s`` counts as alive."""
-        fresh = time.monotonic() - self._answered_at < _ALIVE_FRESH_S
-        if self._broken is None and self.ranks and not self._restarting and not fresh:
-            try:
-                await asyncio.wait_for(asyncio.gather(
-                    *[r.__ray_ready__.remote() for r in self.ranks]), timeout_s)
-            except ray.exceptions.RayActorError as e:
-                self._break(e)
-            except asyncio.TimeoutError:
-                pass
-        return self._broken
-
-    async def restart(self, senders: dict[int, object] | None = None) -> None:
-        """Replace every rank: new actors, TP group, engines and transfer agents, connected to
-        the senders it had, updated by ``senders`` (sender id -> actor; a replaced prefill
-        worker is a new actor). The requests it held have already failed (``DecodeError``).
-        Senders must ``add_peer`` the new ``agent_infos`` (same names, new addresses) before
-        they can stream to it again; until this returns, new requests are refused."""
-        self._restarting = True
-        try:
-            await self.shutdown()
-            self._broken = None
-            self._answered_at = -math.inf
-            self._book.commands.clear()
-            self._stats = None
-            await self.start()
-            if self._senders or senders:
-                await self.connect_senders({**self._senders, **(senders or {})})
-            self.restarts += 1
-        except BaseException as e:
-            self._broken = e if isinstance(e, Exception) else RuntimeError("restart cancelled")
-            raise
-        finally:
-            self._restarting = False
 
     # -- requests -------------------------------------------------------------------------
     async def reserve(self, request_id: str, prompt_token_ids, sampling: SamplingParams,
@@ -402,15 +357,6 @@ class DecodeInstance:
 
     def _gate_wants(self) -> bool:
         return self.gate is not None and self.gate.wanted
-
-    def _break(self, exc: BaseException) -> None:
-        """Stop serving: fail every request it holds; ``restart`` brings it back."""
-        if self._broken is not None:
-            return
-        self._broken = exc
-        self._book.fail_all(DecodeInstanceLost(f"decode instance {self.instance} failed: {exc}"))
-        if self._loop_task is not None and self._loop_task is not asyncio.current_task():
-            self._loop_task.cancel()   # found by ``check``: no more rounds to dead ranks
 
     def _route(self, cmds: list[Command], replies: list[StepReply]) -> None:
         self._stats = replies[0].stats

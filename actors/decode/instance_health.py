@@ -1,0 +1,78 @@
+"""A decode instance's health, mixed into ``DecodeInstance``: broken, checked, restarted.
+
+A round that fails (a rank died or diverged) breaks the instance: every request it holds
+fails with ``DecodeInstanceLost`` and the dispatcher runs them again elsewhere. ``check``
+finds a rank that died while the instance was idle (no rounds to notice it); ``restart``
+replaces every rank and reconnects the senders.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import ray
+
+from tetris.actors.decode.messages import DecodeInstanceLost
+
+__all__ = ["InstanceHealth"]
+
+_ALIVE_FRESH_S = 1.0   # a round answered this recently proves every rank alive (``check``)
+
+
+class InstanceHealth:
+    """Mixed into ``DecodeInstance``: why it stopped serving, and bringing it back."""
+
+    @property
+    def broken(self) -> BaseException | None:
+        """Why the instance stopped serving (a round failed: a rank died or diverged), or None."""
+        return self._broken
+
+    async def check(self, timeout_s: float = 10.0) -> BaseException | None:
+        """``broken``, after making sure every rank is still alive: an idle instance sends no
+        rounds, so a rank that died meanwhile would otherwise fail the next request first. Every
+        rank answering a round proves it alive, so a busy instance is not pinged. A rank too
+        busy to answer within ``timeout_s`` counts as alive."""
+        fresh = time.monotonic() - self._answered_at < _ALIVE_FRESH_S
+        if self._broken is None and self.ranks and not self._restarting and not fresh:
+            try:
+                await asyncio.wait_for(asyncio.gather(
+                    *[r.__ray_ready__.remote() for r in self.ranks]), timeout_s)
+            except ray.exceptions.RayActorError as e:
+                self._break(e)
+            except TimeoutError:   # asyncio.TimeoutError is TimeoutError (3.11)
+                pass
+        return self._broken
+
+    async def restart(self, senders: dict[int, object] | None = None) -> None:
+        """Replace every rank: new actors, TP group, engines and transfer agents, connected to
+        the senders it had, updated by ``senders`` (sender id -> actor; a replaced prefill
+        worker is a new actor). The requests it held have already failed (``DecodeError``).
+        Senders must ``add_peer`` the new ``agent_infos`` (same names, new addresses) before
+        they can stream to it again; until this returns, new requests are refused."""
+        self._restarting = True
+        try:
+            await self.shutdown()
+            self._broken = None
+            self._answered_at = -math.inf
+            self._book.commands.clear()
+            self._stats = None
+            await self.start()
+            if self._senders or senders:
+                await self.connect_senders({**self._senders, **(senders or {})})
+            self.restarts += 1
+        except BaseException as e:
+            self._broken = e if isinstance(e, Exception) else RuntimeError("restart cancelled")
+            raise
+        finally:
+            self._restarting = False
+
+    def _break(self, exc: BaseException) -> None:
+        """Stop serving: fail every request it holds; ``restart`` brings it back."""
+        if self._broken is not None:
+            return
+        self._broken = exc
+        self._book.fail_all(DecodeInstanceLost(f"decode instance {self.instance} failed: {exc}"))
+        if self._loop_task is not None and self._loop_task is not asyncio.current_task():
+            self._loop_task.cancel()   # found by ``check``: no more rounds to dead ranks
