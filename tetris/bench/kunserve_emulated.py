@@ -37,14 +37,13 @@ import threading
 import time
 from collections import deque
 
-import numpy as np
 
 from tetris.actors.decode.kunserve_emulated import PipelinedEmulatedEngine
 from tetris.bench.kunserve_regroup import KunServeRegrouping
 from tetris.control.kunserve import KunServeController
 from tetris.control.kunserve_memory import InstanceMemory
 from tetris.sampling_params import SamplingParams
-from tetris.sim.kunserve import KunRequest, PoolProfile, iteration_time
+from tetris.sim.kunserve import KunRequest, PoolProfile, iteration_time, policy_result
 
 __all__ = ["EMULATED_POLICIES", "KunServeEmulation"]
 
@@ -320,17 +319,5 @@ class KunServeEmulation(KunServeRegrouping):
 
     # -- results ------------------------------------------------------------------------------
     def _result(self) -> dict:
-        ttft = np.array([r.first_token - r.arrival for r in self.reqs])
-        tpot = np.array([(r.finish - r.first_token) / (r.output - 1)
-                         for r in self.reqs if r.output > 1])
-        return {"policy": self.policy, "mode": "EMULATION", "requests": len(self.reqs),
-                "unfinished": int(sum(math.isnan(r.finish) for r in self.reqs)),
-                "p50_ttft": float(np.nanpercentile(ttft, 50)),
-                "p99_ttft": float(np.nanpercentile(ttft, 99)),
-                "p50_tpot": float(np.nanpercentile(tpot, 50)),
-                "p99_tpot": float(np.nanpercentile(tpot, 99)),
-                "preemptions": self.preemptions,
-                "drops": self.control.drops if self.control else 0,
-                "restores": self.control.restores if self.control else 0,
-                "refusals": len(self.control.refusals) if self.control else 0,
-                "exchange_gb": self.exchange_bytes / 1e9}
+        return {"mode": "EMULATION", **policy_result(self.policy, self.reqs, self.preemptions,
+                                                     self.control, self.exchange_bytes)}

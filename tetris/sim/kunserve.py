@@ -36,7 +36,7 @@ import numpy as np
 from tetris.control.kunserve import KunServeController
 from tetris.control.kunserve_memory import InstanceLoad, InstanceMemory
 
-__all__ = ["POLICIES", "KunRequest", "KunServeSim", "PoolProfile", "iteration_time"]
+__all__ = ["POLICIES", "KunRequest", "KunServeSim", "PoolProfile", "iteration_time", "policy_result"]
 
 POLICIES = ("queue", "recompute", "swap", "kunserve")
 
@@ -340,17 +340,24 @@ class KunServeSim:
 
     # -- results ----------------------------------------------------------------------------
     def _result(self) -> dict:
-        ttft = np.array([r.first_token - r.arrival for r in self.reqs])
-        tpot = np.array([(r.finish - r.first_token) / (r.output - 1)
-                         for r in self.reqs if r.output > 1])
-        return {"policy": self.policy, "requests": len(self.reqs),
-                "unfinished": int(sum(math.isnan(r.finish) for r in self.reqs)),
-                "p50_ttft": float(np.nanpercentile(ttft, 50)),
-                "p99_ttft": float(np.nanpercentile(ttft, 99)),
-                "p50_tpot": float(np.nanpercentile(tpot, 50)),
-                "p99_tpot": float(np.nanpercentile(tpot, 99)),
-                "preemptions": self.preemptions,
-                "drops": self.control.drops if self.control else 0,
-                "restores": self.control.restores if self.control else 0,
-                "refusals": len(self.control.refusals) if self.control else 0,
-                "exchange_gb": self.exchange_bytes / 1e9}
+        return policy_result(self.policy, self.reqs, self.preemptions, self.control,
+                             self.exchange_bytes)
+
+
+def policy_result(policy: str, reqs, preemptions: int, control, exchange_bytes: float) -> dict:
+    """One policy's run as the benchmarks report it (SIMULATION here; the EMULATION of
+    ``tetris/bench/kunserve_emulated.py`` reports the same fields): TTFT and TPOT percentiles
+    over the requests, preemptions, drops, restores, refusals and the KV exchanged."""
+    ttft = np.array([r.first_token - r.arrival for r in reqs])
+    tpot = np.array([(r.finish - r.first_token) / (r.output - 1) for r in reqs if r.output > 1])
+    return {"policy": policy, "requests": len(reqs),
+            "unfinished": int(sum(math.isnan(r.finish) for r in reqs)),
+            "p50_ttft": float(np.nanpercentile(ttft, 50)),
+            "p99_ttft": float(np.nanpercentile(ttft, 99)),
+            "p50_tpot": float(np.nanpercentile(tpot, 50)),
+            "p99_tpot": float(np.nanpercentile(tpot, 99)),
+            "preemptions": preemptions,
+            "drops": control.drops if control else 0,
+            "restores": control.restores if control else 0,
+            "refusals": len(control.refusals) if control else 0,
+            "exchange_gb": exchange_bytes / 1e9}
