@@ -5,18 +5,16 @@ groups of 4)."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from cdsp_check import check_plan, prompt
+from gloo_threads import run_ranks
 from tetris.actors.prefill.alltoall import AllToAllAttention, simulate_all_to_all
 from tetris.actors.prefill.alltoall_pipeline import PipelinedAllToAll
 from tetris.actors.prefill.balance import plan_balance
 from tetris.actors.prefill.kv_store import ranges_tensor
 from tetris.actors.prefill.layout import forced_plan
 from tetris.actors.prefill.threaded import ThreadedPool
-from tetris.actors.prefill.world import World, free_port
 from tetris.actors.prefill.zigzag import zigzag_layout
 from tetris.kernels.attention import attention_with_lse_ref
 
@@ -48,24 +46,14 @@ def test_replicated_all_to_all_over_gloo(micro):
     and the one KV head they read from every member, so each KV head travels to 2 members."""
     s, hist, end, d = 4, 29, 29 + 43, 8
     q, k, v, q_pos, blocks, ref = _case(9, hist, end, s, 1, 8, 2)
-    port, outs, errors = free_port(), [None] * s, []
 
-    def member(r):
-        try:
-            world = World(0, "127.0.0.1", port, r, s, timeout_s=20.0)
-            args = (tuple(range(s)), r, q_pos, blocks, 6, 20.0, world)
-            a2a = (PipelinedAllToAll(*args, micro_partitions=micro) if micro > 1
-                   else AllToAllAttention(*args))
-            outs[r] = (a2a(q[q_pos[r]], q_pos[r], k[blocks[r]], v[blocks[r]]), a2a.sent_elements)
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+    def member(r, world):
+        args = (tuple(range(s)), r, q_pos, blocks, 6, 20.0, world)
+        a2a = (PipelinedAllToAll(*args, micro_partitions=micro) if micro > 1
+               else AllToAllAttention(*args))
+        return a2a(q[q_pos[r]], q_pos[r], k[blocks[r]], v[blocks[r]]), a2a.sent_elements
 
-    threads = [threading.Thread(target=member, args=(r,)) for r in range(s)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
+    outs = run_ranks(s, member)
     for r, p in enumerate(q_pos):
         torch.testing.assert_close(outs[r][0], ref[p], rtol=1e-5, atol=1e-5)
     # A2A #1: queries (2 heads) and the block's one KV head to each of 3 peers; A2A #2: outputs

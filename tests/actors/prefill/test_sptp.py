@@ -5,18 +5,16 @@ in-process pool (real ModelExecutors on threads of one process)."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from cdsp_check import check_plan, prompt, reference
+from gloo_threads import run_ranks
 from tetris.actors.prefill.balance import plan_balance
 from tetris.actors.prefill.head_shards import head_shard_slices, head_split_problem
 from tetris.actors.prefill.kv_store import ranges_tensor
 from tetris.actors.prefill.layout import forced_plan
 from tetris.actors.prefill.sptp import SpTpAttention
 from tetris.actors.prefill.threaded import ThreadedPool
-from tetris.actors.prefill.world import World, free_port
 from tetris.actors.prefill.zigzag import zigzag_layout
 from tetris.kernels.attention import attention_with_lse_ref
 
@@ -31,24 +29,6 @@ def test_head_shards_replicate_kv_heads_on_large_groups():
     assert head_split_problem(8, 24, 4) == ""    # 3 query heads each, pairs share a KV head
     # 6 members of 4 query heads over KV heads of 6: member 1 would read two KV heads unevenly
     assert "neither divides 4 KV heads" in head_split_problem(6, 24, 4)
-
-
-def _run_members(s, fn):
-    port, outs, errors = free_port(), [None] * s, []
-
-    def member(r):
-        try:
-            outs[r] = fn(r, World(0, "127.0.0.1", port, r, s, timeout_s=20.0))
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=member, args=(r,)) for r in range(s)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
-    return outs
 
 
 @pytest.mark.parametrize("s,hist", [(2, 0), (2, 23), (4, 31)])
@@ -72,7 +52,7 @@ def test_attention_block_over_gloo_matches_the_whole_sequence(model, s, hist):
         out = sp.attention_block(model, i, x[q_pos[r]], k[blocks[r]], v[blocks[r]])
         return out, sp.sent_elements
 
-    outs = _run_members(s, member)
+    outs = run_ranks(s, member)
     for r in range(s):
         torch.testing.assert_close(outs[r][0], ref[q_pos[r]], rtol=1e-5, atol=1e-5)
     sent = sum(n for _, n in outs)

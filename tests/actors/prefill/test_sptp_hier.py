@@ -4,14 +4,12 @@ crossing nodes are one copy per node pair, G times fewer than the flat collectiv
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
+from gloo_threads import run_ranks
 from tetris.actors.prefill.balance import plan_balance
 from tetris.actors.prefill.kv_store import ranges_tensor
 from tetris.actors.prefill.sptp_hier import HierarchicalSpTp, RailSpTp
-from tetris.actors.prefill.world import World, free_port
 from tetris.actors.prefill.zigzag import zigzag_layout
 from tetris.kernels.attention import attention_with_lse_ref
 
@@ -31,24 +29,14 @@ def test_hierarchical_attention_block_matches_and_crosses_nodes_once(model, cls,
     chunk = zigzag_layout(hist, end, s)
     q_pos = [ranges_tensor(c) for c in chunk]
     blocks = [ranges_tensor(tuple(sorted(after[r] + chunk[r]))) for r in range(s)]
-    port, outs, errors = free_port(), [None] * s, []
 
-    def member(r):
-        try:
-            world = World(0, "127.0.0.1", port, r, s, timeout_s=20.0)
-            sp = cls(tuple(range(s)), r, q_pos, blocks, hist, tag=4, timeout_s=20.0,
-                     link=world, member_nodes=nodes)
-            out = sp.attention_block(model, i, x[q_pos[r]], k[blocks[r]], v[blocks[r]])
-            outs[r] = (out, sp.inter_node_elements)
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+    def member(r, world):
+        sp = cls(tuple(range(s)), r, q_pos, blocks, hist, tag=4, timeout_s=20.0,
+                 link=world, member_nodes=nodes)
+        out = sp.attention_block(model, i, x[q_pos[r]], k[blocks[r]], v[blocks[r]])
+        return out, sp.inter_node_elements
 
-    threads = [threading.Thread(target=member, args=(r,)) for r in range(s)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
+    outs = run_ranks(s, member)
     for r in range(s):
         torch.testing.assert_close(outs[r][0], ref[q_pos[r]], rtol=1e-5, atol=1e-5)
     n = [p.numel() for p in q_pos]
