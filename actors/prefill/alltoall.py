@@ -30,13 +30,11 @@ version is tested against.
 
 from __future__ import annotations
 
-import time
-from datetime import timedelta
-
 import torch
+from tetris.actors.prefill.group_exchange import GroupExchange
 from tetris.actors.prefill.head_shards import head_shard_slices, head_split_problem
 from tetris.actors.prefill.ring import partial_attention
-from tetris.actors.prefill.world import DefaultWorld, PeerLink
+from tetris.actors.prefill.world import PeerLink
 
 __all__ = [
     "AllToAllAttention",
@@ -106,7 +104,7 @@ def simulate_all_to_all(qs, q_pos, ks, vs, k_pos, scale=None) -> list[torch.Tens
     return [torch.cat([per_shard[j][r] for j in range(s)], dim=1) for r in range(s)]
 
 
-class AllToAllAttention:
+class AllToAllAttention(GroupExchange):
     """One member's SP-NTP for one chunk: every layer's two all-to-alls on ``link``.
 
     group: world ranks in group order; query_positions[j], block_positions[j]: int64 positions
@@ -116,19 +114,10 @@ class AllToAllAttention:
     def __init__(self, group: tuple[int, ...], rank: int, query_positions: list[torch.Tensor],
                  block_positions: list[torch.Tensor], tag: int, timeout_s: float,
                  link: PeerLink | None = None) -> None:
-        self.link = link or DefaultWorld()
-        self.group = group
-        self.rank = rank
+        # sent_elements: per chunk, both all-to-alls: the Appendix A volume, measured
+        super().__init__(group, rank, tag, timeout_s, link)
         self.query_positions = query_positions
         self.block_positions = block_positions
-        self.tag = tag
-        self.timeout = timedelta(seconds=timeout_s)
-        self.comm_wait_s = 0.0
-        self.sent_elements = 0     # per chunk, both all-to-alls: the Appendix A volume, measured
-
-    @property
-    def sp_size(self) -> int:
-        return len(self.group)
 
     def __call__(self, q, q_pos, k_block, v_block, layer: int = 0, scale=None):
         """q [n_r, Hq, D] at q_pos; k_block, v_block [m_r, Hkv, D]: this member's block.
@@ -155,27 +144,5 @@ class AllToAllAttention:
                               [q.shape[0] * qh_n * d] * s, q.dtype, layer, 2)
         return torch.cat([b.view(-1, qh_n, d) for b in back], dim=1)
 
-    def _exchange(self, outgoing, in_sizes, dtype, layer: int, which: int) -> list[torch.Tensor]:
-        """Send outgoing[j] to member j and receive in_sizes[j] elements from it (own: kept)."""
-        incoming, works = self._post(outgoing, in_sizes, dtype)
-        self._wait(works, layer, which)
-        return incoming
-
-    def _post(self, outgoing, in_sizes, dtype):
-        """Post the sends and receives of one exchange; (buffers, works) to wait on later."""
-        s, r = self.sp_size, self.rank
-        incoming = [outgoing[r] if j == r
-                    else torch.empty(in_sizes[j], dtype=dtype, device=outgoing[r].device)
-                    for j in range(s)]
-        sends = [(outgoing[j], self.group[j]) for j in range(s)
-                 if j != r and outgoing[j].numel()]
-        recvs = [(incoming[j], self.group[j]) for j in range(s) if j != r and in_sizes[j]]
-        self.sent_elements += sum(t.numel() for t, _ in sends)
-        return incoming, self.link.exchange(sends, recvs, self.tag)
-
-    def _wait(self, works, layer: int, which: int) -> None:
-        t0 = time.perf_counter()
-        for w in works:
-            if not w.wait(self.timeout):
-                raise TimeoutError(f"all-to-all #{which} of layer {layer} timed out")
-        self.comm_wait_s += time.perf_counter() - t0
+    def _step_name(self, layer: int, which: int) -> str:
+        return f"all-to-all #{which} of layer {layer}"

@@ -18,16 +18,14 @@ distributed version is tested against.
 
 from __future__ import annotations
 
-import time
-from datetime import timedelta
-
 import torch
 
 __all__ = ["partial_attention", "ring_source", "simulate_ring", "RingAttention", "RING_TAG_KIND"]
 
 RING_TAG_KIND = 0
 
-from tetris.actors.prefill.world import DefaultWorld, PeerLink
+from tetris.actors.prefill.group_exchange import GroupExchange
+from tetris.actors.prefill.world import PeerLink
 from tetris.kernels.dispatch import attention_with_lse, merge_attention
 
 
@@ -100,7 +98,7 @@ def simulate_ring(qs, q_pos, ks, vs, k_pos, scale=None) -> list[torch.Tensor]:
     return outs
 
 
-class RingAttention:
+class RingAttention(GroupExchange):
     """One member's ring for one chunk: runs every layer's ring on ``link`` (the chunk's
     world; default: the process's default group).
 
@@ -110,17 +108,8 @@ class RingAttention:
 
     def __init__(self, group: tuple[int, ...], rank: int, block_positions: list[torch.Tensor],
                  tag: int, timeout_s: float, link: PeerLink | None = None) -> None:
-        self.link = link or DefaultWorld()
-        self.group = group
-        self.rank = rank
+        super().__init__(group, rank, tag, timeout_s, link)
         self.block_positions = block_positions
-        self.tag = tag
-        self.timeout = timedelta(seconds=timeout_s)
-        self.comm_wait_s = 0.0
-
-    @property
-    def sp_size(self) -> int:
-        return len(self.group)
 
     def __call__(self, q, q_pos, k_block, v_block, layer: int = 0, scale=None):
         """q [Tq, Hq, D] at q_pos; k_block, v_block [n_r, Hkv, D]: this member's block.
@@ -146,12 +135,9 @@ class RingAttention:
         n_in = self.block_positions[incoming].numel()
         nxt = cur.new_empty((n_in, *cur.shape[1:]))
         sends = [(cur, self.group[(r + 1) % s])] if cur.shape[0] else []
+        self.sent_elements += sum(t.numel() for t, _ in sends)
         recvs = [(nxt, self.group[(r - 1) % s])] if n_in else []
         return self.link.exchange(sends, recvs, self.tag), nxt
 
-    def _wait(self, works, layer: int, step: int) -> None:
-        t0 = time.perf_counter()
-        for w in works:
-            if not w.wait(self.timeout):
-                raise TimeoutError(f"ring step {step} of layer {layer} timed out")
-        self.comm_wait_s += time.perf_counter() - t0
+    def _step_name(self, layer: int, step: int) -> str:
+        return f"ring step {step} of layer {layer}"

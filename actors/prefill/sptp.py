@@ -34,14 +34,12 @@ members, and its history sent to each. The MLP runs on the member's own rows wit
 
 from __future__ import annotations
 
-import time
-from datetime import timedelta
-
 import torch
 import torch.nn.functional as F
 from tetris.actors.prefill.alltoall import attend_head_shard
+from tetris.actors.prefill.group_exchange import GroupExchange
 from tetris.actors.prefill.head_shards import head_shard_slices
-from tetris.actors.prefill.world import DefaultWorld, PeerLink
+from tetris.actors.prefill.world import PeerLink
 
 from tetris.model.layers import RotaryEmbedding
 
@@ -65,7 +63,7 @@ def shard_qkv(model, i: int, hidden: torch.Tensor, positions: torch.Tensor, qh: 
     return qk[:, :nq], qk[:, nq:], qkv[:, (nq + nk) * d:].view(t, nk, d)
 
 
-class SpTpAttention:
+class SpTpAttention(GroupExchange):
     """One member's SP-TP for one chunk: per layer an all-gather and a reduce-scatter on
     ``link``. query_positions[j], block_positions[j]: int64 sorted positions of member j's
     chunk rows and KV block; ``chunk_start``: block positions below it are history."""
@@ -73,24 +71,14 @@ class SpTpAttention:
     def __init__(self, group: tuple[int, ...], rank: int, query_positions: list[torch.Tensor],
                  block_positions: list[torch.Tensor], chunk_start: int, tag: int,
                  timeout_s: float, link: PeerLink | None = None) -> None:
-        self.link = link or DefaultWorld()
-        self.group = group
-        self.rank = rank
+        super().__init__(group, rank, tag, timeout_s, link)
         self.query_positions = query_positions
         self.history_positions = [b[b < chunk_start] for b in block_positions]
-        self.tag = tag
-        self.timeout = timedelta(seconds=timeout_s)
-        self.comm_wait_s = 0.0
-        self.sent_elements = 0
         pos = torch.cat(query_positions)
         self.order = torch.argsort(pos)          # gathered rows -> position order
         self.chunk_pos = pos[self.order]
         # where member j's rows sit in position order (their partials go back to j)
         self.rows_of = [torch.searchsorted(self.chunk_pos, p) for p in query_positions]
-
-    @property
-    def sp_size(self) -> int:
-        return len(self.group)
 
     def attention_block(self, model, i: int, hidden, k_block, v_block):
         """hidden [n_r, d] (layer input), k_block, v_block [m_r, Hkv, D] (this member's block,
@@ -134,21 +122,5 @@ class SpTpAttention:
             total += b.view(-1, width)
         return total
 
-    def _exchange(self, outgoing, in_sizes, dtype, layer: int, which: int) -> list[torch.Tensor]:
-        """Send outgoing[j] to member j, receive in_sizes[j] elements from it (own: kept)."""
-        s, r = self.sp_size, self.rank
-        incoming = [outgoing[r] if j == r
-                    else torch.empty(in_sizes[j], dtype=dtype, device=outgoing[r].device)
-                    for j in range(s)]
-        sends = [(outgoing[j], self.group[j]) for j in range(s)
-                 if j != r and outgoing[j].numel()]
-        recvs = [(incoming[j], self.group[j]) for j in range(s) if j != r and in_sizes[j]]
-        self.sent_elements += sum(t.numel() for t, _ in sends)
-        works = self.link.exchange(sends, recvs, self.tag)
-        t0 = time.perf_counter()
-        for w in works:
-            if not w.wait(self.timeout):
-                raise TimeoutError(f"SP-TP {('all-gather', 'reduce-scatter')[which - 1]} of "
-                                   f"layer {layer} timed out")
-        self.comm_wait_s += time.perf_counter() - t0
-        return incoming
+    def _step_name(self, layer: int, which: int) -> str:
+        return f"SP-TP {('all-gather', 'reduce-scatter')[which - 1]} of layer {layer}"

@@ -31,7 +31,6 @@ whose members (``ChunkTask.sp_member_nodes``) span nodes.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
@@ -77,11 +76,7 @@ class HierarchicalSpTp(SpTpAttention):
             self.sent_elements += t.numel()
             if self.node_of[j] != self.node_of[self.rank]:
                 self.inter_node_elements += t.numel()
-        t0 = time.perf_counter()
-        for w in works:
-            if not w.wait(self.timeout):
-                raise TimeoutError(f"hierarchical SP-TP step {which} of layer {layer} timed out")
-        self.comm_wait_s += time.perf_counter() - t0
+        self._await(works, f"hierarchical SP-TP step {which} of layer {layer}")
         return {j: bufs.get(j, torch.empty(0, dtype=dtype)) for _, j in recvs}
 
     # ---- all-gather ----
