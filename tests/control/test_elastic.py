@@ -103,7 +103,9 @@ def test_consolidation_moves_a_small_range_once_the_master_has_room():
     # others finish on the master: moving 19.8K tokens (2.6 GB, 13 ms) beats 2000 exchanges
     placer.router.update(0, 500_000, 1)
     assert placer.consolidation("r", remaining_steps=2_000) == small
-    assert placer.consolidation("r", remaining_steps=5) is None   # nearly done: keep asking q
+    # nearly done: keep asking q (the holder, nearly full, slows the master's step by 5 ms,
+    # so the 13 ms copy pays after 3 steps: tests/control/test_consolidation.py)
+    assert placer.consolidation("r", remaining_steps=2) is None
     after = placer.moved("r", small)
     assert after.instances == (0,) and not after.sharded
 

@@ -11,7 +11,8 @@ Lifecycle of one run here (beside the ``ControlPlane``'s, on the same ``DecodeRo
    usage on its instance (Llumnix accounting per instance);
 2. ``arrived(run_id)``: every range's KV is on its holder; the virtual usage goes;
 3. ``consolidation(run_id, remaining_steps)``: a range worth moving onto its master now
-   that others finished (LoongServe §1.5), by ``ExchangeModel.choose``; ``moved`` records it;
+   that others finished (LoongServe §1.5), by ``consolidation.consolidation_cost`` (the
+   exchange and the lockstep wait saved vs the copy); ``moved`` records it;
 4. ``finished(run_id)``: whatever is still booked goes (idempotent); ``runs_on(instance)``
    names the runs a lost instance takes down (a holder's loss too).
 
@@ -37,6 +38,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
+from tetris.control.consolidation import consolidation_cost
 from tetris.scheduler.router import DecodeRouter, NoInstanceUp
 
 __all__ = ["DecodeGroup", "ElasticConfig", "ElasticPlacer", "ExchangeModel", "ShardRange",
@@ -267,17 +269,17 @@ class ElasticPlacer:
     # -- consolidation (LoongServe §1.5) -----------------------------------------------------
     def consolidation(self, run_id: str, remaining_steps: int) -> ShardRange | None:
         """A range of the run worth moving onto its master now: the master has room for it
-        and moving it once is cheaper than exchanging with its holder until the end."""
+        and moving it once costs its batch less than the steps left lose to the exchange and
+        to waiting for that holder (``consolidation.consolidation_cost``)."""
         group = self.groups.get(run_id)
         if group is None or not group.sharded:
             return None
-        holders = len(group.instances)
         for r in sorted(group.ranges, key=lambda r: (r.tokens, r.start)):
             if r.instance == group.master or self.room(group.master) < r.tokens:
                 continue
             if group.tokens_on(r.instance) != r.tokens:
                 continue   # the holder keeps another range: moving this one saves no exchange
-            if self.exchange.choose(remaining_steps, r.tokens, holders) == "move_kv":
+            if consolidation_cost(self, group, r).worth(remaining_steps):
                 return r
         return None
 
