@@ -30,7 +30,7 @@ import msgspec
 import ray
 import torch
 
-from tetris.actors.prefill.executor import EmulatedExecutor, ModelExecutor
+from tetris.actors.prefill.executor import ModelExecutor
 from tetris.actors.prefill.kv_store import PagedKVStore
 from tetris.actors.prefill.messages import ChunkResult, ChunkTask
 from tetris.actors.prefill.send_side import SendSide
@@ -82,7 +82,10 @@ class PrefillWorker:
                 from tetris.scheduler.execution import execution_latency
 
                 timing = execution_latency("measured", timing, prefill_cfg.emulated_measurements)
-            self.executor = EmulatedExecutor(timing, model_cfg, tp_size=prefill_cfg.tp_size)
+            from tetris.actors.prefill.emulated_ranges import EmulatedRangeExecutor
+
+            # EmulatedExecutor that also streams elastic decode's KV ranges
+            self.executor = EmulatedRangeExecutor(timing, model_cfg, tp_size=prefill_cfg.tp_size)
         else:
             from tetris.actors.device import actor_device, load_model_on_device, prefill_kv_blocks
 
