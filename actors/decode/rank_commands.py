@@ -2,7 +2,7 @@
 
 Every rank applies the same commands in the same order (lockstep, ``rank.py``): ``Reserve``
 books the request's blocks in the engine and lends them to the receive manager under the
-pump's lock (kept KV yields room first, and a kept prefix is copied, not streamed);
+pump's lock (kept KV yields room first, and a kept prefix is shared, not streamed);
 ``Commit`` and ``Add`` admit a request; ``Abort`` ends it on the receive side first, then in
 the engine. Elastic commands go to the rank's ``ElasticMember``.
 """
@@ -45,26 +45,29 @@ class RankCommands:
         if self.pump is None:
             return Rejected(cmd.request_id, "this decode instance has no KV transfer enabled")
         kv_tokens = len(cmd.prompt_token_ids) + len(cmd.generated) - cmd.kv_start
-        if self.kept is not None and not engine.can_reserve(kv_tokens):
-            self.kept.make_room(kv_tokens, cmd.prefix_from)   # kept KV yields to requests
-        if not engine.can_reserve(kv_tokens):
-            stats = engine.stats()
-            return Rejected(cmd.request_id, f"{kv_tokens} prompt tokens do not fit "
-                            f"{stats.free_blocks} free blocks of {stats.block_size}", full=True)
         kept = self._kept() if cmd.keep or cmd.prefix_tokens else None
         if cmd.prefix_tokens and not kept.covers(cmd.prefix_from, cmd.prompt_token_ids,
                                                  cmd.prefix_tokens):
             return Rejected(cmd.request_id, f"no kept KV of {cmd.prefix_from!r} holding the "
                             f"prompt's first {cmd.prefix_tokens} tokens here")
+        # the kept prefix's full blocks are shared, not reserved again (kept_kv.py)
+        shared = kept.shared_blocks(cmd.prefix_from, cmd.prefix_tokens) \
+            if cmd.prefix_tokens else []
+        if self.kept is not None and not engine.can_reserve(kv_tokens, len(shared)):
+            self.kept.make_room(kv_tokens, cmd.prefix_from, len(shared))   # kept KV yields
+        if not engine.can_reserve(kv_tokens, len(shared)):
+            stats = engine.stats()
+            return Rejected(cmd.request_id, f"{kv_tokens} prompt tokens do not fit "
+                            f"{stats.free_blocks} free blocks of {stats.block_size}", full=True)
         # Under the pump's lock: no handshake may see the engine's blocks before the manager does.
         with self.pump.locked() as manager:
             table = engine.reserve_blocks(cmd.request_id, cmd.prompt_token_ids, cmd.sampling,
-                                          cmd.generated, kv_start=cmd.kv_start)
+                                          cmd.generated, kv_start=cmd.kv_start, shared=shared)
             self._blocks.lend(table)
             try:
                 ok = manager.reserve(cmd.request_id, kv_tokens, time.monotonic())
-                if ok and cmd.prefix_tokens:   # copied here, so not streamed (kept_kv.py)
-                    kept.copy_prefix(cmd.prefix_from, table, cmd.prefix_tokens)
+                if ok and cmd.prefix_tokens:   # shared or copied here, so not streamed
+                    kept.copy_boundary(cmd.prefix_from, table, cmd.prefix_tokens)
                     manager.preset(cmd.request_id, cmd.prefix_tokens)
             finally:
                 self._blocks.lend(None)

@@ -1,5 +1,5 @@
 """The decode side of prefix caching on one engine (engine/kept_kv.py): a finished turn's KV is
-kept, the next turn's prefix is copied from it, only the rest is written as a prefill would,
+kept, the next turn shares its prefix's blocks (the boundary block copied), only the rest is written as a prefill would,
 and the next turn's greedy tokens equal a cache-free reference; nothing is left after drops."""
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ def test_a_second_turn_reads_the_first_turns_kept_kv_and_stays_exact():
     assert kept.covers("t1", p2, reuse) and kept.covers("t1", p2, len(p1) + 7)
     assert not kept.covers("t1", p2, len(p1) + 8)                  # past the kept KV
     assert not kept.covers("t1", [p1[0] + 1] + p2[1:], reuse)      # other tokens
-    table = engine.reserve_blocks("t2", p2, GREEDY)
-    kept.copy_prefix("t1", table, reuse)
+    shared = kept.shared_blocks("t1", reuse)
+    table = engine.reserve_blocks("t2", p2, GREEDY, shared=shared)
+    kept.copy_boundary("t1", table, reuse)
     kv, first = _prefill_kv(model, p2)
     slots = torch.tensor([table[p // 4] * 4 + p % 4 for p in range(len(p2))])
     for layer, (k, v) in enumerate(kv):   # the rest, as the prefill streams it
@@ -95,6 +96,6 @@ def test_aborted_runs_are_not_kept_and_a_missing_prefix_is_refused():
     assert kept.runs == {} and engine.num_free_blocks == 16
     table = engine.reserve_blocks("b", list(range(5, 15)), GREEDY)
     with pytest.raises(ValueError, match="no kept KV"):
-        kept.copy_prefix("a", table, 4)
+        kept.copy_boundary("a", table, 4)
     engine.abort_request("b")
     assert engine.num_free_blocks == 16

@@ -4,6 +4,13 @@ Checking and acting are separate calls (``can_allocate``/``allocate``, ``can_app
 ``append_slot``) so that the batcher can decide without side effects and then commit. Acting
 without room raises instead of silently over-committing. Blocks come from a FIFO free list,
 so the same request stream always gets the same blocks (reproducible slot mappings).
+
+A block may be held by several tables at once (prefix caching's decode side, engine/kept_kv.py):
+``allocate(seq, shared)`` puts blocks another holder already holds at the head of ``seq``'s
+table; each block counts its holders (its reference count) and returns to the free list when
+the last one lets go, so a shared block is counted once in ``num_free_blocks``. A shared block
+is read-only: a new request shares only blocks its prefix fills completely, so every position
+it writes lies in a block of its own (``assert_exclusive``; ``append_slot`` checks it).
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
-        self._owner: dict[int, str] = {}
+        # block -> its holders (request ids or owners), one entry per table holding it: the
+        # block's reference count is the list's length
+        self._holders: dict[int, list[str]] = {}
         # Prefix caching's decode side (engine/kept_kv.py): True keeps a freed sequence's blocks.
         self.keeper = None
 
@@ -43,49 +52,94 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return blocks_for(num_tokens, self.block_size)
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        """Whether a sequence of ``num_tokens`` tokens fits in the free blocks now."""
-        return self.blocks_needed(num_tokens) <= len(self._free)
+    def can_allocate(self, num_tokens: int, shared: int = 0) -> bool:
+        """Whether a sequence of ``num_tokens`` tokens fits in the free blocks now, when its
+        first ``shared`` blocks are shared with another holder (they need no free block)."""
+        return self.blocks_needed(num_tokens) - shared <= len(self._free)
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give ``seq`` (holding no blocks) blocks for all of its current tokens."""
+    def allocate(self, seq: Sequence, shared=()) -> None:
+        """Give ``seq`` (holding no blocks) blocks for all of its current tokens: ``shared``
+        (blocks held already, e.g. a kept run's: engine/kept_kv.py) first, each one more
+        reference, then free blocks for the rest."""
         if seq.block_table:
             raise ValueError(f"{seq.request_id}: already holds {len(seq.block_table)} blocks")
+        shared = [int(b) for b in shared]
         need = self.blocks_needed(_held_tokens(seq))
-        if need > len(self._free):
-            raise OutOfBlocksError(
-                f"{seq.request_id}: needs {need} blocks, {len(self._free)} free"
-            )
-        seq.block_table = [self._take(seq.request_id) for _ in range(need)]
+        if len(shared) > need or len(set(shared)) != len(shared) or \
+                any(b not in self._holders for b in shared):
+            raise ValueError(f"{seq.request_id}: cannot share {shared} (held blocks, distinct, "
+                             f"at most the {need} its tokens fill)")
+        if need - len(shared) > len(self._free):
+            beside = f" beside {len(shared)} shared" if shared else ""
+            raise OutOfBlocksError(f"{seq.request_id}: needs {need - len(shared)} blocks"
+                                   f"{beside}, {len(self._free)} free")
+        for block in shared:
+            self._holders[block].append(seq.request_id)
+        seq.block_table = shared + [self._take(seq.request_id)
+                                    for _ in range(need - len(shared))]
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether ``seq``'s newest token can get a slot (a new block only at a boundary)."""
         return self._needs_block(seq) <= len(self._free)
 
     def append_slot(self, seq: Sequence) -> None:
-        """Give ``seq``'s newest token (appended after its last step) a slot."""
+        """Give ``seq``'s newest token (appended after its last step) a slot; the step writes
+        that token's KV there, so its block must be ``seq``'s alone."""
         if self._needs_block(seq):
             if not self._free:
                 raise OutOfBlocksError(f"{seq.request_id}: no free block to grow into")
             seq.block_table.append(self._take(seq.request_id))
+        self.assert_exclusive(seq.block_table[(_held_tokens(seq) - 1) // self.block_size:])
 
     def free(self, seq: Sequence) -> None:
-        """Return every block of ``seq``; a sequence holding none is a no-op."""
+        """Let go of every block of ``seq`` (a shared one stays with its other holders); a
+        sequence holding none is a no-op."""
         if self.keeper is not None and seq.block_table and self.keeper(seq):
-            seq.block_table = []   # still owned by it: kept for a later request's prefix
+            seq.block_table = []   # still held by it: kept for a later request's prefix
             return
-        for block in seq.block_table:
-            if self._owner.pop(block, None) != seq.request_id:
-                raise RuntimeError(f"block {block} freed by {seq.request_id} but not owned by it")
-            self._free.append(block)
+        self.free_owned(seq.request_id, seq.block_table)
         seq.block_table = []
 
     def free_owned(self, owner: str, blocks) -> None:
-        """Return ``blocks`` kept under ``owner`` (engine/kept_kv.py)."""
+        """Let go of ``blocks`` held under ``owner`` (engine/kept_kv.py); a block returns to
+        the free list when its last holder lets go."""
         for block in blocks:
-            if self._owner.pop(block, None) != owner:
-                raise RuntimeError(f"block {block} freed by {owner} but not owned by it")
-            self._free.append(block)
+            holders = self._holders.get(block)
+            if holders is None or owner not in holders:
+                raise RuntimeError(f"block {block} freed by {owner} but not held by it")
+            holders.remove(owner)
+            if not holders:
+                del self._holders[block]
+                self._free.append(block)
+
+    # -- sharing: reference counts ---------------------------------------------------------
+    def refcount(self, block: int) -> int:
+        """How many tables hold ``block`` (0: free)."""
+        return len(self._holders.get(block, ()))
+
+    def assert_exclusive(self, blocks) -> None:
+        """``blocks`` are about to be written: none may be shared (another holder reads it)."""
+        shared = [b for b in blocks if len(self._holders.get(b, ())) != 1]
+        if shared:
+            raise AssertionError(f"a write into blocks {shared} held by "
+                                 f"{[self._holders.get(b, []) for b in shared]}")
+
+    def check(self, tables) -> None:
+        """The accounting invariant, for tests: ``tables`` (holder -> block table, every table
+        holding blocks) give each held block exactly its reference count, and every block is
+        either held or free, once."""
+        counts: dict[int, list[str]] = {}
+        for holder, table in tables.items():
+            for block in table:
+                counts.setdefault(block, []).append(holder)
+        held = {b: sorted(h) for b, h in self._holders.items()}
+        if held != {b: sorted(h) for b, h in counts.items()}:
+            raise AssertionError(f"holders {held} but tables {counts}")
+        free = list(self._free)
+        if len(set(free)) != len(free) or set(free) & set(held) or \
+                len(free) + len(held) != self.num_blocks:
+            raise AssertionError(f"{len(free)} free ({len(set(free))} distinct) and "
+                                 f"{len(held)} held of {self.num_blocks} blocks")
 
     def withhold(self, owner: str, blocks) -> list[int]:
         """Take those of ``blocks`` that are free out of circulation under ``owner`` until
@@ -94,7 +148,7 @@ class BlockManager:
         if wanted:
             self._free = deque(b for b in self._free if b not in wanted)
             for block in wanted:
-                self._owner[block] = owner
+                self._holders[block] = [owner]
         return sorted(wanted)
 
     def reserve(self, owner: str) -> int:
@@ -108,7 +162,7 @@ class BlockManager:
 
     def _take(self, owner: str) -> int:
         block = self._free.popleft()
-        self._owner[block] = owner
+        self._holders[block] = [owner]
         return block
 
 

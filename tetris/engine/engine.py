@@ -174,9 +174,10 @@ class LLMEngine:
 
     # -- disaggregated prefill: the prompt's KV comes from a prefill instance ---------------
 
-    def can_reserve(self, num_prompt_tokens: int) -> bool:
-        """Whether blocks for a prefilled prompt of this length are free now."""
-        return self.blocks.can_allocate(num_prompt_tokens + 1)
+    def can_reserve(self, num_prompt_tokens: int, shared: int = 0) -> bool:
+        """Whether blocks for a prefilled prompt of this length are free now (its first
+        ``shared`` blocks shared with a kept run need none: engine/kept_kv.py)."""
+        return self.blocks.can_allocate(num_prompt_tokens + 1, shared)
 
     def reserve(self, request_id: str, prompt_token_ids: Seq[int],
                 params: SamplingParams, generated: Seq[int] = ()) -> list[int]:
@@ -198,26 +199,31 @@ class LLMEngine:
 
     def reserve_blocks(self, request_id: str, prompt_token_ids: Seq[int],
                        params: SamplingParams, generated: Seq[int] = (), *,
-                       kv_start: int = 0) -> list[int]:
+                       kv_start: int = 0, shared: Seq[int] = ()) -> list[int]:
         """``reserve`` returning the block table (block ids in position order) instead of a slot
         per position: a long prompt's slot list is ~36 bytes a token of short-lived ints.
 
         ``kv_start``: this engine is the master of a request whose positions before it are held
         by other decode instances (engine/elastic_rows.py): blocks for ``[kv_start, n)`` only,
-        the table's first block holding position ``kv_start``."""
+        the table's first block holding position ``kv_start``.
+
+        ``shared``: blocks a kept run holds the prompt's first positions in, put at the head of
+        the table (engine/kept_kv.py: ``shared_blocks``, then ``copy_boundary``)."""
+        if shared and kv_start:
+            raise ValueError(f"{request_id}: a kept prefix cannot be shared from kv_start {kv_start}")
         seq = self._new_sequence(request_id, prompt_token_ids, params, kv_start)
         if generated:
             self._resume(seq, generated)
         if not 0 <= kv_start < seq.num_tokens:
             raise ValueError(f"{request_id}: kv_start {kv_start} outside [0, {seq.num_tokens})")
         seq.kv_start = kv_start
-        if not self.can_reserve(seq.num_tokens - kv_start):
+        if not self.can_reserve(seq.num_tokens - kv_start, len(shared)):
             raise OutOfBlocksError(
                 f"{request_id}: {seq.num_tokens} prompt tokens need "
-                f"{self.blocks.blocks_needed(seq.num_tokens - kv_start + 1)} blocks, "
-                f"{self.blocks.num_free_blocks} free"
+                f"{self.blocks.blocks_needed(seq.num_tokens - kv_start + 1) - len(shared)} "
+                f"blocks, {self.blocks.num_free_blocks} free"
             )
-        self.blocks.allocate(seq)
+        self.blocks.allocate(seq, shared)
         seq.status = SequenceStatus.RECEIVING
         self._seqs[request_id] = seq
         return list(seq.block_table)

@@ -4,14 +4,22 @@ of prefix caching, docs/prefix_cache.md).
 A conversation's next turn resends the whole conversation; the decode instance that ran the
 last turn still has its KV if it kept it. ``want(run)`` before the run finishes makes the
 engine keep the run's blocks when it finishes normally (stop or length; an aborted run and a
-preempted one free them as before). ``copy_prefix(run, table, n)`` writes the kept KV of
-positions ``[0, n)`` into another request's blocks (every layer; a device-local copy, so the
-prefix need not be streamed again), and ``drop(run)`` frees the kept blocks; ``make_room``
-frees the earliest kept runs when a new request would not fit otherwise (whoever recorded
-them finds them gone: a copy from a run no longer kept is refused, ``covers``).
+preempted one free them as before). A later request whose first ``n`` positions the run holds
+reads them from the run's blocks, so the prefix is not streamed again:
 
-Simplification: the prefix is copied, not shared by reference count with copy-on-write at the
-boundary block; while both live the prefix takes its memory twice.
+1. ``shared_blocks(run, n)``: the run's blocks that ``[0, n)`` fills completely;
+2. the engine reserves the request with those at the head of its table (one more reference
+   each, ``BlockManager.allocate``): only the blocks it does not share come from the free list;
+3. ``copy_boundary(run, table, n)``: the positions of ``[0, n)`` in a block only partly covered
+   (the boundary block) are copied into the request's own block (copy-on-write: the request
+   writes its next positions there, the run's block stays as the run left it); every block
+   from there on must be the request's alone (asserted), so no write reaches a shared block.
+
+``drop(run)`` lets go of the kept blocks (a block a reader still holds stays until it
+finishes); ``make_room`` drops the earliest kept runs when a new request would not fit otherwise
+(whoever recorded them finds them gone: sharing a run no longer kept is refused, ``covers``).
+Every TP rank applies the same reservations in the same order to its own engine, so the
+sharing is the same on each.
 """
 
 from __future__ import annotations
@@ -60,29 +68,43 @@ class KeptKV:
         self.runs[rid] = (list(seq.block_table), list(seq.tokens)[:seq.num_computed])
         return True
 
-    def copy_prefix(self, run_id: str, table: list[int], upto: int) -> None:
-        """Positions ``[0, upto)`` of the kept run's KV into the blocks ``table`` (every
-        layer); ``ValueError`` if the run is not kept or holds fewer positions."""
+    def shared_blocks(self, run_id: str, upto: int) -> list[int]:
+        """The kept run's blocks that positions ``[0, upto)`` fill completely (a request whose
+        prefix they hold shares them); ``ValueError`` if the run is not kept or holds fewer
+        positions."""
         kept = self.runs.get(run_id)
         if kept is None or len(kept[1]) < upto:
             raise ValueError(f"no kept KV of {run_id!r} covering [0, {upto}) on this engine")
+        return kept[0][:upto // self.engine.blocks.block_size]
+
+    def copy_boundary(self, run_id: str, table: list[int], upto: int) -> None:
+        """Complete a request reserved sharing ``shared_blocks(run_id, upto)``: the positions
+        of ``[0, upto)`` past its shared blocks (those of the boundary block) are copied from
+        the run's block into the request's own (every layer; a device-local copy)."""
+        shared = self.shared_blocks(run_id, upto)
+        if table[:len(shared)] != shared:
+            raise ValueError(f"the table {table[:len(shared)]} does not share {shared}")
+        blocks = self.engine.blocks
+        blocks.assert_exclusive(table[len(shared):])   # everything written from here on
+        bs = blocks.block_size
+        start = len(shared) * bs
         cache = self.engine.cache
-        if not hasattr(cache, "k"):   # EMULATION: no KV stored
+        if start == upto or not hasattr(cache, "k"):   # on a boundary; EMULATION: no KV
             return
-        bs = self.engine.blocks.block_size
-        src = _slots(kept[0], upto, bs, cache.k[0].device)
-        dst = _slots(table, upto, bs, cache.k[0].device)
+        src = _slots(self.runs[run_id][0], start, upto, bs, cache.k[0].device)
+        dst = _slots(table, start, upto, bs, cache.k[0].device)
         for layer in range(len(cache.k)):
             for t in (cache.k[layer], cache.v[layer]):
                 flat = t.view(-1, *t.shape[2:])
                 flat.index_copy_(0, dst, flat.index_select(0, src))
 
-    def make_room(self, tokens: int, spare: str = "") -> list[str]:
+    def make_room(self, tokens: int, spare: str = "", shared: int = 0) -> list[str]:
         """Free kept runs, the earliest kept first (but ``spare``), until a reservation of
-        ``tokens`` fits; the runs freed. Kept KV never makes the engine refuse a request."""
+        ``tokens`` sharing ``shared`` blocks fits; the runs freed. Kept KV never makes the
+        engine refuse a request."""
         dropped = []
         for run in list(self.runs):
-            if self.engine.can_reserve(tokens):
+            if self.engine.can_reserve(tokens, shared):
                 break
             if run != spare:
                 self.drop(run)
@@ -90,7 +112,8 @@ class KeptKV:
         return dropped
 
     def drop(self, run_id: str) -> bool:
-        """Free the run's kept blocks (and forget a wish to keep it); False if none."""
+        """Let go of the run's kept blocks (and forget a wish to keep it); False if none. A
+        block shared with a request still running returns to the free list when it ends."""
         self._wanted.discard(run_id)
         kept = self.runs.pop(run_id, None)
         if kept is None:
@@ -99,7 +122,7 @@ class KeptKV:
         return True
 
 
-def _slots(table: list[int], n: int, block_size: int, device) -> torch.Tensor:
-    pos = torch.arange(n, device=device)
+def _slots(table: list[int], start: int, end: int, block_size: int, device) -> torch.Tensor:
+    pos = torch.arange(start, end, device=device)
     blocks = torch.tensor(table, dtype=torch.int64, device=device)
     return blocks[pos // block_size] * block_size + pos % block_size

@@ -99,6 +99,9 @@ class PipelineGroup:
             if (e.cache is None or not isinstance(e.runner, ModelRunner)
                     or e.runner.graphs is not None):
                 raise ValueError("only an undropped engine without CUDA graphs can join a group")
+            if e.blocks.keeper is not None:   # kept runs' blocks, shared by reference
+                raise ValueError("an engine keeping finished runs' KV (engine/kept_kv.py) "
+                                 "cannot join a group")
             if any(s.status is SequenceStatus.RECEIVING for s in e._seqs.values()):
                 raise ValueError("an engine is receiving a prefilled prompt's KV; drop after it")
         used = sum(e.blocks.num_blocks - e.blocks.num_free_blocks for e in self.engines)
