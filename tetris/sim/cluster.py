@@ -23,6 +23,7 @@ from tetris.sim.decode import DecodeInstanceSim, DecodeRequest
 from tetris.sim.events import EventKind, EventQueue
 from tetris.sim.metrics import SimResult, summarise, weighted_percentiles, LatencySummary
 from tetris.sim.prefill import PrefillPoolSim
+from tetris.sim.prefix_transfer import with_prefix_shard
 from tetris.sim.transfer import KVTransferModel
 from tetris.sim.workload import SimRequest
 
@@ -160,9 +161,7 @@ class Simulation:
         cached = {"block_hashes": r.block_hashes} \
             if getattr(control, "prefix_index", None) is not None and r.block_hashes else {}
         if self.decoders:
-            admission = control.admit(r.request_id, r.prompt_tokens,
-                                      r.prompt_tokens + r.output_tokens, now, **cached)
-            d, plan = admission.decode_instance, admission.plan
+            d, plan = self._admit(now, r, cached)
         else:
             plan = control.plan(r.request_id, r.prompt_tokens, now, **cached)
             control.commit(plan)
@@ -173,12 +172,23 @@ class Simulation:
             return
         end, runs = self._execute(now, i, plan)
         if self.decoders:
-            ready = self.transfer.ready_time(runs, self.link_free[d])
+            ready = self.transfer.ready_time(self._kv_runs(plan, runs, d), self.link_free[d])
             self.link_free[d] = ready
             req = DecodeRequest(r.request_id, i, r.prompt_tokens, r.output_tokens, end)
             req.ready_time = ready
             self.decode_reqs[i] = req
             self.events.push(ready, EventKind.KV_READY, (d, req))
+
+    def _admit(self, now: float, r: SimRequest, cached: dict) -> tuple[int, Any]:
+        """Route, plan and commit an arrival: (decode instance, plan)."""
+        admission = self.control.admit(r.request_id, r.prompt_tokens,
+                                       r.prompt_tokens + r.output_tokens, now, **cached)
+        return admission.decode_instance, admission.plan
+
+    def _kv_runs(self, plan: Any, runs: list[Any], d: int) -> list[Any]:
+        """What crosses to decode instance ``d``: the chunks, after a cached prefix's KV
+        (``prefix_transfer``; ``prefix_decode`` drops it where ``d`` holds the prefix)."""
+        return with_prefix_shard(plan, runs)
 
     def _refuse(self, now: float, i: int) -> None:
         """A request larger than its decode instance's whole KV: the live instance's reservation

@@ -14,13 +14,20 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from tetris.control import ControlPlane, PrefillQueue
 from tetris.control.prefix_index import PrefixIndex
 from tetris.scheduler.policies import make_policy
 from tetris.sim.cluster import Simulation, cluster_by_name
 from tetris.sim.experiments import SLO_FACTOR, _decode_side, _profile, execution_fn
-from tetris.sim.prefix_workload import PrefixWorkload, shared_prefix_workload
+from tetris.sim.prefix_decode import PrefixDecodeSimulation
+from tetris.sim.prefix_workload import (
+    PrefixWorkload,
+    decode_kept_hashes,
+    shared_prefix_prompts,
+    shared_prefix_workload,
+)
 from tetris.sim.workload import SimRequest
 
 __all__ = ["PrefixRun", "default_capacity_blocks", "prefix_capacity", "run_prefix",
@@ -39,6 +46,12 @@ class PrefixRun(msgspec.Struct, frozen=True):
     hit_rate: float          # requests planned from a cached prefix / requests
     cached_token_share: float   # prompt tokens not computed / prompt tokens
     index: dict[str, int]
+    # With simulated decode: arrival to all of the request's KV on its decode instance
+    # (prefix shard included, ``prefix_transfer``), and decode-side reuse (``prefix_decode``).
+    kv_ready_p50: float = float("nan")
+    kv_ready_p99: float = float("nan")
+    decode_reuses: int = 0
+    decode_reused_tokens: int = 0
 
 
 def default_capacity_blocks(model: str, block_tokens: int, share: float = 0.5) -> int:
@@ -52,7 +65,11 @@ def default_capacity_blocks(model: str, block_tokens: int, share: float = 0.5) -
 def run_prefix(requests: list[SimRequest], *, model: str = "8b", policy: str = "tetris",
                improvement_rate: float = 0.3, cache: bool, block_tokens: int = 512,
                capacity_blocks: int | None = None, decode: bool = False,
+               decode_runs: int = 0, kept: dict | None = None,
                rate: float = 0.0) -> tuple[PrefixRun, Simulation]:
+    """One run; ``decode_runs`` > 0 (with ``decode`` and ``cache``) keeps that many finished
+    runs per decode instance for decode-side reuse, ``kept`` their block hashes
+    (``prefix_workload.decode_kept_hashes``)."""
     cluster = cluster_by_name(model)
     lat = _profile(cluster)
     pol = make_policy(policy, lat, sp_candidates=cluster.sp_candidates,
@@ -65,16 +82,24 @@ def run_prefix(requests: list[SimRequest], *, model: str = "8b", policy: str = "
         index = PrefixIndex(block_tokens, blocks)
     control = ControlPlane(pol, PrefillQueue(cluster.node_of()), router,
                            improvement_rate=improvement_rate, prefix_index=index)
-    sim = Simulation(requests, cluster=cluster, control=control, latency=lat, decode_step=step,
-                     workload="shared-prefix", rate=rate, record=True,
-                     execution=execution_fn(model, "profile"))
+    common = {"cluster": cluster, "control": control, "latency": lat, "decode_step": step,
+              "workload": "shared-prefix", "rate": rate, "record": True,
+              "execution": execution_fn(model, "profile")}
+    sim = (PrefixDecodeSimulation(requests, decode_runs=decode_runs, kept=kept or {}, **common)
+           if cache and decode and decode_runs else Simulation(requests, **common))
     res = sim.run()
     plans = sim.plans or []
     prompt = sum(p.prompt_tokens for p in plans)
+    ready = [d.ready_time - r.arrival_time for r, d in zip(requests, sim.decode_reqs)
+             if d is not None]
+    p50, p99 = np.percentile(ready, [50, 99]) if ready else (float("nan"),) * 2
+    kept_stats = sim.kept.stats() if isinstance(sim, PrefixDecodeSimulation) else {}
     return PrefixRun(cache, rate, res.requests, res.ttft.p50, res.ttft.p99, res.ttft.mean,
                      sum(1 for p in plans if p.cached_tokens) / max(1, len(plans)),
                      sum(p.cached_tokens for p in plans) / max(1, prompt),
-                     index.stats() if index is not None else {}), sim
+                     index.stats() if index is not None else {}, float(p50), float(p99),
+                     kept_stats.get("decode_reuses", 0),
+                     kept_stats.get("decode_reused_tokens", 0)), sim
 
 
 def prefix_capacity(spec: PrefixWorkload, seed: int, *, cache: bool, slo: tuple[float, float],
@@ -84,8 +109,10 @@ def prefix_capacity(spec: PrefixWorkload, seed: int, *, cache: bool, slo: tuple[
     probes = []
 
     def ok(rate: float) -> bool:
-        reqs = shared_prefix_workload(spec, rate, seed)
-        r, _ = run_prefix(reqs, cache=cache, rate=rate, block_tokens=spec.block_tokens, **run)
+        items = shared_prefix_prompts(spec, rate, seed)
+        kept = decode_kept_hashes(items, spec.block_tokens) if run.get("decode_runs") else None
+        r, _ = run_prefix([r for r, _ in items], cache=cache, rate=rate,
+                          block_tokens=spec.block_tokens, kept=kept, **run)
         good = r.ttft_p50 <= slo[0] and r.ttft_p99 <= slo[1]
         probes.append((rate, r.ttft_p50, r.ttft_p99, good))
         return good

@@ -36,6 +36,8 @@ from tetris.sim.workload import OUTPUT_LENGTHS, LengthDistribution, SimRequest
 
 __all__ = [
     "PrefixWorkload",
+    "answer_key",
+    "decode_kept_hashes",
     "load_mooncake_trace",
     "save_mooncake_trace",
     "segment_hashes",
@@ -81,6 +83,26 @@ def segment_hashes(segments: list[Segment], block_tokens: int) -> tuple[int, ...
     return tuple(out)
 
 
+def answer_key(segments: list[Segment]) -> str:
+    """The content key of the answer to a prompt: turn ``t``'s user message ``.../user<t>``
+    is answered by ``.../answer<t>`` (resent by the next turn); any other prompt by its last
+    segment's key and ``/answer``."""
+    head, _, last = segments[-1][0].rpartition("/")
+    if last.startswith("user"):
+        return f"{head}/answer{last[4:]}"
+    return f"{segments[-1][0]}/answer"
+
+
+def decode_kept_hashes(items: list[tuple[SimRequest, list[Segment]]],
+                       block_tokens: int) -> dict[str, tuple[int, ...]]:
+    """Per request, the block hashes of the KV its decode instance keeps once it completes
+    (decode-side reuse): its prompt and its answer but the answer's last token, whose KV is
+    never computed."""
+    return {r.request_id: segment_hashes(segs + [(answer_key(segs), r.output_tokens - 1)],
+                                         block_tokens)
+            for r, segs in items}
+
+
 def _uniform(rng: np.random.Generator, lo_hi: tuple[int, int]) -> int:
     return int(rng.integers(lo_hi[0], lo_hi[1] + 1))
 
@@ -103,7 +125,7 @@ def _streams(spec: PrefixWorkload, rng: np.random.Generator,
         for t in range(n):
             prompt = history + [(f"ses{s}/user{t}", _uniform(rng, spec.turn_tokens))]
             items.append((prompt, int(outs[t])))
-            history = prompt + [(f"ses{s}/answer{t}", int(outs[t]))]
+            history = prompt + [(answer_key(prompt), int(outs[t]))]
         streams.append(items)
     return streams
 
