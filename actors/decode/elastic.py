@@ -69,6 +69,20 @@ class Release(msgspec.Struct, frozen=True, tag="release"):
 ELASTIC_COMMANDS = (Lead, Hold, Release)
 
 
+def _rows_for(rank) -> type:
+    """``ElasticRows``, or for an emulated engine (EMULATION) ``EmulatedElasticRows``; the rank
+    built its engine before it knew it would join a world, so it becomes the elastic one
+    here (``elastic_emulated.make_elastic``)."""
+    from tetris.actors.decode.emulated import EmulatedDecodeEngine
+
+    if not isinstance(rank.engine, EmulatedDecodeEngine):
+        return ElasticRows
+    from tetris.actors.decode.elastic_emulated import EmulatedElasticRows, make_elastic
+
+    make_elastic(rank.engine, rank.deployment)
+    return EmulatedElasticRows
+
+
 class ElasticMember:
     """Instance ``index`` of ``size`` in the elastic world ``world`` (a peer link), on
     ``rank`` (a ``DecodeRank`` whose engine is loaded and whose transfer is enabled)."""
@@ -76,7 +90,7 @@ class ElasticMember:
     def __init__(self, rank, index: int, size: int, world) -> None:
         self.rank = rank
         self.world = world
-        self.rows = ElasticRows(rank.engine, index, size, world)
+        self.rows = _rows_for(rank)(rank.engine, index, size, world)
         self._pending: dict[str, str] = {}   # range transfer id -> request, until released
 
     @classmethod

@@ -26,7 +26,7 @@ from tetris.actors.decode.emulated import (
 
 from tetris.engine.elastic_rows import ElasticRows
 
-__all__ = ["EmulatedElasticEngine", "EmulatedElasticRows"]
+__all__ = ["EmulatedElasticEngine", "EmulatedElasticRows", "make_elastic"]
 
 
 class EmulatedElasticRows(ElasticRows):
@@ -110,3 +110,14 @@ class EmulatedElasticEngine(EmulatedDecodeEngine):
         for sched in scheduled:
             sched.seq.num_computed += sched.num_new_tokens
         return sampling, [PLACEHOLDER_TOKEN] * len(sampling)
+
+
+def make_elastic(engine: EmulatedDecodeEngine, deployment) -> EmulatedElasticEngine:
+    """The emulated engine a decode rank built, made the elastic one in place (the served
+    path: ``ElasticMember`` on an emulated rank). ``EmulatedElasticEngine`` adds methods and
+    the two attributes set here, no other state, so the engine's requests and blocks stay."""
+    if not isinstance(engine, EmulatedElasticEngine):
+        engine.__class__ = EmulatedElasticEngine
+        engine.elastic = None
+    engine.deployment = deployment
+    return engine

@@ -11,12 +11,15 @@ from __future__ import annotations
 import threading
 
 import msgspec
+import pytest
 import torch.distributed as dist
 from tetris.actors.decode.elastic_emulated import (
     EmulatedElasticEngine,
     EmulatedElasticRows,
+    make_elastic,
 )
 from tetris.actors.decode.elastic_link import SocketWorld
+from tetris.actors.decode.emulated import EmulatedDecodeEngine
 
 from tetris.config import load_deployment
 from tetris.sampling_params import SamplingParams
@@ -31,11 +34,14 @@ def _deployment():
         dep.model, max_position_embeddings=2 * LONG))
 
 
-def _member(me: int, dep, store, out: dict) -> None:
+def _member(me: int, dep, store, out: dict, made: bool = False) -> None:
     slept: list[float] = []
     dc, mc = dep.decode, dep.model
-    engine = EmulatedElasticEngine(dep, tp_size=dc.tp_size, kv_heads=mc.num_kv_heads // dc.tp_size,
-                                   sleep=slept.append)
+    kw = {"tp_size": dc.tp_size, "kv_heads": mc.num_kv_heads // dc.tp_size, "sleep": slept.append}
+    if made:   # as a decode rank's engine becomes elastic when it joins a world (the served path)
+        engine = make_elastic(EmulatedDecodeEngine(dep, **kw), dep)
+    else:
+        engine = EmulatedElasticEngine(dep, **kw)
     rows = EmulatedElasticRows(engine, me, 2, SocketWorld(store, me, 2, "127.0.0.1", 20.0))
     params = SamplingParams(max_tokens=ROUNDS + 1, temperature=0.0, ignore_eos=True)
     if me == 0:
@@ -60,10 +66,12 @@ def _member(me: int, dep, store, out: dict) -> None:
     rows.link.close()
 
 
-def test_emulated_instances_sleep_the_kv_they_read_and_exchange_the_paper_geometry():
+@pytest.mark.parametrize("made", [False, True], ids=["built-elastic", "made-elastic"])
+def test_emulated_instances_sleep_the_kv_they_read_and_exchange_the_paper_geometry(made):
     dep = _deployment()
     store, out = dist.HashStore(), {}
-    threads = [threading.Thread(target=_member, args=(me, dep, store, out)) for me in range(2)]
+    threads = [threading.Thread(target=_member, args=(me, dep, store, out, made))
+               for me in range(2)]
     for t in threads:
         t.start()
     for t in threads:
