@@ -50,7 +50,8 @@ class Chunk(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The layout's communication time minus the ring's, in the prediction (sp_comm.py); the
     # simulator executes it too (a ring chunk: 0, Eq. 1 alone)
     sp_layout_delta_s: float = 0.0
-    # "a2a" only: three-phase pipelining over this many micro-partitions (1: none)
+    # "a2a": three-phase pipelining over this many micro-partitions (1: none); "ring": each
+    # step's block sent in this many pieces (actors/prefill/ring_pipeline.py)
     sp_micro_partitions: int = 1
 
     @property

@@ -57,6 +57,9 @@ def plan_layout(plan: PrefillPlan, balance: BalanceMode = "overlap",
     return layouts, held
 
 
+# Layouts whose chunks may run over micro-partitions (alltoall_pipeline.py, ring_pipeline.py)
+PIPELINED_LAYOUTS = ("a2a", "ring")
+
 _SPEC_ITEM = re.compile(r"^\s*(\d+|rest)\s*x\s*(\d+)\s*(?::\s*([a-z0-9]+)\s*(?:/\s*(\d+)\s*)?)?$")
 
 
@@ -64,7 +67,7 @@ def parse_plan_spec(spec: str) -> list[tuple[int | None, int]]:
     """``"1500x1,2500x2,restx4"`` -> ``[(1500, 1), (2500, 2), (None, 4)]`` (None: the rest).
 
     An item may name its chunk's SP layout after a colon (``2500x2:a2a``), and the number of
-    micro-partitions of its three-phase pipelining after a slash (``2500x2:a2a/4``); see
+    micro-partitions of its pipelining after a slash (``2500x2:a2a/4``, ``2500x2:ring/4``); see
     ``parse_plan_layouts``."""
     items = []
     for part in spec.split(","):
@@ -88,8 +91,9 @@ def parse_plan_layouts(spec: str) -> list[tuple[str, int]]:
         lay, micro = m.group(3) or "ring", int(m.group(4) or 1)
         if lay not in SP_LAYOUTS:
             raise PlanError(f"--plan layout {lay!r}: expected one of {', '.join(SP_LAYOUTS)}")
-        if micro < 1 or (micro > 1 and lay != "a2a"):
-            raise PlanError(f"--plan {part.strip()!r}: micro-partitions (/M, M >= 1) are for a2a")
+        if micro < 1 or (micro > 1 and lay not in PIPELINED_LAYOUTS):
+            raise PlanError(f"--plan {part.strip()!r}: micro-partitions (/M, M >= 1) are for "
+                            f"{' and '.join(PIPELINED_LAYOUTS)}")
         out.append((lay, micro))
     return out
 
@@ -118,7 +122,8 @@ def forced_plan(request_id: str, prompt_tokens: int, spec: str, node_of: tuple[i
         if num_kv_heads is not None:
             lay, why = resolve_sp_layout(lay, len(group), num_kv_heads, num_heads)
         chunks.append(Chunk(start=pos, end=end, instances=group, sp_layout=lay,
-                            sp_layout_reason=why, sp_micro_partitions=micro if lay == "a2a" else 1))
+                            sp_layout_reason=why,
+                            sp_micro_partitions=micro if lay == layouts[k][0] else 1))
         pos = end
     plan = PrefillPlan(request_id=request_id, prompt_tokens=prompt_tokens, chunks=tuple(chunks),
                        policy="forced")

@@ -117,7 +117,7 @@ def test_forced_plan_spec_names_layouts_and_the_fallback():
     assert parse_plan_layouts("300x1,500x2:a2a,restx4:a2a/3") == [("ring", 1), ("a2a", 1),
                                                                    ("a2a", 3)]
     with pytest.raises(PlanError, match="micro-partitions"):
-        parse_plan_layouts("300x1:ring/2,restx2")
+        parse_plan_layouts("300x1:sptp/2,restx2")   # ring/2 runs: ring_pipeline.py
     with pytest.raises(PlanError, match="layout 'tree'"):
         parse_plan_layouts("300x1:tree,restx2")
     plan = forced_plan("p", 1500, "300x1,500x2:a2a/4,restx3:a2a/2", (0, 0, 1, 1), num_kv_heads=2)
