@@ -122,9 +122,21 @@ def test_shared_prefixes_are_served_from_the_cache_token_for_token(app):
     assert all(len(p["cached_instances"]) >= 2 for p in plans[-3:]), plans[-3:]
     assert cache["enabled"] and cache["hits"] == 3 and cache["queries"] == 4
     # The decode side: q2, q1 again and the second turn were routed to the instance keeping
-    # q1's run (prompt and answer but its last token), which copied their cached prefix from
+    # q1's run (prompt and answer but its last token), which read their cached prefix from
     # it; the prefill pool streamed only what it computed.
     assert (cache["decode_reuses"], cache["decode_reused_tokens"]) == (3, 592 + 639 + 640), cache
+    # ... and shares the kept run's whole blocks (engine/kept_kv.py): the instance holds the
+    # four kept runs (prompt and 11 of 12 outputs each) in the blocks none of them shares
+    bs = cfg.decode.block_size
+
+    def blocks(n):
+        return -(-n // bs)
+
+    own = {"q1": blocks(len(q1) + 11), "q2": blocks(len(q2) + 11) - 592 // bs,
+           "again": blocks(len(q1) + 11) - 639 // bs, "turn2": blocks(len(turn2) + 11) - 640 // bs}
+    held = _wait_idle(base, _nothing_in_flight)
+    for rank in held["decode"][0]["ranks"]:   # every TP rank shares alike
+        assert rank["total_blocks"] - rank["free_blocks"] == sum(own.values()), (own, rank)
     metrics = httpx.get(f"{base}/metrics", timeout=60).text
     assert "tetris:prefix_cache_hits_total" in metrics
     cleared = httpx.delete(f"{base}/admin/prefix_cache", timeout=60).json()
