@@ -2,9 +2,9 @@
 
 ``PipelinedEmulatedEngine`` is an ``EmulatedDecodeEngine`` (no model, no KV tensors; the
 engine's own ``Batcher`` and ``BlockManager`` do admission, paged growth and preemption by
-recompute) whose step sleeps the time a caller-given model assigns to the unit's size, batch
-and context: for KunServe the simulator's pipelined iteration (``round = T(b/g, ctx/g) (1 +
-bubble) + g t_act``), so emulated and simulated units share one timing model. A group is one
+recompute) whose step sleeps the time a caller-given model assigns to the contexts of the
+sequences it runs: for KunServe the simulator's ``unit_time`` (a group's pipelined round over
+its lookahead micro-batches), so emulated and simulated units share one timing model. A group is one
 engine whose block manager holds the group's capacity (one block table serves every member,
 docs/kunserve.md); recomputed prompts (a preempted sequence re-admitted) add their prefill.
 
@@ -32,7 +32,7 @@ from .emulated import PLACEHOLDER_TOKEN, EmulatedDecodeEngine
 
 __all__ = ["PipelinedEmulatedEngine", "StepModel"]
 
-StepModel = Callable[[int, int, int], float]   # (members, batch, context tokens) -> seconds
+StepModel = Callable[[list[int]], float]   # (each scheduled sequence's tokens) -> seconds
 
 
 class PipelinedEmulatedEngine(EmulatedDecodeEngine):
@@ -68,9 +68,9 @@ class PipelinedEmulatedEngine(EmulatedDecodeEngine):
 
     def step_seconds(self, plan) -> float:
         scheduled = plan.decodes + plan.prefills
-        context = sum(s.seq.num_tokens for s in scheduled)
+        contexts = [s.seq.num_tokens for s in scheduled]
         recompute = sum(s.num_new_tokens for s in plan.prefills)
-        return (self.step_model(len(self.members), len(scheduled), context)
+        return (self.step_model(contexts)
                 + recompute * self.prefill_s_per_token + self.pending_s) * self.time_scale
 
     def step(self):

@@ -10,7 +10,7 @@ from tetris.actors.decode.kunserve_emulated import PipelinedEmulatedEngine
 from tetris.bench.kunserve_emulated import KunServeEmulation
 from tetris.control.kunserve_memory import InstanceMemory
 from tetris.sampling_params import SamplingParams
-from tetris.sim.kunserve import KunRequest, PoolProfile, iteration_time
+from tetris.sim.kunserve import KunRequest, PoolProfile, unit_time
 
 BS = 16
 # 4 layers whose weights are 3x the KV region: a drop into a pair more than doubles the KV.
@@ -21,10 +21,14 @@ PROF = PoolProfile(name="toy", instances=2, hbm_bytes_per_s=4e9, per_seq_s=1.5e-
                    activation_bytes_per_token=64, bubble=0.083, max_batch=64, tick_s=0.05)
 
 
+def _layers(members):
+    return (4,) if len(members) == 1 else (2, 2)
+
+
 def _engine(members, blocks=64):
     return PipelinedEmulatedEngine(
         members, num_blocks=blocks, block_size=BS, max_batch=8,
-        step_model=lambda g, b, ctx: iteration_time(MEM, PROF, g, b, ctx),
+        step_model=lambda contexts: unit_time(MEM, PROF, _layers(members), contexts),
         prefill_s_per_token=PROF.prefill_s_per_token, time_scale=2.0)
 
 
@@ -40,11 +44,11 @@ def test_a_step_sleeps_the_simulators_pipelined_iteration():
     for i, n in enumerate((20, 33, 5)):
         _prefilled(pair, str(i), n, 4)
     pair.step()
-    ctx = (20 + 1) + (33 + 1) + (5 + 1)
-    model = 2.0 * iteration_time(MEM, PROF, 2, 3, ctx)      # time scale 2
+    contexts = [20 + 1, 33 + 1, 5 + 1]
+    model = 2.0 * unit_time(MEM, PROF, (2, 2), contexts)      # time scale 2
     assert pair.emulated_s == pytest.approx(model)
     assert len(slept) == 1 and 0 <= slept[0] <= model      # less the step's own CPU time
-    assert iteration_time(MEM, PROF, 2, 3, ctx) != iteration_time(MEM, PROF, 1, 3, ctx)
+    assert unit_time(MEM, PROF, (2, 2), contexts) != unit_time(MEM, PROF, (4,), contexts)
 
 
 def test_moved_sequences_keep_their_state_and_wait_for_the_exchange():

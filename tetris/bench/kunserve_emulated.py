@@ -3,9 +3,9 @@
 
 What runs (one process, one thread per decode unit): each unit is a
 ``PipelinedEmulatedEngine`` (actors/decode/kunserve_emulated.py): the engine's own batcher and
-block manager, its step sleeping the simulator's pipelined iteration time
-(``tetris.sim.kunserve.iteration_time``, same profile), so an emulated unit of g members takes
-the simulator's time for its batch. Around them, as in the served system's P/D shape:
+block manager, its step sleeping the simulator's iteration time (``tetris.sim.kunserve.unit_time``,
+same profile: a group's pipelined round over its lookahead micro-batches), so an emulated
+unit takes the simulator's time for its batch. Around them, as in the served system's P/D shape:
 
 - the dispatcher (the arrival loop): FCFS, head never skipped, Llumnix routing to the unit
   with the most free blocks, ``reserve`` of the prompt's blocks, then ``commit_prefilled``
@@ -37,13 +37,12 @@ import threading
 import time
 from collections import deque
 
-
 from tetris.actors.decode.kunserve_emulated import PipelinedEmulatedEngine
 from tetris.bench.kunserve_regroup import KunServeRegrouping
 from tetris.control.kunserve import KunServeController
 from tetris.control.kunserve_memory import InstanceMemory
 from tetris.sampling_params import SamplingParams
-from tetris.sim.kunserve import KunRequest, PoolProfile, iteration_time, policy_result
+from tetris.sim.kunserve import KunRequest, PoolProfile, policy_result, unit_time
 
 __all__ = ["EMULATED_POLICIES", "KunServeEmulation"]
 
@@ -63,11 +62,13 @@ class _Unit:
 
 class KunServeEmulation(KunServeRegrouping):
     def __init__(self, requests: list[KunRequest], mem: InstanceMemory, prof: PoolProfile,
-                 policy: str, *, time_scale: float = 1.0, stall_s: float = 60.0) -> None:
+                 policy: str, *, time_scale: float = 1.0, stall_s: float = 60.0,
+                 round_model: str = "lookahead") -> None:
         if policy not in EMULATED_POLICIES:
             raise ValueError(f"policy {policy!r} is not one of {EMULATED_POLICIES}")
         self.reqs, self.mem, self.prof, self.policy = requests, mem, prof, policy
         self.scale = time_scale
+        self.round_model = round_model
         self.stall_s = stall_s          # no step and no finish for this long (wall): an error
         self.lock = threading.Lock()
         self.cv = threading.Condition(self.lock)
@@ -97,11 +98,14 @@ class KunServeEmulation(KunServeRegrouping):
         """Trace seconds since the start (wall clock / time scale)."""
         return (time.monotonic() - self.t0) / self.scale
 
-    def _unit(self, members: tuple[int, ...], blocks: int) -> _Unit:
-        p = self.prof
+    def _unit(self, members: tuple[int, ...], blocks: int,
+              layers: tuple[int, ...] | None = None) -> _Unit:
+        """A unit whose members hold ``layers`` (all of them: one instance)."""
+        p, rm = self.prof, self.round_model
+        layers = layers or (self.mem.num_layers,)
         engine = PipelinedEmulatedEngine(
             members, num_blocks=blocks, block_size=self.mem.block_size, max_batch=p.max_batch,
-            step_model=lambda g, b, ctx: iteration_time(self.mem, p, g, b, ctx),
+            step_model=lambda contexts: unit_time(self.mem, p, layers, contexts, rm),
             prefill_s_per_token=p.prefill_s_per_token, time_scale=self.scale, lock=self.lock)
         return _Unit(engine)
 

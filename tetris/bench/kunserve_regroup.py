@@ -83,10 +83,10 @@ class KunServeRegrouping:
         for members in member_sets:
             if members not in kept:
                 group = self.control.group_of(members[0])
-                held = [e - s for s, e in group.layer_ranges]
+                held = tuple(e - s for s, e in group.layer_ranges)
                 blocks = (self.mem.group_kv_blocks(held) if len(members) > 1
                           else self.mem.kv_blocks)
-                fresh.append(self._unit(members, blocks))
+                fresh.append(self._unit(members, blocks, held))
                 if len(members) > 1:
                     self.group_blocks_seen[members] = blocks
         g = max(len(m) for m in [*(u.members for u in old), *(u.members for u in fresh)])

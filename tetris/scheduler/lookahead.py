@@ -6,7 +6,8 @@ at once and splits them recursively into micro-batches of equal predicted cost, 
 request into chunks where needed; a chunk after the first attends to the earlier ones, so its
 ``prefix`` is their length. Splitting stops when a half would hold fewer than
 ``min_tokens`` tokens (the GPU needs enough tokens per micro-batch) or ``max_batches`` are
-formed. Token counts alone do not balance cost: attention is quadratic in a request's length.
+formed (any count, not only a power of two: a part meant for k micro-batches is cut at
+floor(k/2) / k of its cost). Token counts alone do not balance cost: attention is quadratic in a request's length.
 
 Cost model, Eq. (1)-(2) (reconstructed in research/kunserve-notes.md §1.4, the extraction
 dropped the formulas), fitted by least squares on profiled (chunks, seconds) samples:
@@ -72,12 +73,14 @@ def _tokens(mb: Sequence[Chunk]) -> int:
     return sum(c.length for c in mb)
 
 
-def _cut(model: CostModel, done: list[Chunk], c: Chunk, target: float) -> int:
-    """Largest n in [0, c.length] with Cost(done + c[:n]) <= target (cost grows with n)."""
+def _cut(model: CostModel, done: float, n_done: int, c: Chunk, target: float) -> int:
+    """Largest n in [0, c.length] with Cost(done + c[:n]) <= target (cost grows with n);
+    ``done`` is the sum of Eq. (1) over the ``n_done`` chunks already taken."""
     lo, hi = 0, c.length
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if model.batch([*done, Chunk(c.request, c.prefix, mid)]) <= target:
+        part = model.chunk(Chunk(c.request, c.prefix, mid))
+        if done + part - n_done * model.epsilon <= target:
             lo = mid
         else:
             hi = mid - 1
@@ -85,13 +88,17 @@ def _cut(model: CostModel, done: list[Chunk], c: Chunk, target: float) -> int:
 
 
 def _split(model: CostModel, mb: list[Chunk], target: float) -> tuple[list[Chunk], list[Chunk]]:
-    """Cut ``mb`` (in order) where the left part's cost reaches ``target``."""
+    """Cut ``mb`` (in order) where the left part's cost reaches ``target``. The left part's
+    Eq. (2) is kept as a running sum (linear in the chunks, not quadratic)."""
     left: list[Chunk] = []
+    done = 0.0                     # sum of Eq. (1) over ``left``
     for i, c in enumerate(mb):
-        if model.batch([*left, c]) <= target:
+        cost = model.chunk(c)
+        if done + cost - len(left) * model.epsilon <= target:
             left.append(c)
+            done += cost
             continue
-        n = _cut(model, left, c, target)
+        n = _cut(model, done, len(left), c, target)
         right = mb[i + 1:]
         if n == 0:
             return left, [c, *right]
@@ -102,20 +109,26 @@ def _split(model: CostModel, mb: list[Chunk], target: float) -> tuple[list[Chunk
 
 def lookahead(queued: Sequence[Chunk], model: CostModel, *, min_tokens: int,
               max_batches: int) -> list[list[Chunk]]:
-    """§4.3: recursive halving of all queued tokens into cost-balanced micro-batches."""
-    batches = [list(queued)]
-    while len(batches) < max_batches:
-        # Split the costliest micro-batch that still has tokens for two.
-        order = sorted(range(len(batches)), key=lambda i: (-model.batch(batches[i]), i))
-        pick = next((i for i in order if _tokens(batches[i]) >= 2 * min_tokens), None)
-        if pick is None:
-            break
-        mb = batches[pick]
-        left, right = _split(model, mb, model.batch(mb) / 2)
+    """§4.3: divide and conquer of all queued tokens into cost-balanced micro-batches.
+
+    A part meant to become k micro-batches is cut in two, in order, for floor(k/2) and the
+    rest, where the left part's cost makes every final micro-batch equally costly: splitting
+    adds a micro-batch and so one more Eq. (2) ``delta - epsilon``; with k micro-batches of
+    equal cost ``c``, ``k c = Cost(part) + (k - 1) epsilon``, and the left part (k1 of them)
+    costs ``k1 c - (k1 - 1) epsilon``. (Halving at ``Cost(part) / 2`` instead leaves the
+    right half one ``epsilon``, the weights' loading, costlier.) A part holding fewer than
+    ``2 * min_tokens`` tokens stays whole.
+    """
+    def form(mb: list[Chunk], k: int) -> list[list[Chunk]]:
+        if k <= 1 or _tokens(mb) < 2 * min_tokens:
+            return [mb]
+        k1 = k // 2
+        per = (model.batch(mb) + (k - 1) * model.epsilon) / k
+        left, right = _split(model, mb, k1 * per - (k1 - 1) * model.epsilon)
         if not left or not right:
-            break
-        batches[pick:pick + 1] = [left, right]
-    return batches
+            return [mb]
+        return form(left, k1) + form(right, k - k1)
+    return form(list(queued), max_batches)
 
 
 def token_budget_batches(queued: Sequence[Chunk], budget: int) -> list[list[Chunk]]:

@@ -19,9 +19,11 @@ in place. Policies when blocks run out:
   splits them back (the exchange back stalls them again; parameter pulls overlap).
 
 Iteration time of one instance (memory-bound decode): ``T(b, ctx) = params/hbm + b * per_seq
-+ ctx * kv_tok/hbm``. A group of g runs g micro-batches, each a full pass over 1/g of the
-batch, overlapped across members: ``round = T(b/g, ctx/g) * (1 + bubble) + g * t_act``;
-``bubble`` is the paper's measured bubble share with lookahead (8.3%, §6.4), an input here.
++ ctx * kv_tok/hbm``. A group runs its batch as micro-batches formed by lookahead (§4.3,
+balanced by predicted cost) through its members' layer ranges with an activation hop between
+members; its iteration is the pipeline's steady round, bubbles included, computed from those
+micro-batches (``tetris/sim/kunserve_pipeline.py``; the paper's 8.3% bubble share is a
+measurement to compare with, not an input).
 """
 
 from __future__ import annotations
@@ -29,14 +31,17 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Sequence
 
 import msgspec
 import numpy as np
 
 from tetris.control.kunserve import KunServeController
 from tetris.control.kunserve_memory import InstanceLoad, InstanceMemory
+from tetris.sim.kunserve_pipeline import group_round
 
-__all__ = ["POLICIES", "KunRequest", "KunServeSim", "PoolProfile", "iteration_time", "policy_result"]
+__all__ = ["POLICIES", "ROUND_MODELS", "KunRequest", "KunServeSim", "PoolProfile",
+           "iteration_time", "policy_result", "unit_time"]
 
 POLICIES = ("queue", "recompute", "swap", "kunserve")
 
@@ -52,7 +57,8 @@ class PoolProfile(msgspec.Struct, frozen=True):
     link_bytes_per_s: float          # between instances (KV exchange, activations)
     pcie_bytes_per_s: float          # swap to host
     activation_bytes_per_token: int
-    bubble: float = 0.083            # KunServe §6.4, with lookahead
+    bubble: float = 0.083            # KunServe §6.4's measured share, for comparison only:
+                                     # the model computes its own (unit_time)
     max_batch: int = 256
     tick_s: float = 0.5              # the artifact's load-report interval
 
@@ -69,6 +75,24 @@ def iteration_time(m: InstanceMemory, p: PoolProfile, g: int, b: int, ctx: int) 
         return t(b, ctx)
     act = b / g * p.activation_bytes_per_token / p.link_bytes_per_s
     return t(b / g, ctx / g) * (1 + p.bubble) + g * act
+
+
+ROUND_MODELS = ("lookahead", "token_budget", "fixed")
+
+
+def unit_time(m: InstanceMemory, p: PoolProfile, layers: Sequence[int],
+              contexts: Sequence[int], round_model: str = "lookahead") -> float:
+    """One decode iteration of a unit whose members hold ``layers`` over sequences holding
+    ``contexts`` tokens: ``T(b, ctx)`` for one instance; for a group the pipelined round over
+    its lookahead micro-batches (``round_model`` "lookahead"), over token-budget ones
+    ("token_budget", the vLLM-PP baseline), or the earlier closed form with the paper's
+    bubble share as an input ("fixed", ``iteration_time``). The EMULATION's emulated engines
+    sleep it too."""
+    if len(layers) == 1 or round_model == "fixed":
+        return iteration_time(m, p, len(layers), len(contexts), sum(contexts))
+    if round_model not in ROUND_MODELS:
+        raise ValueError(f"round model {round_model!r} is not one of {ROUND_MODELS}")
+    return group_round(m, p, layers, contexts, balanced=round_model == "lookahead").seconds
 
 
 class KunRequest:
@@ -104,9 +128,11 @@ class KunRequest:
 class _Unit:
     """An instance, or a group of instances run as one pipeline."""
 
-    def __init__(self, members: tuple[int, ...], capacity: int) -> None:
+    def __init__(self, members: tuple[int, ...], capacity: int,
+                 layers: tuple[int, ...]) -> None:
         self.members = members
         self.capacity = capacity
+        self.layers = layers       # layers each member holds (the pipeline's stages)
         self.used = 0
         self.running: list[KunRequest] = []
         self.swapped: deque[KunRequest] = deque()
@@ -119,12 +145,14 @@ class _Unit:
 
 class KunServeSim:
     def __init__(self, requests: list[KunRequest], mem: InstanceMemory, prof: PoolProfile,
-                 policy: str) -> None:
+                 policy: str, *, round_model: str = "lookahead") -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r} is not one of {POLICIES}")
         self.reqs, self.mem, self.prof, self.policy = requests, mem, prof, policy
+        self.round_model = round_model
         self.bs = mem.block_size
-        self.units = [_Unit((i,), mem.kv_blocks) for i in range(prof.instances)]
+        self.units = [_Unit((i,), mem.kv_blocks, (mem.num_layers,))
+                      for i in range(prof.instances)]
         self.control = (KunServeController(mem, list(range(prof.instances)))
                         if policy == "kunserve" else None)
         self.events: list = []
@@ -224,14 +252,11 @@ class KunServeSim:
             if stalled:      # wake when the first request's KV is in place
                 self._push(min(stalled), 0, (u, None, u.epoch))
             return
-        ctx = sum(r.tokens for r in batch)
-        dur = self._iteration(len(u.members), len(batch), ctx) + u.pending_s
+        dur = unit_time(self.mem, self.prof, u.layers, [r.tokens for r in batch],
+                        self.round_model) + u.pending_s
         u.pending_s = 0.0
         u.busy, u.step_end = True, now + dur
         self._push(now + dur, 0, (u, batch, u.epoch))
-
-    def _iteration(self, g: int, b: int, ctx: int) -> float:
-        return iteration_time(self.mem, self.prof, g, b, ctx)
 
     def _grow(self, now: float, u: _Unit) -> None:
         """Decodes whose next token opens a block take one; preempt the newest when none."""
@@ -301,9 +326,9 @@ class KunServeSim:
         fresh = []
         for members in member_sets:
             if members not in by_members:
-                held = [e - s for s, e in self.control.group_of(members[0]).layer_ranges]
+                held = tuple(e - s for s, e in self.control.group_of(members[0]).layer_ranges)
                 fresh.append(_Unit(members, self.mem.group_kv_blocks(held)
-                                   if len(members) > 1 else self.mem.kv_blocks))
+                                   if len(members) > 1 else self.mem.kv_blocks, held))
         kept = [by_members[m] for m in member_sets if m in by_members]
         old = [u for u in self.units if u.members not in member_sets]
         for u in old:
