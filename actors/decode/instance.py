@@ -96,6 +96,8 @@ class DecodeInstance(InstanceHealth):
         self._agent_infos: list[AgentInfo] = []
         self.rounds = 0   # rounds sent to the ranks (tests check that idle means no rounds)
         self.gate = None  # elastic decode: the world's round gate (actors/decode/elastic_pool.py)
+        # held by KunServe's group driver while it drops or restores (actors/decode/kunserve_group.py)
+        self.round_lock = asyncio.Lock()
         # rank 0's engine step time of recent rounds that produced tokens (benchmarks)
         self.step_times: collections.deque[float] = collections.deque(maxlen=4096)
         # wall time of the same rounds as seen here (step + Ray calls + lockstep wait)
@@ -340,10 +342,11 @@ class DecodeInstance(InstanceHealth):
                         continue
                 if self.gate is not None:   # every instance of the world steps together
                     await self.gate.turn(self.instance)
-                cmds = book.take_commands()
-                t0 = time.perf_counter()
-                # one Ray call: rank 0 runs the round on every rank (decode/lockstep.py)
-                replies = await self.ranks[0].round.remote(cmds)
+                async with self.round_lock:   # KunServe regroups between rounds only
+                    cmds = book.take_commands()
+                    t0 = time.perf_counter()
+                    # one Ray call: rank 0 runs the round on every rank (decode/lockstep.py)
+                    replies = await self.ranks[0].round.remote(cmds)
                 self._answered_at = time.monotonic()
                 if replies[0].step_s:
                     self.round_times.append(time.perf_counter() - t0)

@@ -50,13 +50,13 @@ from tetris.engine.pipeline import (
     layer_bytes,
 )
 
-__all__ = ["GroupMember", "member_blocks"]
+__all__ = ["GroupMember", "layer_block_bytes", "member_blocks"]
 
 _OTHER_PART = "<kunserve: another member's part>"
 _WAIT_S = 120.0   # a peer's answer; a dead peer closes the link long before this
 
 
-def _layer_block_bytes(engine: LLMEngine) -> int:
+def layer_block_bytes(engine: LLMEngine) -> int:
     m = engine.model
     return kv_bytes_per_block(1, engine.blocks.block_size, m.local_num_kv_heads, m.head_dim,
                               m.dtype)
@@ -69,7 +69,7 @@ def member_blocks(engine: LLMEngine, start: int, end: int) -> int:
     freed = sum(layer_bytes(model.layers[i]) for i in range(model.num_layers)
                 if not start <= i < end)
     kv = engine.cache.buffer.numel() * engine.cache.buffer.element_size()
-    return (kv + freed) // ((end - start) * _layer_block_bytes(engine))
+    return (kv + freed) // ((end - start) * layer_block_bytes(engine))
 
 
 class RemoteStage:
@@ -95,6 +95,7 @@ class GroupMember:
         self.stage: Stage | None = None
         self.runner: PipelineRunner | None = None
         self.freed_param_bytes = 0
+        self.base_blocks = 0             # the engine's blocks before the drop (restore's)
         self.exchange_bytes = 0          # KV bytes sent to other members (drop and restore)
         self.stage_runs = 0              # other members' batches run here
         self._inbox: queue.Queue = queue.Queue()          # exchange messages for drop/restore
@@ -128,6 +129,7 @@ class GroupMember:
         if sum(len(s.block_table) for s in seqs) > hi - lo:
             raise ValueError(f"member {me}'s requests hold more than its {hi - lo} blocks")
         self.check_drop(start, end)
+        self.base_blocks = e.stats().total_blocks
         m, bs = e.model, e.blocks.block_size
         blocks = BlockManager(group_blocks, bs)
         blocks.withhold(_OTHER_PART, [b for b in range(group_blocks) if not lo <= b < hi])

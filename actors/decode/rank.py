@@ -43,6 +43,7 @@ from tetris.actors.decode.lockstep import Follower, Leader
 from tetris.actors.decode.messages import (Command, Failed, FirstTokenArrived, RankHeld, Rejected,
                                            StepReply)
 from tetris.actors.decode.rank_commands import RankCommands
+from tetris.actors.decode.rank_kunserve import KunServeRank
 from tetris.actors.transfer_pump import TRANSFER_GROUP, TransferPump
 from tetris.config import DeploymentConfig, TransferConfig
 from tetris.engine.engine import EngineStats, LLMEngine
@@ -105,7 +106,7 @@ class EngineBlocks:
         engine_blocks.free_owned(_HELD_FOR_WRITES, blocks)
 
 
-class DecodeRank(RankCommands):
+class DecodeRank(KunServeRank, RankCommands):
     def __init__(self, instance: int, tp_rank: int, tp_size: int, deployment: DeploymentConfig,
                  *, seed: int = 0, threads: int = 1) -> None:
         if not 0 <= tp_rank < tp_size:

@@ -1,0 +1,224 @@
+"""KunServe over the served decode pool: the controller's decisions applied to decode instances.
+
+``ServedKunServe`` holds the ``KunServeController`` that the simulator and the EMULATION use,
+with one unit per undropped instance or group (keyed by its first member), and applies what
+it decides to the pool's ``DecodeInstance``s (TP 1), whose rank actors become the group's
+pipeline stages (``pipeline_stage.GroupMember`` through ``rank_kunserve.KunServeRank``).
+
+Lifecycle of a drop of group ``members`` keeping ``layer_ranges``, with the members' rounds
+paused (each instance's ``round_lock``; commands queue meanwhile):
+
+1. every member listens (``kunserve_join``) and says how many blocks of its layers it could
+   hold and how many its requests use; the group's blocks are the least member's (KunServe
+   invariant 2), split into one part per member in proportion to its undropped blocks; a
+   member whose requests do not fit its part refuses the drop before anything changed;
+2. the members connect their pair links and drop at once (KV exchanged, nothing recomputed);
+3. each instance's ``kv_blocks`` becomes its part: the pool's reported capacity grows by the
+   freed parameter bytes over the block bytes.
+
+A restore pauses the members again, checks that every member's requests fit its undropped
+cache, then pulls layers and KV back and closes the links. A member found broken (a rank
+died: its own and its peers' steps fail, their requests take the dispatcher's resume path)
+leaves the controller's grouping through ``forget_broken``; the supervisor restarts the
+instances as whole replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+
+from tetris.control.drop_plan import DropRefused, Group
+from tetris.control.kunserve import Decision, KunServeController
+from tetris.control.kunserve_memory import InstanceLoad, InstanceMemory
+
+__all__ = ["ServedKunServe", "split_parts"]
+
+log = logging.getLogger(__name__)
+
+
+def split_parts(group_blocks: int, base: list[int], used: list[int]) -> list[tuple[int, int]]:
+    """The group's block ids ``[0, group_blocks)`` as one part per member, in proportion to
+    its undropped blocks ``base`` (the last takes the remainder); ``ValueError`` if a
+    member's requests (``used`` blocks) do not fit its part."""
+    total = sum(base)
+    bounds = [0]
+    for b in base[:-1]:
+        bounds.append(bounds[-1] + group_blocks * b // total)
+    bounds.append(group_blocks)
+    parts = list(itertools.pairwise(bounds))
+    for j, ((lo, hi), u) in enumerate(zip(parts, used, strict=True)):
+        if u > hi - lo:
+            raise ValueError(f"member {j}'s requests hold {u} blocks, its part of the group "
+                             f"{hi - lo}")
+    return parts
+
+
+@contextlib.asynccontextmanager
+async def _paused(instances):
+    """No round runs on ``instances`` inside (locks taken in instance order)."""
+    async with contextlib.AsyncExitStack() as stack:
+        for inst in sorted(instances, key=lambda i: i.instance):
+            await stack.enter_async_context(inst.round_lock)
+        yield
+
+
+class ServedKunServe:
+    def __init__(self, instances, *, timeout_s: float = 60.0) -> None:
+        self.instances = list(instances)
+        self.timeout_s = timeout_s
+        self.controller: KunServeController | None = None
+        self.refused: list[str] = []
+        self.freed_param_bytes: dict[int, int] = {}
+
+    async def start(self) -> None:
+        """The memory model from instance 0's rank tensors (every instance holds the same)."""
+        if any(inst.tp_size != 1 for inst in self.instances):
+            raise ValueError("KunServe groups of served decode instances need TP 1")
+        fields = await self.instances[0].ranks[0].kunserve_memory.remote()
+        self.controller = KunServeController(InstanceMemory(**fields),
+                                             list(range(len(self.instances))))
+
+    # -- the monitor ----------------------------------------------------------------------
+    def loads(self, queued_blocks: dict[int, int] | None = None) -> dict[int, InstanceLoad]:
+        """Each unit's KV report from its members' last round stats; ``queued_blocks``: what
+        requests waiting for an instance need (the dispatcher's refused reservations)."""
+        queued = queued_blocks or {}
+        out = {}
+        for g in self.controller.groups:
+            stats = [self.instances[m].stats() for m in g.members]
+            total = sum(inst.kv_blocks for inst in (self.instances[m] for m in g.members))
+            used = sum(s.total_blocks - s.free_blocks for s in stats if s is not None)
+            out[g.members[0]] = InstanceLoad(total, used, 0,
+                                             sum(queued.get(m, 0) for m in g.members))
+        return out
+
+    async def tick(self, queued_blocks: dict[int, int] | None = None) -> str | None:
+        """One monitor period: "drop", "restore" or None (nothing to do, or refused)."""
+        before = list(self.controller.groups)
+        decision = self.controller.decide(self.loads(queued_blocks))
+        if decision is None:
+            return None
+        try:
+            await self._apply(before, decision)
+        except ValueError as e:
+            self.controller.groups = before
+            self.refused.append(str(e))
+            log.warning("KunServe %s not applied: %s", decision.kind, e)
+            return None
+        return decision.kind
+
+    # -- an operator's actions (admin routes) ---------------------------------------------
+    async def force_drop(self, groups: list[Group]) -> Decision:
+        """``DropRefused`` (nothing changed) for a plan losing a layer's last copy, naming an
+        unknown or grouped instance, or one the members cannot hold."""
+        before = list(self.controller.groups)
+        decision = self.controller.force_drop(groups)
+        try:
+            await self._apply(before, decision)
+        except ValueError as e:
+            self.controller.groups = before
+            self.controller.drops -= 1
+            raise DropRefused(str(e)) from e
+        return decision
+
+    async def force_restore(self, leader: int) -> Decision:
+        before = list(self.controller.groups)
+        decision = self.controller.force_restore(leader)
+        try:
+            await self._apply(before, decision)
+        except ValueError as e:
+            self.controller.groups = before
+            self.controller.restores -= 1
+            raise DropRefused(str(e)) from e
+        return decision
+
+    def dropped_layers(self) -> dict[int, int]:
+        """``tetris:dropped_layers{instance}``."""
+        return self.controller.dropped_layers()
+
+    def state(self) -> dict:
+        return {"groups": [{"members": list(g.members),
+                            "layer_ranges": [list(r) for r in g.layer_ranges]}
+                           for g in self.controller.groups],
+                "dropped_layers": {str(k): v for k, v in self.dropped_layers().items()},
+                "kv_blocks": [inst.kv_blocks for inst in self.instances],
+                "drops": self.controller.drops, "restores": self.controller.restores,
+                "refused": list(self.refused[-8:])}
+
+    # -- applying decisions ---------------------------------------------------------------
+    async def _apply(self, before: list[Group], decision: Decision) -> None:
+        if decision.kind == "drop":
+            for g in decision.drop.groups:
+                if g not in before and g.size > 1:
+                    if any(b.size > 1 and set(b.members) & set(g.members) for b in before):
+                        raise ValueError("served groups merge undropped instances only; "
+                                         "restore first")
+                    await self._drop(g)
+        else:
+            await self._restore(decision.restored_group)
+
+    async def _drop(self, group: Group) -> None:
+        insts = [self.instances[m] for m in group.members]
+        ranks = [inst.ranks[0] for inst in insts]
+        async with _paused(insts):
+            joined = await asyncio.gather(*[r.kunserve_join.remote(j)
+                                            for j, r in enumerate(ranks)], return_exceptions=True)
+            try:
+                for got in joined:
+                    if isinstance(got, BaseException):
+                        raise got
+                checks = await asyncio.gather(*[r.kunserve_check_drop.remote(s, e) for r, (s, e)
+                                                in zip(ranks, group.layer_ranges, strict=True)])
+                group_blocks = min(c[0] for c in checks)
+                parts = split_parts(group_blocks, [inst.kv_blocks for inst in insts],
+                                    [c[1] for c in checks])
+                await asyncio.wait_for(asyncio.gather(*[
+                    r.kunserve_connect.remote(list(joined), self.timeout_s) for r in ranks]),
+                    self.timeout_s)
+            except BaseException:
+                await asyncio.gather(*[r.kunserve_leave.remote() for r in ranks],
+                                     return_exceptions=True)
+                raise
+            ranges = [list(r) for r in group.layer_ranges]
+            freed = await asyncio.gather(*[r.kunserve_drop.remote(ranges, group_blocks, parts)
+                                           for r in ranks])
+            for inst, (lo, hi), f in zip(insts, parts, freed, strict=True):
+                inst.kv_blocks = hi - lo
+                self.freed_param_bytes[inst.instance] = int(f)
+        log.info("KunServe drop: instances %s keep layers %s, %d group blocks",
+                 list(group.members), ranges, group_blocks)
+
+    async def _restore(self, group: Group) -> None:
+        insts = [self.instances[m] for m in group.members]
+        ranks = [inst.ranks[0] for inst in insts]
+        async with _paused(insts):
+            await asyncio.gather(*[r.kunserve_check_restore.remote() for r in ranks])
+            await asyncio.gather(*[r.kunserve_restore.remote() for r in ranks])
+            await asyncio.gather(*[r.kunserve_leave.remote() for r in ranks])
+            states = await asyncio.gather(*[r.stats.remote() for r in ranks])
+            for inst, s in zip(insts, states, strict=True):
+                inst.kv_blocks = s.total_blocks
+                self.freed_param_bytes.pop(inst.instance, None)
+        log.info("KunServe restore: instances %s are replicas again", list(group.members))
+
+    def forget_broken(self) -> list[int]:
+        """Groups with a broken member leave the grouping (their members restart whole);
+        returns the instances so released."""
+        released = []
+        for g in list(self.controller.groups):
+            if g.size > 1 and any(self.instances[m].broken is not None for m in g.members):
+                self.controller.groups = sorted(
+                    [x for x in self.controller.groups if x is not g]
+                    + [Group((m,), ((0, self.controller.mem.num_layers),)) for m in g.members],
+                    key=lambda x: x.members[0])
+                released += list(g.members)
+                for m in g.members:
+                    self.freed_param_bytes.pop(m, None)
+                    inst = self.instances[m]
+                    if inst.broken is None:   # a survivor holds only its layers: restart it
+                        inst._break(RuntimeError(f"KunServe group {list(g.members)} lost a "
+                                                 "member"))
+        return released

@@ -1,0 +1,101 @@
+"""A decode rank's KunServe calls, mixed into ``DecodeRank`` (issue #24).
+
+The group driver (``actors/decode/kunserve_group.py``) calls these on rank 0 of each member
+instance (TP 1) while the instances' rounds are paused: ``kunserve_join`` (listen),
+``kunserve_check_drop``, ``kunserve_connect``, ``kunserve_drop``, later
+``kunserve_check_restore``, ``kunserve_restore`` and ``kunserve_leave``. The work is
+``pipeline_stage.GroupMember``'s. While the rank is dropped it refuses to reserve blocks for
+a prefill elsewhere (``DecodeFull``): the prefill pool streams whole-model KV to one
+instance, and a member holds only its layers (docs/kunserve.md, "not built").
+"""
+
+from __future__ import annotations
+
+import ray
+from tetris.actors.decode.messages import Rejected, Reserve
+from tetris.actors.decode.pipeline_stage import GroupMember, layer_block_bytes
+from tetris.transfer.traffic import TrafficClass
+
+from tetris.engine.pipeline import layer_bytes
+
+__all__ = ["KunServeRank"]
+
+
+class KunServeRank:
+    """Mixed into ``DecodeRank`` before ``RankCommands`` (its ``_reserve`` goes first)."""
+
+    group_member: GroupMember | None = None
+
+    def _reserve(self, cmd: Reserve) -> Rejected | None:
+        if self.group_member is not None and self.group_member.runner is not None:
+            return Rejected(cmd.request_id, "this decode instance runs as a KunServe pipeline "
+                            "stage: a prefilled prompt's KV cannot be streamed to it", full=True)
+        return super()._reserve(cmd)
+
+    def kunserve_memory(self) -> dict:
+        """``InstanceMemory``'s fields from this rank's tensors (undropped)."""
+        engine = self._engine()
+        model = engine.model
+        per_layer = layer_bytes(model.layers[0])
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        cache = engine.cache.buffer
+        return {"num_layers": model.num_layers, "layer_param_bytes": per_layer,
+                "other_param_bytes": total - model.num_layers * per_layer,
+                "kv_bytes": cache.numel() * cache.element_size(),
+                "layer_block_bytes": layer_block_bytes(engine),
+                "block_size": engine.blocks.block_size}
+
+    def kunserve_join(self, member: int) -> tuple[str, int]:
+        if self.tp_size != 1 or self.elastic is not None or self.kept is not None:
+            raise ValueError("a KunServe member is a TP-1 decode instance without elastic "
+                             "decode or kept prefixes")
+        with self._step_lock:
+            if self.group_member is not None:
+                raise ValueError(f"decode instance {self.instance} is in a group already")
+            self.group_member = GroupMember(self._engine(), member,
+                                            ray.util.get_node_ip_address())
+            return self.group_member.address
+
+    def kunserve_check_drop(self, start: int, end: int) -> tuple[int, int]:
+        """(blocks of layers [start, end) this member could hold, blocks its requests use)."""
+        with self._step_lock:
+            s = self._engine().stats()
+            return self.group_member.check_drop(start, end), s.total_blocks - s.free_blocks
+
+    def kunserve_connect(self, addresses: list, timeout_s: float) -> None:
+        self.group_member.connect(addresses, timeout_s)
+
+    def kunserve_drop(self, ranges: list, group_blocks: int, parts: list) -> int:
+        with self._step_lock:
+            return self.group_member.drop(ranges, group_blocks, parts)
+
+    def kunserve_check_restore(self) -> None:
+        with self._step_lock:
+            self.group_member.check_restore(self.group_member.base_blocks)
+
+    def kunserve_restore(self) -> int:
+        with self._step_lock:
+            return self.group_member.restore(self.group_member.base_blocks)
+
+    def kunserve_leave(self) -> None:
+        """Close the group's links (after every member restored, or to undo a join)."""
+        member, self.group_member = self.group_member, None
+        if member is not None:
+            member.close()
+
+    def kunserve_state(self) -> dict:
+        """What this member holds and did: layers, blocks, the pipeline's counters."""
+        with self._step_lock:
+            engine = self._engine()
+            m = self.group_member
+            held = sum(hasattr(layer, "self_attn") for layer in engine.model.layers)
+            out = {"held_layers": held, "dropped_layers": engine.model.num_layers - held,
+                   "total_blocks": engine.stats().total_blocks, "in_group": m is not None}
+            if m is not None and m.runner is not None:
+                out.update(prefill_tokens=m.runner.prefill_tokens, steps=m.runner.steps,
+                           stage_runs=m.stage_runs, exchange_bytes=m.exchange_bytes,
+                           freed_param_bytes=m.freed_param_bytes,
+                           activation_items=m.links.sent_items[TrafficClass.ACTIVATION],
+                           activation_bytes=m.links.sent_bytes[TrafficClass.ACTIVATION],
+                           bulk_bytes=m.links.sent_bytes[TrafficClass.BULK])
+            return out

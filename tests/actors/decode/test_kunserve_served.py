@@ -1,0 +1,190 @@
+"""KunServe on served decode instances (Ray rank actors, TP 1): two instances drop into one
+pipeline group in the middle of generation and are restored, every request's tokens and
+logprobs equal the single engine's, nothing is recomputed, the reported KV capacity grows by
+exactly the freed parameter bytes over the block bytes; a drop that would lose a layer's last
+copy is refused and changes nothing; a member killed mid-pipeline fails the group's requests
+with ``DecodeInstanceLost`` (the dispatcher's resume path) and the restarted instances serve
+whole again."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import ray
+import torch
+from exactness import TOP, assert_same_run, engine_runs
+from tetris.actors.decode.instance import DecodeInstance, DecodeInstanceLost
+from tetris.actors.decode.kunserve_group import ServedKunServe
+
+from tetris.config import DecodeConfig, DeploymentConfig, ModelConfig
+from tetris.control.drop_plan import DropRefused, Group
+from tetris.engine.engine import LLMEngine
+from tetris.model.loader import load_model
+from tetris.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+MODEL = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=4,
+                    num_heads=4, num_kv_heads=2, seed=5)
+BLOCKS = 48
+DEPLOYMENT = DeploymentConfig(model=MODEL, decode=DecodeConfig(
+    num_instances=2, tp_size=1, max_batch_size=8, block_size=4, kv_blocks=BLOCKS))
+MAX_TOKENS = 40
+GREEDY_LP = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                           logprobs=TOP)
+HALVES = Group((0, 1), ((0, 2), (2, 4)))
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, MODEL.vocab_size, (n,), generator=g).tolist()
+
+
+PROMPTS = [_prompt(n, s) for n, s in ((3, 1), (26, 2), (11, 3), (17, 4))]
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def pool(ray_session, loop):
+    insts = [DecodeInstance(DEPLOYMENT, i, transfer=None) for i in range(2)]
+    kun = ServedKunServe(insts)
+
+    async def start():
+        await asyncio.gather(*[inst.start() for inst in insts])
+        await kun.start()
+
+    loop.run_until_complete(start())
+    yield insts, kun
+    async def stop():
+        await asyncio.gather(*[inst.shutdown() for inst in insts])
+
+    loop.run_until_complete(stop())
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model, tok = load_model(MODEL)
+    engine = LLMEngine(model, tok, num_blocks=64, block_size=4, max_num_seqs=8)
+    return engine_runs(engine, PROMPTS, GREEDY_LP)
+
+
+def _states(insts) -> list[dict]:
+    return ray.get([inst.ranks[0].kunserve_state.remote() for inst in insts])
+
+
+class Streams:
+    """Each request's tokens and logprobs as they arrive; ``reached(n)`` waits until every
+    request has at least n tokens (or finished)."""
+
+    def __init__(self) -> None:
+        self.runs: dict[int, tuple[list, list]] = {}
+        self.finished: set[int] = set()
+        self.changed = asyncio.Event()
+
+    async def consume(self, inst, i: int) -> None:
+        rid = f"k{i}"
+        await inst.add(rid, PROMPTS[i], GREEDY_LP)
+        self.runs[i] = ([], [])
+        async for out in inst.stream(rid):
+            self.runs[i][0].extend(out.new_token_ids)
+            self.runs[i][1].extend(out.new_logprobs)
+            if out.finished:
+                self.finished.add(i)
+            self.changed.set()
+
+    async def reached(self, n: int) -> list[int]:
+        while not (len(self.runs) == len(PROMPTS)
+                   and all(len(r[0]) >= n for r in self.runs.values())):
+            self.changed.clear()
+            await self.changed.wait()
+        return [len(r[0]) for _, r in sorted(self.runs.items())]
+
+
+def test_drop_and_restore_mid_generation_equal_the_single_engine(pool, loop, reference):
+    insts, kun = pool
+    mem = kun.controller.mem
+    streams = Streams()
+
+    async def body():
+        tasks = [asyncio.ensure_future(streams.consume(insts[i % 2], i))
+                 for i in range(len(PROMPTS))]
+        at_drop = await streams.reached(3)
+        await kun.force_drop([HALVES])
+        dropped = _states(insts)
+        blocks = [inst.kv_blocks for inst in insts]
+        at_restore = await streams.reached(at_drop[0] + 6)
+        during = _states(insts)
+        await kun.force_restore(0)
+        await asyncio.gather(*tasks)
+        return at_drop, dropped, blocks, at_restore, during
+
+    at_drop, dropped, blocks, at_restore, during = loop.run_until_complete(body())
+    assert max(at_drop) < MAX_TOKENS and max(at_restore) < MAX_TOKENS   # mid-generation
+    assert [s["dropped_layers"] for s in dropped] == [2, 2]
+    # invariant 2: the group's blocks are the old ones plus the freed bytes over block bytes
+    freed = sum(s["freed_param_bytes"] for s in dropped)
+    assert freed == 4 * mem.layer_param_bytes
+    assert sum(blocks) == 2 * BLOCKS + freed // mem.block_bytes > 2 * BLOCKS
+    # nothing recomputed: the pipeline ran decode steps only, each member served the other's
+    assert all(s["prefill_tokens"] == 0 for s in during)
+    assert all(s["stage_runs"] > 0 and s["activation_items"] >= s["stage_runs"] for s in during)
+    assert all(s["exchange_bytes"] > 0 for s in during)
+    assert [inst.kv_blocks for inst in insts] == [BLOCKS, BLOCKS]
+    assert [s["dropped_layers"] for s in _states(insts)] == [0, 0]
+    assert kun.dropped_layers() == {0: 0, 1: 0}
+    for i, want in enumerate(reference):
+        assert_same_run(*streams.runs[i], want, f"k{i}")
+
+
+def test_a_drop_losing_a_layer_is_refused_and_changes_nothing(pool, loop):
+    insts, kun = pool
+    before = (list(kun.controller.groups), [inst.kv_blocks for inst in insts], _states(insts))
+    for bad in ([Group((0, 1), ((0, 2), (3, 4)))],        # layer 2 would have no copy
+                [Group((0, 1), ((0, 3), (2, 4)))],        # layer 2 twice
+                [Group((0, 7), ((0, 2), (2, 4)))]):       # no instance 7
+        with pytest.raises(DropRefused):
+            loop.run_until_complete(kun.force_drop(bad))
+        assert (list(kun.controller.groups), [inst.kv_blocks for inst in insts],
+                _states(insts)) == before
+
+
+def test_a_member_killed_mid_pipeline_fails_the_group_and_restarts_whole(pool, loop,
+                                                                         reference):
+    insts, kun = pool
+    streams = Streams()
+
+    async def body():
+        tasks = [asyncio.ensure_future(streams.consume(insts[i % 2], i))
+                 for i in range(len(PROMPTS))]
+        await streams.reached(2)
+        await kun.force_drop([HALVES])
+        await streams.reached(4)
+        ray.kill(insts[1].ranks[0])
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*[inst.check() for inst in insts])
+        return results
+
+    results = loop.run_until_complete(body())
+    lost = [i for i, r in enumerate(results) if isinstance(r, DecodeInstanceLost)]
+    assert lost == [0, 1, 2, 3], results
+    assert sorted(kun.forget_broken()) == [0, 1]
+    assert all(inst.broken is not None for inst in insts)
+    assert kun.dropped_layers() == {0: 0, 1: 0}
+    # whole replicas again: the resume path's run of a request gives the engine's tokens
+    streams = Streams()
+
+    async def again():
+        await asyncio.gather(*[inst.restart() for inst in insts])
+        await asyncio.gather(*[streams.consume(insts[i % 2], i) for i in range(len(PROMPTS))])
+
+    loop.run_until_complete(again())
+    for i, want in enumerate(reference):
+        assert_same_run(*streams.runs[i], want, f"k{i}")
+    assert [s["dropped_layers"] for s in _states(insts)] == [0, 0]
