@@ -34,7 +34,8 @@ class Reserve(msgspec.Struct, frozen=True, tag="reserve"):
     # only positions [kv_start, n); the KV arrives in range-local positions
     kv_start: int = 0
     # prefix caching's decode side (engine/kept_kv.py): keep the KV once finished (``keep``);
-    # positions [0, prefix_tokens) are copied from the kept run ``prefix_from`` and not streamed
+    # positions [0, prefix_tokens) are read from the kept run ``prefix_from`` (its full blocks
+    # shared, the boundary block copied) and not streamed
     keep: bool = False
     prefix_from: str = ""
     prefix_tokens: int = 0

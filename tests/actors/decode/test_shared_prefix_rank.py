@@ -1,0 +1,148 @@
+"""A decode rank reads a kept run's prefix from shared blocks (engine/kept_kv.py), without Ray:
+a TP-1 ``DecodeRank`` in this process keeps turn 1, reserves turn 2 sharing turn 1's full
+blocks and copying the boundary block, and receives only the suffix's KV from a real
+``SendManager`` over the in-process backend (staged, and written directly into the blocks).
+Turn 2's greedy tokens and logprobs equal the single engine's; the reservation took only the
+unshared blocks; turn 1's blocks hold the same bytes after turn 2 ran (no write reached a
+shared block); every block is free once the kept runs are dropped."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+import torch
+from exactness import TOP, assert_same_run, engine_runs, logprobs_of_logits
+from tetris.actors.decode.messages import Abort, Commit, Reserve
+from tetris.actors.decode.rank import DecodeRank
+from tetris.actors.transfer_pump import TransferPump
+from tetris.kernels.attention import attention_with_lse
+from tetris.transfer.backends import make_agent
+from tetris.transfer.send_manager import SendManager
+from tetris.transfer.states import ShardSent, TransferFailed
+
+from tetris.config import DecodeConfig, DeploymentConfig, ModelConfig, TransferConfig
+from tetris.engine.engine import LLMEngine
+from tetris.model.loader import load_model
+from tetris.sampling_params import SamplingParams
+
+MODEL = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2,
+                    num_heads=4, num_kv_heads=2, seed=5)
+BS = 4
+BLOCKS = 40
+DEPLOYMENT = DeploymentConfig(model=MODEL, decode=DecodeConfig(
+    tp_size=1, max_batch_size=4, block_size=BS, kv_blocks=BLOCKS))
+STAGED = TransferConfig(num_backends=2, pool_size=2, backend_buffer_bytes=4096,
+                        send_buffer_bytes=4096, bulk_chunk_bytes=4096, timeout_s=20.0,
+                        backend="inproc")
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=TOP)
+P1 = torch.randint(0, MODEL.vocab_size, (22,), generator=torch.Generator().manual_seed(3)).tolist()
+_names = itertools.count()
+
+
+class _Direct:
+    """A peer in this process: its ``deliver_transfer.remote`` is a direct call."""
+
+    def __init__(self, obj) -> None:
+        self.deliver_transfer = SimpleNamespace(remote=obj.deliver_transfer)
+
+
+class _Sender:
+    def __init__(self) -> None:
+        self.agent = make_agent(f"shared-prefix-send-{next(_names)}", backend="inproc")
+        self.pump = TransferPump(SendManager(0, self.agent, STAGED), name="sender",
+                                 on_events=self._done).start()
+
+    def _done(self, events) -> None:
+        with self.pump.locked() as mgr:
+            for e in events:
+                assert not isinstance(e, TransferFailed), e
+                if isinstance(e, ShardSent):
+                    mgr.forget(e.request_id)
+
+    def deliver_transfer(self, msgs) -> None:
+        self.pump.deliver(msgs)
+
+    def send(self, rid: str, receiver: int, kv: list[torch.Tensor], start: int) -> None:
+        """Positions ``[start, n)`` of every layer as one chunk (what the prefill computed)."""
+        n = kv[0].shape[0]
+        with self.pump.locked() as mgr:
+            mgr.add_shard(request_id=rid, chunk_index=0, receiver_id=receiver, prompt_tokens=n,
+                          chunk=(start, n), ranges=[(start, n)], num_layers=len(kv),
+                          kv_heads=kv[0].shape[2], head_dim=kv[0].shape[3], dtype=kv[0].dtype,
+                          now=time.monotonic())
+            for layer, layer_kv in enumerate(kv):
+                mgr.layer_ready(rid, 0, layer, layer_kv[start:n].clone())
+
+
+@torch.inference_mode()
+def _prefill(model, prompt):
+    """Per layer [T, 2, Hkv, D] of the prompt's KV, the first token and its logprob."""
+    kv = []
+
+    def attention(i, q, k, v):
+        kv.append(torch.stack([k, v], dim=1))
+        return attention_with_lse(q, k, v, causal=True)[0]
+
+    hidden = model(torch.tensor(prompt), torch.arange(len(prompt)), attention)
+    row = model.logits(hidden[-1:], upcast=True)[0]
+    first = int(row.argmax())
+    return kv, first, logprobs_of_logits([row], [first])[0]
+
+
+def _turn(rank, sender, model, rid, prompt, start=0, **reserve):
+    """Reserve, stream ``[start, n)``, commit and decode: (tokens, logprobs, free blocks
+    right after the reservation)."""
+    reply = rank.step([Reserve(rid, tuple(prompt), PARAMS, **reserve)])
+    assert not reply.rejected, reply.rejected
+    free_after_reserve = rank.held().free_blocks
+    kv, first, logprob = _prefill(model, prompt)
+    sender.send(rid, rank.receiver_id, kv, start)
+    deadline = time.monotonic() + 30.0
+    while rank.held().receiving:   # the pump thread places the pieces
+        assert time.monotonic() < deadline, rank.held()
+        time.sleep(0.01)
+    replies = [rank.step([Commit(rid, first, logprob)])]
+    replies += [rank.step([]) for _ in range(PARAMS.max_tokens)]
+    tokens, lps = [], []
+    for r in replies:
+        assert not r.failed and not r.rejected
+        for d in r.outputs:
+            tokens += d.new_token_ids
+            lps += list(d.new_logprobs)
+    return tokens, lps, free_after_reserve
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["staged", "direct-writes"])
+def test_turn_two_reads_turn_one_s_shared_blocks_and_equals_the_engine(direct):
+    model, tok = load_model(MODEL)
+    config = msgspec.structs.replace(STAGED, direct_writes=direct)
+    rank = DecodeRank(0, 0, 1, DEPLOYMENT)
+    rank.init_group("127.0.0.1", 0, 30.0)
+    sender = _Sender()
+    try:
+        sender.agent.add_peer(rank.enable_transfer(config))
+        rank.connect_senders({0: _Direct(sender)})
+        sender.pump.connect({rank.receiver_id: _Direct(rank)})
+        out1, _, _ = _turn(rank, sender, model, "t1", P1, keep=True)
+        kept_table = list(rank.kept.runs["t1"][0])   # 22 + 5 positions: 7 blocks
+        assert len(kept_table) == 7 and rank.held().kept == ["t1"]
+        before = rank.engine.cache.buffer[:, :, kept_table].clone()   # [L, 2, 7, BS, Hkv, D]
+        p2 = P1 + out1 + [7, 8, 9]   # 31 tokens
+        want = engine_runs(LLMEngine(model, tok, num_blocks=64, block_size=BS), [p2], PARAMS)[0]
+        free = rank.held().free_blocks
+        # 26 of turn 1's 27 positions: 6 full blocks shared, positions 24 and 25 copied
+        tokens, lps, free_reserved = _turn(rank, sender, model, "t2", p2, start=26,
+                                           prefix_from="t1", prefix_tokens=26)
+        assert_same_run(tokens, lps, want, "turn 2 from shared blocks")
+        assert free - free_reserved == 8 - 6   # 31 tokens (and the first output): 8 blocks
+        # every layer's K and V of turn 1's blocks as turn 1 left them: no write reached them
+        assert torch.equal(rank.engine.cache.buffer[:, :, kept_table], before)
+        rank.step([Abort("t1", "dropped")])
+        assert rank.held().free_blocks == BLOCKS and rank.kept.runs == {}
+    finally:
+        sender.pump.stop()
+        rank.shutdown()
