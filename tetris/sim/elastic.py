@@ -153,7 +153,8 @@ class ShardedDecodeSim(DecodeInstanceSim):
 class ElasticSimulation(Simulation):
     """``Simulation`` whose decode side is placed by ``placer`` (on ``control.router``)."""
 
-    def __init__(self, requests, *, placer: ElasticPlacer, **kw: Any) -> None:
+    def __init__(self, requests, *, placer: ElasticPlacer, kv_capacity: int | None = None,
+                 consolidate: bool = True, **kw: Any) -> None:
         super().__init__(requests, **kw)
         if placer.router is not self.control.router:
             raise ValueError("the placer must book on the control plane's own router")
@@ -161,17 +162,26 @@ class ElasticSimulation(Simulation):
         exchange = placer.exchange.step_time
         cluster = self.cluster
         step = kw.get("decode_step")
+        # ``kv_capacity``: an instance's KV tokens when not the cluster's GPU memory's (an
+        # emulated deployment's ``kv_blocks``)
+        cap = kv_capacity if kv_capacity is not None else cluster.kv_capacity_tokens(cluster.decode_tp)
         self.decoders = [
-            ShardedDecodeSim(d, cluster.decode_tp, cluster.kv_capacity_tokens(cluster.decode_tp),
-                             cluster.decode_max_batch, step, exchange)
+            ShardedDecodeSim(d, cluster.decode_tp, cap, cluster.decode_max_batch, step, exchange)
             for d in range(cluster.decode_instances)] if step is not None else []
         self.groups: dict[str, DecodeGroup] = {}
         self.consolidations = 0
+        self.consolidate = consolidate   # off: as the served path, which never moves a range
+        # what any placement could hold: one instance whole, the largest group elastic
+        caps = sorted(placer.capacities, reverse=True)
+        self.reachable = sum(caps[:placer.config.max_group]) if placer.config.enabled else caps[0]
 
     def _on_arrival(self, now: float, i: int) -> None:
         r = self.requests[i]
         control = self.control
         kv = r.prompt_tokens + r.output_tokens
+        if kv > self.reachable:   # the live reservation's DecodeFull (a 429) before any prefill
+            self.refused.append(i)
+            return
         group = self.placer.place(r.request_id, kv, r.output_tokens)
         self.groups[r.request_id] = group
         plan = control.plan(r.request_id, r.prompt_tokens, now)
@@ -207,7 +217,8 @@ class ElasticSimulation(Simulation):
     def _step_done(self, now: float, inst: DecodeInstanceSim) -> None:
         for req in inst.finish_step(now):
             self.placer.finished(req.request_id)
-        self._consolidate(inst)
+        if self.consolidate:
+            self._consolidate(inst)
         self._kick(now, skip=inst)
 
     def _consolidate(self, inst: ShardedDecodeSim) -> None:
