@@ -89,8 +89,8 @@ class KeptKV:
         bs = blocks.block_size
         start = len(shared) * bs
         cache = self.engine.cache
-        if start == upto or not hasattr(cache, "k"):   # on a boundary; EMULATION: no KV
-            return
+        if start == upto or not hasattr(cache, "k") or cache.k[0].is_meta:
+            return   # on a block boundary: nothing to copy; EMULATION: no KV stored
         src = _slots(self.runs[run_id][0], start, upto, bs, cache.k[0].device)
         dst = _slots(table, start, upto, bs, cache.k[0].device)
         for layer in range(len(cache.k)):

@@ -146,3 +146,30 @@ def test_turn_two_reads_turn_one_s_shared_blocks_and_equals_the_engine(direct):
     finally:
         sender.pump.stop()
         rank.shutdown()
+
+
+def test_an_emulated_engine_shares_kept_blocks_alike():
+    """EMULATION: the emulated decode engine stores no KV, but its blocks are shared and
+    counted as the real engine's are."""
+    from tetris.actors.decode.emulated import EmulatedDecodeEngine
+
+    from tetris.engine.kept_kv import KeptKV
+
+    dep = msgspec.structs.replace(DEPLOYMENT, decode=msgspec.structs.replace(
+        DEPLOYMENT.decode, kv_blocks=16))
+    engine = EmulatedDecodeEngine(dep, tp_size=1, kv_heads=2, sleep=lambda s: None)
+    kept = KeptKV(engine)
+    kept.want("t1")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.reserve_blocks("t1", [1] * 22, params)
+    engine.commit_prefilled("t1", 2)
+    while engine.has_unfinished():
+        engine.step()
+    assert kept.tokens("t1") == 27 and engine.num_free_blocks == 16 - 7
+    table = engine.reserve_blocks("t2", [1] * 31, params, shared=kept.shared_blocks("t1", 26))
+    kept.copy_boundary("t1", table, 26)
+    assert table[:6] == kept.runs["t1"][0][:6] and engine.num_free_blocks == 16 - 7 - 2
+    assert kept.drop("t1") and engine.num_free_blocks == 16 - 8   # t2 holds its 8
+    engine.abort_request("t2")
+    engine.blocks.check({})
+    assert engine.num_free_blocks == 16
