@@ -14,7 +14,8 @@ unit takes the simulator's time for its batch. Around them, as in the served sys
   from its block manager) goes to ``KunServeController.decide``; a drop or restore waits for
   the iterations in flight of the units it replaces, takes their sequences (``take``) and
   gives them to the new units, held out of the batch for the KV exchange
-  (``bytes (g - 1) / g / link``, the simulator's formula); the monitor and the regrouping
+  (``bytes (g - 1) / g`` each, queued on the old unit's links:
+  ``ExchangeQueue``, the simulator's); the monitor and the regrouping
   are in ``tetris/bench/kunserve_regroup.py``.
 
 Policies, as the simulator's: ``queue`` (blocks for the whole output promised at admission,
@@ -55,6 +56,7 @@ class _Unit:
         self.members = engine.members
         self.step_lock = threading.Lock()     # held for a whole iteration
         self.stopped = False
+        self.holding = False                  # being replaced: start no further iteration
         self.promised = 0                     # queue: blocks promised to admitted requests
         self.swapped: deque = deque()         # swap: sequences whose KV is in host memory
         self.thread: threading.Thread | None = None
@@ -171,7 +173,7 @@ class KunServeEmulation(KunServeRegrouping):
                     return
                 nxt = e.release_held(self.now())
                 self._swap_in(u)
-                if not self._runnable(e):
+                if u.holding or not self._runnable(e):
                     timeout = 0.05 if nxt is None else max(0.0, nxt - self.now()) * self.scale
                     self.cv.wait(timeout=timeout)
                     e.continuing = False
@@ -179,6 +181,8 @@ class KunServeEmulation(KunServeRegrouping):
             with u.step_lock, self.lock:
                 if u.stopped:
                     return
+                if u.holding:
+                    continue
                 ran = e.steps
                 outputs = e.step()     # releases self.lock while the iteration sleeps
                 e.continuing = e.steps > ran     # an empty plan ran nothing: not back to back

@@ -5,7 +5,8 @@ Every ``tick_s`` the monitor sends each unit's KV report (``InstanceLoad``, read
 manager) to ``KunServeController.decide``; a drop or restore makes the units match the
 controller's groups: the units replaced finish their iteration in flight, their sequences are
 taken and given to the new units, held out of the batch for the KV exchange
-(``bytes (g - 1) / g / link``, the simulator's formula).
+(``bytes (g - 1) / g`` each, queued on the old unit's links:
+  ``ExchangeQueue``, the simulator's).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from tetris.control.kunserve_memory import InstanceLoad
 from tetris.sim.kunserve import KunRequest
+from tetris.sim.kunserve_exchange import ExchangeQueue
 
 if TYPE_CHECKING:
     from tetris.bench.kunserve_emulated import _Unit
@@ -51,15 +53,22 @@ class KunServeRegrouping:
                 loads = {u.members[0]: self._load(u, queued, total) for u in self.units}
                 if self.control.decide(loads) is None:
                     continue
-            self.regroup()
+                at = self.now()
+            self.regroup(at)
 
-    def regroup(self) -> None:
-        """Make the units match ``control.groups`` (after a decision or an operator's action):
-        the units to replace finish their iteration in flight first."""
+    def regroup(self, at: float | None = None) -> None:
+        """Make the units match ``control.groups`` (after a decision at trace time ``at``, or
+        an operator's action): the units to replace start no further iteration (``holding``)
+        and finish the one in flight, all at once, as the simulator's regrouping waits only
+        for the iterations in flight. (Taking each unit's step lock while it went on stepping
+        let a unit run several more iterations first, by how the threads happened to be
+        scheduled: the run-to-run spread of the preemptions before a drop.)"""
         while True:
             with self.lock:
                 member_sets = [g.members for g in self.control.groups]
                 old = [u for u in self.units if u.members not in member_sets]
+                for u in old:
+                    u.holding = True
             if not old:
                 return
             for u in old:
@@ -67,8 +76,10 @@ class KunServeRegrouping:
             try:
                 with self.lock:
                     if [g.members for g in self.control.groups] != member_sets:
+                        for u in old:
+                            u.holding = False
                         continue           # changed meanwhile (the monitor, or an operator)
-                    self._move(old, member_sets)
+                    self._move(old, member_sets, at)
                     self.dropped_layers_log.append((self.now(), self.control.dropped_layers()))
                     self._admit()
                     self.cv.notify_all()
@@ -77,7 +88,11 @@ class KunServeRegrouping:
                 for u in old:
                     u.step_lock.release()
 
-    def _move(self, old: list[_Unit], member_sets: list[tuple[int, ...]]) -> None:
+    def _move(self, old: list[_Unit], member_sets: list[tuple[int, ...]],
+              at: float | None) -> None:
+        """The old units' sequences go to the new ones; a decoding one waits for its KV
+        exchange, queued from ``at`` (the decision's time; now if None) on its old unit's
+        links (``ExchangeQueue``, as the simulator)."""
         kept = {u.members: u for u in self.units if u not in old}
         fresh = []
         for members in member_sets:
@@ -89,16 +104,20 @@ class KunServeRegrouping:
                 fresh.append(self._unit(members, blocks, held))
                 if len(members) > 1:
                     self.group_blocks_seen[members] = blocks
-        g = max(len(m) for m in [*(u.members for u in old), *(u.members for u in fresh)])
-        now = self.now()
+        now = self.now() if at is None else at
         for o in old:
             o.stopped = True
+            g = max(len(o.members), *(len(u.members) for u in fresh))
+            links = ExchangeQueue(now, len(o.members), self.prof.link_bytes_per_s)
             for seq, blocks in o.engine.take():
                 rid = int(seq.request_id)
                 u = self._target(self.reqs[rid], blocks, fresh)
-                nbytes = blocks * self.mem.block_bytes * (g - 1) / g
-                self.exchange_bytes += nbytes
-                u.engine.give(seq, now + nbytes / self.prof.link_bytes_per_s)
+                ready = now
+                if seq.num_computed:       # decoding: its KV is exchanged (in prefill: its
+                    nbytes = blocks * self.mem.block_bytes * (g - 1) / g   # KV streams there)
+                    self.exchange_bytes += nbytes
+                    ready = max(links.send(nbytes), (o.engine.step_end - self.t0) / self.scale)
+                u.engine.give(seq, ready)
                 self.unit_of[rid] = u
         self.units = sorted([*kept.values(), *fresh], key=lambda u: u.members[0])
         for u in fresh:

@@ -38,6 +38,7 @@ import numpy as np
 
 from tetris.control.kunserve import KunServeController
 from tetris.control.kunserve_memory import InstanceLoad, InstanceMemory
+from tetris.sim.kunserve_exchange import ExchangeQueue
 from tetris.sim.kunserve_pipeline import group_round
 
 __all__ = ["POLICIES", "ROUND_MODELS", "KunRequest", "KunServeSim", "PoolProfile",
@@ -104,6 +105,7 @@ class KunRequest:
         "generated",
         "home",
         "output",
+        "prefill_end",
         "prompt",
         "rid",
         "stalled_until",
@@ -117,6 +119,7 @@ class KunRequest:
         self.first_token = math.nan
         self.finish = math.nan
         self.stalled_until = 0.0
+        self.prefill_end = 0.0     # when its latest prefill's KV is in place
         self.home = -1
         self.unit = None           # the unit holding its KV, None while queued or swapped
 
@@ -224,7 +227,7 @@ class KunServeSim:
             u.running.append(r)
             r.unit = u
             ready = now + r.tokens * self.prof.prefill_s_per_token
-            r.stalled_until = ready
+            r.stalled_until = r.prefill_end = ready
             if math.isnan(r.first_token):
                 r.first_token = ready     # the prefill samples the first token
                 r.generated = 1
@@ -342,9 +345,9 @@ class KunServeSim:
 
     def _place(self, now: float, old: list[_Unit], fresh: list[_Unit]) -> None:
         """Old units' requests go to the new units holding their home instance (or the one
-        with most room); running ones stall for the KV exchange,
-        ``T_ex = bytes * (g - 1) / g / link`` (§4.2), and at least until the old unit's
-        iteration in flight ends."""
+        with most room); running ones stall for the KV exchange (``bytes * (g - 1) / g``
+        each, queued behind the old unit's earlier requests on its links: ``ExchangeQueue``),
+        and at least until the old unit's iteration in flight ends."""
         def target(r):
             homes = [u for u in fresh if r.home in u.members]
             if homes and homes[0].capacity - homes[0].used >= r.blocks:
@@ -352,11 +355,13 @@ class KunServeSim:
             return max(fresh, key=lambda x: (x.capacity - x.used, -x.members[0]))
         for o in old:
             g = max(len(o.members), *(len(u.members) for u in fresh))
+            links = ExchangeQueue(now, len(o.members), self.prof.link_bytes_per_s)
             for r in o.running:
                 u = target(r)
-                nbytes = r.blocks * self.mem.block_bytes * (g - 1) / g
-                self.exchange_bytes += nbytes
-                r.stalled_until = max(now + nbytes / self.prof.link_bytes_per_s, o.step_end)
+                if r.prefill_end <= now:     # in prefill, its KV streams to the new unit
+                    nbytes = r.blocks * self.mem.block_bytes * (g - 1) / g
+                    self.exchange_bytes += nbytes
+                    r.stalled_until = max(links.send(nbytes), o.step_end)
                 u.running.append(r)
                 r.unit = u
                 u.used += r.blocks
