@@ -8,9 +8,11 @@ on a block before all of it has arrived, nor forward it before then. Here block 
 unit of the ring is the piece ``(t, m)``: piece ``m`` of the block member ``r`` holds at step
 ``t``. Per layer every member runs one schedule:
 
-    for t in 0..s−1, for m in 0..M−1:
-        wait the exchange posted at (t−1, m)      (piece (t, m) is here; t = 0: own block)
-        post: send piece (t, m) to r+1, receive piece (t+1, m) from r−1   (t < s−1)
+    t = 0:  post (0, m) for every m: send piece m of the own block to r+1, receive piece m of
+            the next block from r−1; attend q to the own block whole
+    for t in 1..s−1, for m in 0..M−1:
+        wait the exchange posted at (t−1, m)      (piece (t, m) is here)
+        post (t, m): send piece (t, m) on to r+1, receive piece (t+1, m) from r−1   (t < s−1)
         attend q to piece (t, m), merge by log-sum-exp (ring.partial_attention)
 
 so a piece is forwarded as soon as it arrives and attention on piece ``m`` overlaps the
@@ -59,27 +61,25 @@ class PipelinedRing(RingAttention):
         Returns out [Tq, Hq, D]: attention over every member's block."""
         s, r, M = self.sp_size, self.rank, self.micro_partitions
         kv = torch.stack([k_block, v_block], dim=1).contiguous()     # [n_r, 2, Hkv, D]
-        held = self._pieces(kv, r)           # pieces of the block held at step t
-        pending: list[list] = [[] for _ in range(M)]   # works of the exchange of (t−1, m)
-        acc = None
-        for t in range(s):
+        # Step 0: every piece of the own block leaves at once, and the block is attended whole
+        # (nothing to wait for; whole, its diagonal keeps the causal kernel, not a position mask)
+        c = self.cuts[r]
+        # held[m] at step t >= 1: (works, piece m) of the exchange posted at (t−1, m)
+        held = [self._post_piece(kv[c[m]:c[m + 1]], 0, m) for m in range(M)] if s > 1 else []
+        acc = partial_attention(q, q_pos, k_block, v_block, self.block_positions[r], None, scale)
+        for t in range(1, s):
             src = ring_source(r, t, s)
             nxt: list = [None] * M
             for m in range(M):
-                self._await(pending[m], self._piece_name(layer, t, m))
-                pending[m] = []
+                works, piece = held[m]
+                self._await(works, self._piece_name(layer, t, m))
                 if t < s - 1:
-                    pending[m], nxt[m] = self._post_piece(held[m], t, m)
+                    nxt[m] = self._post_piece(piece, t, m)
                 lo, hi = self.cuts[src][m], self.cuts[src][m + 1]
-                piece = held[m]
                 acc = partial_attention(q, q_pos, piece[:, 0], piece[:, 1],
                                         self.block_positions[src][lo:hi], acc, scale)
             held = nxt
         return acc[0]
-
-    def _pieces(self, kv: torch.Tensor, member: int) -> list[torch.Tensor]:
-        c = self.cuts[member]
-        return [kv[c[m]:c[m + 1]] for m in range(self.micro_partitions)]
 
     def _post_piece(self, piece: torch.Tensor, step: int, m: int):
         """Send piece m of the held block to r+1, receive piece m of the next from r−1."""
