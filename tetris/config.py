@@ -41,6 +41,7 @@ __all__ = [
     "PrefixCacheConfig",
     "SpLayoutConfig",
     "CsaConfig",
+    "KunServeConfig",
     "load_deployment",
     "default_deployment_path",
     "DEFAULT_DEPLOYMENT",
@@ -310,6 +311,18 @@ class CsaConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                              f"{self.level2_drop_ratio} and {p3}")
 
 
+class KunServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """KunServe on the served decode pool (issue #24, docs/kunserve.md): under KV overload,
+    TP-1 decode instances drop layers into pipeline groups, and are restored after."""
+
+    enabled: bool = False
+    monitor_s: float = 1.0   # how often the pool checks demand (restore when it fell)
+
+    def __post_init__(self) -> None:
+        if self.monitor_s <= 0:
+            raise ValueError(f"kunserve.monitor_s must be positive, got {self.monitor_s}")
+
+
 class DeploymentConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: ModelConfig
     prefill: PrefillConfig = PrefillConfig()
@@ -320,6 +333,7 @@ class DeploymentConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
     sp_layout: SpLayoutConfig = SpLayoutConfig()
     csa: CsaConfig = CsaConfig()
+    kunserve: KunServeConfig = KunServeConfig()
     source_path: str | None = None
 
 
