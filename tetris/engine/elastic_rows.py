@@ -32,6 +32,8 @@ from __future__ import annotations
 import msgspec
 import torch
 
+from tetris.engine import elastic_handover as handover
+from tetris.engine.block_manager import OutOfBlocksError
 from tetris.engine.kv_shards import KVShard, ShardHolder
 from tetris.kernels import dispatch
 from tetris.kernels.merge import merge_attention
@@ -51,12 +53,19 @@ class ExchangeCounts(msgspec.Struct):
 class _Master(msgspec.Struct):
     key: int
     holders: list[int]   # the other instances holding ranges of the request, ascending
+    line: list[int] = []   # heirs, in order: who masters next when this instance is full
 
 
 class _Held(msgspec.Struct):
     request_id: str
     master: int
     shards: list[KVShard]
+
+
+class _Heir(msgspec.Struct):
+    request_id: str
+    prompt: list[int]
+    params: object       # SamplingParams
 
 
 class ElasticRows:
@@ -75,6 +84,11 @@ class ElasticRows:
         self.counts = ExchangeCounts()
         self.lost: set[int] = set()        # peers whose link broke: never asked again
         self.failed: list[str] = []        # masters' requests that lost a holder (``round``)
+        # splits that move as tokens are appended (engine/elastic_handover.py)
+        self._heirs: dict[int, _Heir] = {}                 # key -> what an heir needs
+        self._outgoing: list[tuple[list[int], handover.Handover]] = []   # (to, record)
+        self._adoptions: list[handover.Handover] = []      # adopted at the next round
+        self.handovers: list[tuple[str, int, int, int]] = []   # (request, from, to, at n)
         self._step: _Step | None = None
         self._attach(engine)
 
@@ -88,12 +102,19 @@ class ElasticRows:
 
     # -- placement (the driver's commands) ----------------------------------------------------
 
-    def master(self, request_id: str, key: int, holders: list[int]) -> None:
+    def master(self, request_id: str, key: int, holders: list[int], line=()) -> None:
         """This engine masters ``request_id`` (reserved with ``kv_start`` > 0); ``holders``
-        keep its earlier ranges."""
+        keep its earlier ranges; ``line``: holders that master next, in order, when this
+        instance has no block for the next token (each told the request by ``heir``)."""
         if self.index in holders or not holders:
             raise ValueError(f"{request_id}: holders {holders} must be other instances")
-        self._masters[request_id] = _Master(key, sorted(holders))
+        if any(h not in holders for h in line):
+            raise ValueError(f"{request_id}: line {list(line)} must be among holders {holders}")
+        self._masters[request_id] = _Master(key, sorted(holders), list(line))
+
+    def heir(self, request_id: str, key: int, prompt, params) -> None:
+        """This instance is in ``request_id``'s line: what it needs to master the request."""
+        self._heirs[key] = _Heir(request_id, list(prompt), params)
 
     def hold(self, request_id: str, key: int, master: int, start: int,
              num_tokens: int) -> KVShard:
@@ -113,6 +134,9 @@ class ElasticRows:
         for key in [k for k, h in self._held.items() if h.request_id == request_id]:
             for shard in self._held.pop(key).shards:
                 self.holder.free(shard)
+        for key in [k for k, h in self._heirs.items() if h.request_id == request_id]:
+            del self._heirs[key]
+            self._adoptions = [r for r in self._adoptions if r.key != key]
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._masters or any(h.request_id == request_id
@@ -124,6 +148,8 @@ class ElasticRows:
         """One engine step in the world's lockstep: (outputs, failed request ids). A request
         that lost a holder this step is aborted here and its output of the step dropped (its
         merge missed a range): the caller sends it down the resume path."""
+        self._adopt_pending()
+        self._hand_over_full()
         outputs = self.engine.step() if self.engine.has_unfinished() else []
         self.end_step()
         failed, self.failed = self.failed, []
@@ -131,6 +157,74 @@ class ElasticRows:
             self.engine.abort_request(rid)
         gone = set(failed)
         return [o for o in outputs if o.request_id not in gone], failed
+
+    # -- a split that moves as tokens are appended (engine/elastic_handover.py) -------------
+
+    def _hand_over_full(self) -> None:
+        """Before the step: while the batch's decode rows need more new blocks than are free,
+        hand masters that need one to their next heir (sorted by request: deterministic)."""
+        lined = [(rid, m) for rid, m in sorted(self._masters.items()) if m.line]
+        if not lined:
+            return
+        engine = self.engine
+        size = engine.blocks.block_size
+        decoding = [s for s in engine.batcher.running if s.num_computed and s.num_uncomputed == 1]
+        need = sum(handover.needs_block(s, size) for s in decoding)
+        for rid, entry in lined:
+            if need <= engine.num_free_blocks:
+                return
+            seq = engine._seqs.get(rid)
+            heirs = [h for h in entry.line if h not in self.lost]
+            if seq in decoding and handover.needs_block(seq, size) and heirs:
+                self._hand_over(rid, entry, heirs)
+                need -= 1
+
+    def _hand_over(self, request_id: str, entry: _Master, heirs: list[int]) -> None:
+        shard, seq = handover.detach(self.engine, request_id, self.index)
+        heir = heirs[0]
+        holders = sorted({*entry.holders, self.index} - {heir})
+        record = handover.handover_of(seq, entry.key, heir, holders, heirs[1:])
+        del self._masters[request_id]
+        held = self._held.setdefault(entry.key, _Held(request_id, heir, []))
+        held.master = heir
+        held.shards.append(shard)
+        self._outgoing.append((list(entry.holders), record))
+        self.handovers.append((request_id, self.index, heir, record.num_kv))
+
+    def _records_for(self, peers: list[int]) -> dict[int, list[int]]:
+        """This round's handover records as header words per peer (then forgotten)."""
+        words: dict[int, list[int]] = {p: [] for p in peers}
+        for members, record in self._outgoing:
+            for p in members:
+                if p in words:
+                    words[p] += record.words()
+        self._outgoing = []
+        return words
+
+    def _take_records(self, peer: int, words: list[int]) -> None:
+        """Records from an old master: ranges held here now answer the new master; the heir
+        adopts the request at its next round."""
+        for record in handover.decode_records(words):
+            held = self._held.get(record.key)
+            if held is not None:
+                held.master = record.master
+            if record.master == self.index:
+                self._adoptions.append(record)
+
+    def _adopt_pending(self) -> None:
+        adoptions, self._adoptions = self._adoptions, []
+        for record in adoptions:
+            heir = self._heirs.pop(record.key, None)
+            if heir is None:
+                raise RuntimeError(f"instance {self.index}: handed request key {record.key} "
+                                   "without being told it (ElasticRows.heir)")
+            try:
+                handover.adopt(self.engine, heir.request_id, heir.prompt, heir.params, record)
+            except OutOfBlocksError:   # no room here either: the resume path, as for a loss
+                self.failed.append(heir.request_id)
+                continue
+            self._masters[heir.request_id] = _Master(record.key, sorted(record.holders),
+                                                     list(record.line))
 
     @property
     def live_peers(self) -> list[int]:
@@ -140,28 +234,39 @@ class ElasticRows:
         """The engine's decode rows this step, in batch order: the header exchange."""
         peers = self.live_peers
         asks = {p: [] for p in peers}   # peer -> [(row, key)]
+        own = {}                        # row -> ranges held here of a request mastered here
         for row, seq in enumerate(seqs):
             entry = self._masters.get(seq.request_id)
-            for p in entry.holders if entry is not None else ():
+            if entry is None:
+                continue
+            for p in entry.holders:
                 if p in asks:
                     asks[p].append((row, entry.key))
-        counts = self._exchange({p: [torch.tensor([len(asks[p])], dtype=torch.int64)]
-                                 for p in peers},
-                                {p: [((1,), torch.int64)] for p in peers}, header=True)
-        wanted = {p: int(c[0][0]) for p, c in counts.items()}
+            if entry.key in self._held:   # mastered here after a handover (elastic_handover)
+                own[row] = self._held[entry.key].shards
+        records = self._records_for(peers)
+        counts = self._exchange(
+            {p: [torch.tensor([_pack(len(asks[p]), len(records[p]))], dtype=torch.int64)]
+             for p in peers},
+            {p: [((1,), torch.int64)] for p in peers}, header=True)
+        wanted = {p: _unpack(int(c[0][0])) for p, c in counts.items()}
         keys = self._exchange(
-            {p: [torch.tensor([k for _, k in asks[p]], dtype=torch.int64)]
-             for p in self.live_peers if asks[p]},
-            {p: [((n,), torch.int64)] for p, n in wanted.items() if n}, header=True)
+            {p: [torch.tensor([k for _, k in asks[p]] + records[p], dtype=torch.int64)]
+             for p in self.live_peers if asks[p] or records[p]},
+            {p: [((sum(n),), torch.int64)] for p, n in wanted.items() if sum(n)}, header=True)
         answers = {}
         for p, (ks,) in keys.items():
-            held = [self._held.get(int(k)) for k in ks]
+            rows = wanted[p][0]
+            self._take_records(p, ks[rows:].tolist())
+            if not rows:
+                continue
+            held = [self._held.get(int(k)) for k in ks[:rows]]
             if any(h is None or h.master != p for h in held):
                 raise RuntimeError(f"instance {self.index}: instance {p} asks about ranges "
                                    f"it does not hold here (keys {ks.tolist()})")
             answers[p] = [h.shards for h in held]
         self._step = _Step({p: [r for r, _ in a] for p, a in asks.items()
-                            if a and p not in self.lost}, answers)
+                            if a and p not in self.lost}, answers, own)
 
     def decode_attention(self, layer: int, q, k_cache, v_cache, block_tables, context_lens):
         """The engine's decode attention of ``q`` [B, Hq, D] at ``layer`` (its new KV already
@@ -169,7 +274,7 @@ class ElasticRows:
         step = self._step
         if step is None:
             raise RuntimeError("decode attention before begin(): not an elastic engine step")
-        if not step.asks:
+        if not step.asks and not step.own:
             out = (dispatch.paged_decode_attention(q, k_cache, v_cache, block_tables,
                                                    context_lens) if q.shape[0] else q.clone())
             self._answer(layer, step, {})
@@ -179,9 +284,12 @@ class ElasticRows:
         lse = lse.transpose(0, 1).contiguous()           # [Hq, B], as merge_attention takes
         parts = self._answer(layer, step, {p: [q[rows].contiguous()]
                                            for p, rows in step.asks.items()})
-        for p in sorted(parts):                          # peer order: deterministic
-            rows = torch.tensor(step.asks[p], dtype=torch.int64)
-            part_out, part_lse = parts[p]
+        merges = [(step.asks[p], *parts[p]) for p in sorted(parts)]   # peer order: deterministic
+        if step.own:   # ranges this master computed before it handed over and got back
+            own = sorted(step.own)
+            merges.insert(0, (own, *self._partial(layer, q[own], [step.own[r] for r in own])))
+        for row_list, part_out, part_lse in merges:
+            rows = torch.tensor(row_list, dtype=torch.int64)
             merged, merged_lse = merge_attention(out[rows], lse[:, rows], part_out, part_lse)
             out[rows] = merged
             lse[:, rows] = merged_lse
@@ -276,3 +384,14 @@ class ElasticRows:
 class _Step(msgspec.Struct):
     asks: dict[int, list[int]]                 # peer -> my batch rows whose ranges it holds
     answers: dict[int, list[list[KVShard]]]    # peer -> per row it asks, my ranges of it
+    own: dict[int, list[KVShard]] = {}         # my row -> its ranges held here (handover)
+
+
+def _pack(rows: int, extra: int) -> int:
+    """A header's one word: rows asked about and handover words after their keys (an idle
+    round still sends 8 bytes per peer)."""
+    return rows | extra << 32
+
+
+def _unpack(word: int) -> tuple[int, int]:
+    return word & 0xFFFFFFFF, word >> 32
