@@ -72,6 +72,7 @@ class ServedKunServe:
         self.controller: KunServeController | None = None
         self.refused: list[str] = []
         self.freed_param_bytes: dict[int, int] = {}
+        self.exchange_bytes = 0    # KV bytes sent between members by drops and restores
 
     async def start(self) -> None:
         """The memory model from instance 0's rank tensors (every instance holds the same)."""
@@ -135,6 +136,11 @@ class ServedKunServe:
             raise DropRefused(str(e)) from e
         return decision
 
+    def unit_blocks(self) -> dict[int, int]:
+        """KV blocks each serving unit (an instance, or a group by its first member) has."""
+        return {g.members[0]: sum(self.instances[m].kv_blocks for m in g.members)
+                for g in self.controller.groups}
+
     def dropped_layers(self) -> dict[int, int]:
         """``tetris:dropped_layers{instance}``."""
         return self.controller.dropped_layers()
@@ -183,11 +189,12 @@ class ServedKunServe:
                                      return_exceptions=True)
                 raise
             ranges = [list(r) for r in group.layer_ranges]
-            freed = await asyncio.gather(*[r.kunserve_drop.remote(ranges, group_blocks, parts)
-                                           for r in ranks])
-            for inst, (lo, hi), f in zip(insts, parts, freed, strict=True):
+            done = await asyncio.gather(*[r.kunserve_drop.remote(ranges, group_blocks, parts)
+                                          for r in ranks])
+            for inst, (lo, hi), d in zip(insts, parts, done, strict=True):
                 inst.kv_blocks = hi - lo
-                self.freed_param_bytes[inst.instance] = int(f)
+                self.freed_param_bytes[inst.instance] = int(d["freed_param_bytes"])
+                self.exchange_bytes += int(d["exchange_bytes"])
         log.info("KunServe drop: instances %s keep layers %s, %d group blocks",
                  list(group.members), ranges, group_blocks)
 
@@ -197,7 +204,8 @@ class ServedKunServe:
         async with _paused(insts):
             await asyncio.gather(*[r.kunserve_check_restore.remote() for r in ranks])
             await asyncio.gather(*[r.kunserve_restore.remote() for r in ranks])
-            await asyncio.gather(*[r.kunserve_leave.remote() for r in ranks])
+            sent = await asyncio.gather(*[r.kunserve_leave.remote() for r in ranks])
+            self.exchange_bytes += sum(int(b) for b in sent)
             states = await asyncio.gather(*[r.stats.remote() for r in ranks])
             for inst, s in zip(insts, states, strict=True):
                 inst.kv_blocks = s.total_blocks

@@ -49,6 +49,8 @@ class KunServeRank:
         if self.tp_size != 1 or self.elastic is not None or self.kept is not None:
             raise ValueError("a KunServe member is a TP-1 decode instance without elastic "
                              "decode or kept prefixes")
+        if self.pump is not None and self.pump.manager.config.direct_writes:
+            raise ValueError("a KunServe member cannot take direct KV writes (registered cache)")
         with self._step_lock:
             if self.group_member is not None:
                 raise ValueError(f"decode instance {self.instance} is in a group already")
@@ -65,23 +67,50 @@ class KunServeRank:
     def kunserve_connect(self, addresses: list, timeout_s: float) -> None:
         self.group_member.connect(addresses, timeout_s)
 
-    def kunserve_drop(self, ranges: list, group_blocks: int, parts: list) -> int:
+    def kunserve_drop(self, ranges: list, group_blocks: int, parts: list) -> dict:
+        """(freed parameter bytes, KV bytes sent) of this member's drop."""
         with self._step_lock:
-            return self.group_member.drop(ranges, group_blocks, parts)
+            m = self.group_member
+            sent = m.exchange_bytes
+            freed = m.drop(ranges, group_blocks, parts)
+            self._retarget_receiver(None)
+            return {"freed_param_bytes": freed, "exchange_bytes": m.exchange_bytes - sent}
 
     def kunserve_check_restore(self) -> None:
         with self._step_lock:
             self.group_member.check_restore(self.group_member.base_blocks)
 
-    def kunserve_restore(self) -> int:
+    def kunserve_restore(self) -> dict:
+        """(parameter bytes pulled, KV bytes sent) of this member's restore. The bytes its
+        peers pull from it are counted by ``kunserve_leave``."""
         with self._step_lock:
-            return self.group_member.restore(self.group_member.base_blocks)
+            m = self.group_member
+            self._restore_sent = m.exchange_bytes
+            pulled = m.restore(m.base_blocks)
+            self._retarget_receiver(self._engine().cache)
+            return {"pulled_param_bytes": pulled}
 
-    def kunserve_leave(self) -> None:
-        """Close the group's links (after every member restored, or to undo a join)."""
+    def _retarget_receiver(self, cache) -> None:
+        """Point the receive manager at ``cache``'s layers (a whole-model cache again), or,
+        while dropped, at a one-block placeholder: it takes no reservation then, and the old
+        whole-model cache is not kept alive by it."""
+        if self.pump is None:
+            return
+        if cache is None:
+            from tetris.engine.kv_cache import KVCache
+
+            cache = KVCache.for_model(self._engine().model, 1, self._engine().blocks.block_size)
+        with self.pump.locked() as manager:
+            manager.kv_caches = [(cache.k[i], cache.v[i]) for i in range(cache.num_layers)]
+
+    def kunserve_leave(self) -> int:
+        """Close the group's links (after every member restored, or to undo a join); the KV
+        bytes sent since ``kunserve_restore`` began (its answers to the peers' pulls)."""
         member, self.group_member = self.group_member, None
-        if member is not None:
-            member.close()
+        if member is None:
+            return 0
+        member.close()
+        return member.exchange_bytes - getattr(self, "_restore_sent", member.exchange_bytes)
 
     def kunserve_state(self) -> dict:
         """What this member holds and did: layers, blocks, the pipeline's counters."""
