@@ -1,19 +1,87 @@
-"""SIMULATION: KunServe against the KV-centric baselines on a BurstGPT-like burst.
+"""KunServe against the KV-centric baselines on a BurstGPT-like burst: SIMULATION, and with
+``--emulated`` the EMULATION of the same trace side by side.
 
     python benchmarks/bench_kunserve.py [--profile qwen2.5-14b-tp1] [--requests 10000]
-        [--rate 150] [--seed 1]
+        [--rate 150] [--seed 1] [--round-model lookahead|token_budget|fixed]
+        [--emulated --policies kunserve,swap --jobs 2] [--out FILE.json]
 
 Every policy runs the same seeded trace (rate doubles for the middle 40% of the requests) on
 the same deployment profile (configs/kunserve-<profile>.toml); one table, ratios side by side.
+Beside the table: the trace's KV *demand* (what every arrived, unfinished request would hold
+with unlimited memory, as a share of the pool's KV; KunServe's evaluation keeps its time
+average under 60%, §6), and P50 TPOT by arrival phase (before, in, after the burst).
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+import itertools
+import json
 
-from tetris.sim.kunserve import POLICIES, KunServeSim
-from tetris.sim.kunserve_workload import burst_trace, load_profile, profile_path
+import msgspec
+import numpy as np
+
+from tetris.bench.kunserve_compare import _trace, compare, deployment
+from tetris.sim.kunserve import POLICIES, ROUND_MODELS, KunServeSim
+
+
+def kv_demand(profile: str, requests: int, rate: float, seed: int) -> dict:
+    """Time average (over the arrivals) and peak of the trace's KV demand / the pool's KV:
+    ``recompute`` on a pool with 20x the KV and no batch cap (nothing waits for memory)."""
+    mem, prof = deployment(profile)
+    pool = prof.instances * mem.kv_blocks
+    big = msgspec.structs.replace(mem, kv_bytes=mem.kv_bytes * 20)
+    sim = KunServeSim(_trace(requests, rate, seed), big,
+                      msgspec.structs.replace(prof, max_batch=1 << 30), "recompute")
+    log: list[tuple[float, int]] = []
+    start = sim._start
+
+    def logged(now, unit):
+        log.append((now, sum(u.used for u in sim.units)))
+        start(now, unit)
+    sim._start = logged
+    sim.run()
+    last = sim.reqs[-1].arrival
+    t = np.array([a for a, _ in log if a <= last] + [last])
+    d = np.array([b for a, b in log if a <= last]) / pool
+    return {"mean": float(np.sum(np.diff(t) * d) / last),
+            "peak": float(max(b for _, b in log) / pool)}
+
+
+def phase_tpot(profile: str, requests: int, rate: float, seed: int, round_model: str) -> dict:
+    """P50 TPOT (ms) of each policy's requests by arrival phase: before, in, after the burst."""
+    mem, prof = deployment(profile)
+    out = {}
+    for policy in POLICIES:
+        reqs = _trace(requests, rate, seed)
+        KunServeSim(reqs, mem, prof, policy, round_model=round_model).run()
+        cuts = (0, int(0.3 * requests), int(0.7 * requests), requests)
+        out[policy] = [float(np.median([(r.finish - r.first_token) / (r.output - 1)
+                                        for r in reqs[a:b] if r.output > 1])) * 1e3
+                       for a, b in itertools.pairwise(cuts)]
+    return out
+
+
+def _table(out: dict) -> None:
+    print(f"{'mode':<10} {'policy':<10} {'P50 TTFT':>9} {'P99 TTFT':>9} {'P99/Kun':>8} "
+          f"{'P50 TPOT':>9} {'Kun/this':>9} {'P99 TPOT':>9} {'preempt':>8} {'pre-drop':>8} "
+          f"{'drops':>6} {'restores':>8} {'exch GB':>8} {'unfin':>6}")
+    for mode in ("SIMULATION", "EMULATION"):
+        rows = out[mode]
+        k = rows.get("kunserve")
+        for policy, r in rows.items():
+            vs = (f"{r['p99_ttft'] / k['p99_ttft']:>7.1f}x", f"{k['p50_tpot'] / r['p50_tpot']:>8.3f}x") \
+                if k else ("-", "-")
+            print(f"{mode:<10} {policy:<10} {r['p50_ttft']:>9.3f} {r['p99_ttft']:>9.3f} {vs[0]:>8} "
+                  f"{r['p50_tpot'] * 1e3:>7.1f}ms {vs[1]:>9} {r['p99_tpot'] * 1e3:>7.1f}ms "
+                  f"{r['preemptions']:>8} {r['preemptions_before_first_regroup']:>8} "
+                  f"{r['drops']:>6} {r['restores']:>8} {r['exchange_gb']:>8.1f} "
+                  f"{r['unfinished']:>6}")
+    for policy, e in out["EMULATION"].items():
+        s = out["SIMULATION"][policy]
+        print(f"live/sim {policy:<10} P99 TTFT {e['p99_ttft'] / s['p99_ttft']:.3f}  "
+              f"P50 TPOT {e['p50_tpot'] / s['p50_tpot']:.3f}  regroups decided at "
+              f"SIMULATION {s['regroup_s']} EMULATION {e['regroup_s']}")
 
 
 def main() -> None:
@@ -22,29 +90,31 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=10000)
     ap.add_argument("--rate", type=float, default=150.0, help="base arrivals/s (burst: 2x)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--round-model", default="lookahead", choices=ROUND_MODELS)
+    ap.add_argument("--emulated", action="store_true", help="also run the EMULATION")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--jobs", type=int, default=2, help="emulated policies at once")
+    ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
-    mem, prof = load_profile(profile_path(args.profile))
-    print(f"SIMULATION  profile={prof.name}  instances={prof.instances}  "
-          f"params={mem.param_bytes / 1e9:.1f} GB  KV={mem.kv_bytes / 1e9:.1f} GB "
-          f"({mem.kv_blocks} blocks) per instance  requests={args.requests}  "
-          f"rate={args.rate:g}/s -> {2 * args.rate:g}/s  seed={args.seed}")
-    rows = {}
-    for policy in POLICIES:
-        t0 = time.perf_counter()
-        trace = burst_trace(args.requests, args.rate, seed=args.seed, burst_at=0.3,
-                            burst_end=0.7)
-        rows[policy] = KunServeSim(trace, mem, prof, policy).run()
-        rows[policy]["wall_s"] = time.perf_counter() - t0
-    k = rows["kunserve"]
-    print(f"{'policy':<10} {'P50 TTFT':>9} {'P99 TTFT':>9} {'P99/Kun':>8} {'P50 TPOT':>9} "
-          f"{'Kun/this':>9} {'P99 TPOT':>9} {'preempt':>8} {'drops':>6} {'restores':>8} "
-          f"{'exch GB':>8} {'unfin':>6}")
-    for policy, r in rows.items():
-        print(f"{policy:<10} {r['p50_ttft']:>9.3f} {r['p99_ttft']:>9.3f} "
-              f"{r['p99_ttft'] / k['p99_ttft']:>7.1f}x {r['p50_tpot'] * 1e3:>7.1f}ms "
-              f"{k['p50_tpot'] / r['p50_tpot']:>8.3f}x {r['p99_tpot'] * 1e3:>7.1f}ms "
-              f"{r['preemptions']:>8} {r['drops']:>6} {r['restores']:>8} "
-              f"{r['exchange_gb']:>8.1f} {r['unfinished']:>6}")
+    policies = tuple(p for p in args.policies.split(",") if p)
+    out = compare(profile=args.profile, requests=args.requests, rate=args.rate, seed=args.seed,
+                  jobs=args.jobs, emulate=args.emulated, policies=policies,
+                  round_model=args.round_model)
+    out["kv_demand"] = kv_demand(args.profile, args.requests, args.rate, args.seed)
+    out["p50_tpot_ms_by_phase"] = phase_tpot(args.profile, args.requests, args.rate, args.seed,
+                                             args.round_model)
+    print(f"SIMULATION{' and EMULATION' if args.emulated else ''}  profile={out['profile']}  "
+          f"instances={out['instances']}  kv_blocks={out['kv_blocks']} per instance  "
+          f"requests={args.requests}  rate={args.rate:g}/s -> {2 * args.rate:g}/s  "
+          f"seed={args.seed}  round model={args.round_model}")
+    d = out["kv_demand"]
+    print(f"KV demand / pool KV: time average {d['mean']:.2f}, peak {d['peak']:.2f}")
+    _table(out)
+    print("P50 TPOT ms by arrival phase (before / in / after the burst): " + "; ".join(
+        f"{p} {' / '.join(f'{x:.1f}' for x in v)}" for p, v in out["p50_tpot_ms_by_phase"].items()))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

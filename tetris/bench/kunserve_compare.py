@@ -42,32 +42,36 @@ def _emulate(spec: dict) -> dict:
     mem, prof = deployment(spec["profile"], spec["instances"], spec["kv_scale"])
     t0 = time.perf_counter()
     out = KunServeEmulation(_trace(spec["requests"], spec["rate"], spec["seed"]), mem, prof,
-                            spec["policy"], time_scale=spec["time_scale"]).run()
+                            spec["policy"], time_scale=spec["time_scale"],
+                            round_model=spec["round_model"]).run()
     out["wall_s"] = time.perf_counter() - t0
     return out
 
 
 def compare(*, profile: str = "qwen2.5-14b-tp1", requests: int = 10000, rate: float = 150.0,
             seed: int = 1, time_scale: float = 1.0, jobs: int = 3, instances: int | None = None,
-            kv_scale: float = 1.0, emulate: bool = True) -> dict:
+            kv_scale: float = 1.0, emulate: bool = True, policies=POLICIES,
+            round_model: str = "lookahead") -> dict:
     """``{"SIMULATION": {policy: result}, "EMULATION": {policy: result}}`` (EMULATION empty
-    when ``emulate`` is off)."""
+    when ``emulate`` is off) for ``policies``; a group's iteration by ``round_model``."""
     mem, prof = deployment(profile, instances, kv_scale)
     sim = {}
-    for policy in POLICIES:
+    for policy in policies:
         t0 = time.perf_counter()
-        sim[policy] = KunServeSim(_trace(requests, rate, seed), mem, prof, policy).run()
+        sim[policy] = KunServeSim(_trace(requests, rate, seed), mem, prof, policy,
+                                  round_model=round_model).run()
         sim[policy]["mode"] = "SIMULATION"
         sim[policy]["wall_s"] = time.perf_counter() - t0
     emu = {}
     if emulate:
         specs = [{"profile": profile, "instances": instances, "kv_scale": kv_scale,
                   "requests": requests, "rate": rate, "seed": seed, "time_scale": time_scale,
-                  "policy": p} for p in EMULATED_POLICIES]
+                  "policy": p, "round_model": round_model}
+                 for p in EMULATED_POLICIES if p in policies]
         with cf.ProcessPoolExecutor(max_workers=jobs,
                                     mp_context=mp.get_context("spawn")) as pool:
             for spec, out in zip(specs, pool.map(_emulate, specs), strict=True):
                 emu[spec["policy"]] = out
     return {"profile": prof.name, "instances": prof.instances, "kv_blocks": mem.kv_blocks,
             "requests": requests, "rate": rate, "seed": seed, "time_scale": time_scale,
-            "SIMULATION": sim, "EMULATION": emu}
+            "round_model": round_model, "SIMULATION": sim, "EMULATION": emu}

@@ -83,6 +83,8 @@ class KunServeEmulation(KunServeRegrouping):
         self.need: dict[int, int] = {}
         self.generated: dict[int, list[int]] = {}     # output of a preempted request
         self.preemptions = 0
+        self.preempted_at: list[float] = []
+        self.regroup_log: list[tuple[float, float]] = []    # (decided, landed), trace s
         self.prefills: list[tuple[float, int]] = []
         self.done = 0
         self.exchange_bytes = 0.0
@@ -206,6 +208,7 @@ class KunServeEmulation(KunServeRegrouping):
             del e._seqs[seq.request_id]
             self.generated[int(seq.request_id)] = list(seq.output_token_ids)
             self.preemptions += 1
+            self.preempted_at.append(self.now())
         self.waiting.extendleft(self.reqs[int(s.request_id)] for s in reversed(victims))
 
     def _swap_out(self, e: PipelinedEmulatedEngine, victims: list) -> None:
@@ -220,6 +223,7 @@ class KunServeEmulation(KunServeRegrouping):
                             / self.prof.pcie_bytes_per_s)
             u.swapped.appendleft(seq)
             self.preemptions += 1
+            self.preempted_at.append(self.now())
 
     def _swap_in(self, u: _Unit) -> None:
         """Swapped sequences come back (before any new admission) once their blocks fit."""
@@ -327,5 +331,7 @@ class KunServeEmulation(KunServeRegrouping):
 
     # -- results ------------------------------------------------------------------------------
     def _result(self) -> dict:
-        return {"mode": "EMULATION", **policy_result(self.policy, self.reqs, self.preemptions,
-                                                     self.control, self.exchange_bytes)}
+        return {"mode": "EMULATION", **policy_result(
+            self.policy, self.reqs, self.preemptions, self.control, self.exchange_bytes,
+            [d for d, _ in self.regroup_log], self.preempted_at),
+            "regroup_landed_s": [round(t, 3) for _, t in self.regroup_log]}

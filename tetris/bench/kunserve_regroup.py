@@ -80,7 +80,9 @@ class KunServeRegrouping:
                             u.holding = False
                         continue           # changed meanwhile (the monitor, or an operator)
                     self._move(old, member_sets, at)
-                    self.dropped_layers_log.append((self.now(), self.control.dropped_layers()))
+                    now = self.now()
+                    self.dropped_layers_log.append((now, self.control.dropped_layers()))
+                    self.regroup_log.append((now if at is None else at, now))
                     self._admit()
                     self.cv.notify_all()
                     return

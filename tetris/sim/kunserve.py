@@ -163,6 +163,7 @@ class KunServeSim:
         self.exchange_bytes = 0
         self.waiting: deque[KunRequest] = deque()   # the dispatcher's queue, FCFS
         self.preemptions = 0
+        self.preempted_at: list[float] = []
         self.kv_capacity_log: list[tuple[float, int]] = []
 
     # -- events -----------------------------------------------------------------------------
@@ -280,6 +281,7 @@ class KunServeSim:
             victim.unit = None
             u.used -= victim.blocks
             self.preemptions += 1
+            self.preempted_at.append(now)
             if self.policy == "swap":
                 u.pending_s += victim.blocks * self.mem.block_bytes / self.prof.pcie_bytes_per_s
                 u.swapped.appendleft(victim)
@@ -371,13 +373,17 @@ class KunServeSim:
     # -- results ----------------------------------------------------------------------------
     def _result(self) -> dict:
         return policy_result(self.policy, self.reqs, self.preemptions, self.control,
-                             self.exchange_bytes)
+                             self.exchange_bytes, [t for t, _ in self.kv_capacity_log],
+                             self.preempted_at)
 
 
-def policy_result(policy: str, reqs, preemptions: int, control, exchange_bytes: float) -> dict:
+def policy_result(policy: str, reqs, preemptions: int, control, exchange_bytes: float,
+                  regroups: Sequence[float] = (), preempted_at: Sequence[float] = ()) -> dict:
     """One policy's run as the benchmarks report it (SIMULATION here; the EMULATION of
     ``tetris/bench/kunserve_emulated.py`` reports the same fields): TTFT and TPOT percentiles
-    over the requests, preemptions, drops, restores, refusals and the KV exchanged."""
+    over the requests, preemptions, drops, restores, refusals and the KV exchanged; when the
+    regroupings were decided and how many preemptions came before the first (trace s)."""
+    first = regroups[0] if regroups else math.inf
     ttft = np.array([r.first_token - r.arrival for r in reqs])
     tpot = np.array([(r.finish - r.first_token) / (r.output - 1) for r in reqs if r.output > 1])
     return {"policy": policy, "requests": len(reqs),
@@ -390,4 +396,6 @@ def policy_result(policy: str, reqs, preemptions: int, control, exchange_bytes: 
             "drops": control.drops if control else 0,
             "restores": control.restores if control else 0,
             "refusals": len(control.refusals) if control else 0,
-            "exchange_gb": exchange_bytes / 1e9}
+            "exchange_gb": exchange_bytes / 1e9,
+            "regroup_s": [round(t, 3) for t in regroups],
+            "preemptions_before_first_regroup": sum(t < first for t in preempted_at)}
