@@ -3,7 +3,7 @@
 
 A conversation's next turn resends the conversation so far. The decode instance that ran the
 previous turn still holds that turn's KV (prompt and answer, but the answer's last token) if
-it kept it (``engine/kept_kv.py``); routed there, the next turn copies the part of the prefix
+it kept it (``engine/kept_kv.py``); routed there, the next turn shares the part of the prefix
 the prefill pool had cached from it instead of receiving it over the network.
 
 ``DecodeKept`` is the control plane's record of those runs: per instance, each kept run's
