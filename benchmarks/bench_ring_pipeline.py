@@ -5,7 +5,8 @@ Per case every member runs the real ``RingAttention`` and ``PipelinedRing`` (M p
 block) on the same random q, K, V (history + zigzag share, tiny geometry: 8 heads, 2 KV heads,
 head size 64, fp32), one layer per call, alternating the variants within each repeat so that
 the machine's drift hits all alike. Reported: the slowest member's median layer time, its
-median wait on transfers, and pipelined / whole-block.
+median wait on transfers, its thread's CPU time (the work of its attention calls, which the
+load of a shared machine does not inflate as it does wall time), and pipelined / whole-block.
 
 Two links:
 - ``loopback``: gloo over 127.0.0.1 as is (transfers are memory copies; on this CPU attention
@@ -120,21 +121,23 @@ def _member(rank, s, port, h, l, micros, repeats, link_bps, out):
                                            micro_partitions=m)
     times = {name: [] for name in variants}
     waits = {name: [] for name in variants}
+    cpus = {name: [] for name in variants}
     for rep in range(repeats + 1):           # the first is a warm-up
         order = list(variants) if rep % 2 else list(variants)[::-1]
         for name in order:
             attn = variants[name]
             _barrier(world, rank, s)
             attn.comm_wait_s = 0.0
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             attn(q, q_pos[rank], k, v)
             if rep:
                 times[name].append(time.perf_counter() - t0)
                 waits[name].append(attn.comm_wait_s)
+                cpus[name].append(time.thread_time() - c0)
     if link_bps:
         link.close()
-    out[rank] = ({n: statistics.median(x) for n, x in times.items()},
-                 {n: statistics.median(x) for n, x in waits.items()})
+    out[rank] = tuple({n: statistics.median(x) for n, x in d.items()}
+                      for d in (times, waits, cpus))
 
 
 def own_block_attention_s(s: int, h: int, l: int) -> tuple[float, int]:
@@ -151,7 +154,8 @@ def own_block_attention_s(s: int, h: int, l: int) -> tuple[float, int]:
 
 
 def run_case(s, h, l, micros, repeats, link_bps):
-    """Per variant: the slowest member's (median layer seconds, its median transfer wait)."""
+    """Per variant: the slowest member's (median layer seconds, its median transfer wait, its
+    median CPU seconds on its own thread: the attention's work, whatever the machine's load)."""
     port, out = free_port(), [None] * s
     threads = [threading.Thread(target=_member, args=(r, s, port, h, l, micros, repeats,
                                                       link_bps, out)) for r in range(s)]
@@ -164,7 +168,7 @@ def run_case(s, h, l, micros, repeats, link_bps):
     worst = {}
     for name in out[0][0]:
         r = max(range(s), key=lambda j: out[j][0][name])
-        worst[name] = (out[r][0][name], out[r][1][name])
+        worst[name] = (out[r][0][name], out[r][1][name], out[r][2][name])
     return worst
 
 
@@ -181,8 +185,8 @@ def main() -> None:
     micros = [int(x) for x in args.micro.split(",")]
     cases = [tuple(map(int, c.split(":"))) for c in args.cases.split(",")]
     ratios = [float(x) for x in args.comm_ratios.split(",") if float(x) > 0]
-    print("ring layer time, ms (transfer wait ms), slowest member's median of "
-          f"{args.repeats}; x = pipelined / whole-block, same run")
+    print("ring layer time, ms (transfer wait ms; member thread's CPU ms), slowest member's "
+          f"median of {args.repeats}; x = pipelined / whole-block wall time, same run")
     for s in map(int, args.sizes.split(",")):
         for h, l in cases:
             a, block_bytes = own_block_attention_s(s, h, l)
@@ -190,8 +194,8 @@ def main() -> None:
                 bps = block_bytes / (ratio * a) if ratio else 0.0
                 res = run_case(s, h, l, micros, args.repeats, bps)
                 whole = res["whole"][0]
-                cells = "  ".join(f"{n} {t * 1e3:7.1f} ({w * 1e3:6.1f}) x{t / whole:5.3f}"
-                                  for n, (t, w) in res.items())
+                cells = "  ".join(f"{n} {t * 1e3:6.1f} ({w * 1e3:5.1f}; {c * 1e3:5.1f}) "
+                                  f"x{t / whole:5.3f}" for n, (t, w, c) in res.items())
                 name = f"EMULATION C/A {ratio:g}" if ratio else "loopback"
                 line = f"{name:>18} s {s} h {h:>5} l {l:>5}: {cells}"
                 if ratio:
