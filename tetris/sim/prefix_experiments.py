@@ -11,6 +11,7 @@ one SLO for both runs so that the two capacities compare).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -30,8 +31,8 @@ from tetris.sim.prefix_workload import (
 )
 from tetris.sim.workload import SimRequest
 
-__all__ = ["PrefixRun", "default_capacity_blocks", "prefix_capacity", "run_prefix",
-           "slo_from_light_load"]
+__all__ = ["PrefixRun", "bisect_capacity", "default_capacity_blocks", "prefix_capacity",
+           "run_prefix", "slo_from_light_load"]
 
 
 class PrefixRun(msgspec.Struct, frozen=True):
@@ -102,8 +103,27 @@ def run_prefix(requests: list[SimRequest], *, model: str = "8b", policy: str = "
                      kept_stats.get("decode_reused_tokens", 0)), sim
 
 
+def bisect_capacity(ok: Callable[[float], bool], *, lo: float, hi: float, tol: float,
+                    max_rate: float = 64.0) -> float:
+    """The highest rate ``ok`` accepts (``experiments.capacity``'s search): 0 when ``lo``
+    fails; the bracket doubles from ``hi`` while it passes, up to ``max_rate``, which is
+    returned when it passes too (a finite trace may meet a loose SLO at any rate); then
+    bisection to ``tol``. Shared by the SIMULATION and the EMULATION searches."""
+    if not ok(lo):
+        return 0.0
+    while ok(hi):
+        if hi >= max_rate:
+            return hi
+        lo, hi = hi, min(hi * 2, max_rate)
+    while hi - lo > tol:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
 def prefix_capacity(spec: PrefixWorkload, seed: int, *, cache: bool, slo: tuple[float, float],
-                    lo: float, hi: float, tol: float, **run: Any) -> tuple[float, list]:
+                    lo: float, hi: float, tol: float, max_rate: float = 64.0,
+                    **run: Any) -> tuple[float, list]:
     """Bisection for the highest rate meeting ``slo`` = (P50, P99) bounds; ``lo`` must meet
     it (else 0). Returns the rate and the probes (rate, P50, P99, met)."""
     probes = []
@@ -117,19 +137,12 @@ def prefix_capacity(spec: PrefixWorkload, seed: int, *, cache: bool, slo: tuple[
         probes.append((rate, r.ttft_p50, r.ttft_p99, good))
         return good
 
-    if not ok(lo):
-        return 0.0, probes
-    while ok(hi):
-        lo, hi = hi, hi * 2
-    while hi - lo > tol:
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo, probes
+    return bisect_capacity(ok, lo=lo, hi=hi, tol=tol, max_rate=max_rate), probes
 
 
 def slo_from_light_load(spec: PrefixWorkload, seed: int, rate: float,
-                        **run: Any) -> tuple[float, float]:
-    """``SLO_FACTOR`` × the uncached run's TTFT P50 and P99 at a light ``rate``."""
+                        factor: float = SLO_FACTOR, **run: Any) -> tuple[float, float]:
+    """``factor`` (``SLO_FACTOR``) × the uncached run's TTFT P50 and P99 at a light ``rate``."""
     r, _ = run_prefix(shared_prefix_workload(spec, rate, seed), cache=False, rate=rate,
                       block_tokens=spec.block_tokens, **run)
-    return SLO_FACTOR * r.ttft_p50, SLO_FACTOR * r.ttft_p99
+    return factor * r.ttft_p50, factor * r.ttft_p99
