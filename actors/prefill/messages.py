@@ -112,6 +112,9 @@ class ChunkTask(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # collectives (sptp_hier.py). Empty: flat.
     sp_member_nodes: tuple[int, ...] = ()
     kv_ranges: tuple[KVRange, ...] = ()   # elastic decode: a target per token range instead
+    # CSA (LOSSY, opt-in, ring chunks only; csa_ring.py): (p1, p2, p3). Empty: dense.
+    csa_drop_ratios: tuple[float, ...] = ()
+    csa_drop_queries: bool = True
 
     @property
     def instance(self) -> int:
@@ -133,6 +136,7 @@ class ChunkResult(msgspec.Struct, frozen=True):
     first_logprob: TokenLogprob | None = None   # when ``sampling.logprobs`` asks for it
     # the first token went to the decode ranks with the KV (transfer ``FirstToken``)
     first_token_streamed: bool = False
+    sent_elements: int = 0   # what this member sent its chunk group (GroupExchange counts)
 
 
 class PrefillResult(msgspec.Struct, frozen=True):
@@ -156,6 +160,7 @@ class PrefillResult(msgspec.Struct, frozen=True):
     # the member that sampled the first token sent it to the decode ranks with the KV: the
     # decode instance starts without the dispatcher's ``commit``
     first_token_streamed: bool = False
+    sent_elements: int = 0   # elements the chunk groups' attention sent, all chunks and members
 
 
 def first_line(err: BaseException) -> str:

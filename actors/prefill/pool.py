@@ -179,7 +179,7 @@ class PrefillPool:
                                 f"the prompt has {len(token_ids)}")
             opts = RunOptions(balance or self.balance, sampling, return_logits,
                               tuple(kv_receivers), on_chunk_start, on_chunk_end,
-                              prefix_streamed, tuple(kv_ranges))
+                              prefix_streamed, tuple(kv_ranges), csa=self.deployment.csa)
             return self._run_chunks(plan, token_ids, opts)
         finally:
             self._tickets.finish(plan.request_id)

@@ -25,6 +25,7 @@ from tetris.actors.prefill.kv_store import PagedKVStore
 from tetris.actors.prefill.layout import plan_layout
 from tetris.actors.prefill.messages import BalanceMode, ChunkResult, PrefillError, PrefillResult
 from tetris.actors.prefill.world import World, free_port
+from tetris.config import CsaConfig
 from tetris.plan import PrefillPlan
 from tetris.sampling_params import SamplingParams
 from tetris.token_ids import compact_tokens
@@ -73,16 +74,18 @@ class ThreadedPool:
 
     def run(self, plan: PrefillPlan, token_ids: Sequence[int], *,
             sampling: SamplingParams | None = None, return_logits: bool = False,
-            balance: BalanceMode = "overlap", kv_ranges: tuple = ()) -> PrefillResult:
+            balance: BalanceMode = "overlap", kv_ranges: tuple = (),
+            csa: CsaConfig | None = None) -> PrefillResult:
         """Prefill ``token_ids`` by ``plan``; returns the first token (and logits if asked).
-        The request's KV stays in the members' stores until ``release``."""
+        The request's KV stays in the members' stores until ``release``. ``csa`` enabled:
+        LOSSY sparse attention in ring chunks (csa_ring.py)."""
         plan.validate(self.size)
         ids = compact_tokens(token_ids)
         if len(ids) != plan.prompt_tokens:
             raise ValueError(f"plan {plan.request_id} is for {plan.prompt_tokens} tokens, "
                              f"the prompt has {len(ids)}")
         opts = RunOptions(balance, sampling, return_logits, (), None, None,
-                          kv_ranges=tuple(kv_ranges))   # streamed by executors with a pump
+                          kv_ranges=tuple(kv_ranges), csa=csa)   # streamed by executors with a pump
         layouts, final = plan_layout(plan, balance)
         t0 = time.perf_counter()
         results: list[list[ChunkResult]] = []

@@ -69,8 +69,7 @@ class CsaPrefill:
         self.stats = CsaStats()
         self._importance: torch.Tensor | None = None
         log.warning("CSA on (LOSSY sparse attention): drop ratios p1, p2, p3 = %s over %d "
-                    "shards, %d per node", self.drop_ratios, layout.shards,
-                    layout.shards_per_node)
+                    "shards on nodes %s", self.drop_ratios, layout.shards, layout.shard_nodes)
 
     def __call__(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         last = i == self.num_layers - 1
