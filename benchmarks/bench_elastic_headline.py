@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--ttft-slo", type=float, default=200.0)
     ap.add_argument("--sim-only", action="store_true")
     ap.add_argument("--consolidate", action="store_true", help="simulated runs consolidate")
+    ap.add_argument("--placements", default="whole,elastic")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     base = load_deployment(args.config)
@@ -75,8 +76,9 @@ def main() -> None:
           f"{args.tail_every}, {args.requests} requests, seed {args.seed}, outputs <= "
           f"{args.max_output}, decode KV per instance "
           f"{args.kv_tokens or base.decode.kv_blocks * base.decode.block_size} tokens")
-    for name, elastic in (("whole", False), ("elastic", True)):
-        cfg = placement(base, elastic, args.kv_tokens)
+    for name in args.placements.split(","):
+        elastic = {"whole": False, "elastic": True}[name]
+        cfg = placement(base, elastic, args.kv_tokens, args.tail_tokens + args.max_output)
         sim = {rate: simulate_placement(cfg, trace, args.consolidate)
                for rate, trace in traces.items()}
         setting = {"SIMULATION": sim}

@@ -40,14 +40,19 @@ SIM_LABEL = "SIMULATION"
 EMU_LABEL = "EMULATION: no model runs; times come from the A100 latency models"
 
 
-def placement(cfg: DeploymentConfig, elastic: bool,
-              kv_tokens: int | None = None) -> DeploymentConfig:
+def placement(cfg: DeploymentConfig, elastic: bool, kv_tokens: int | None = None,
+              max_len: int | None = None) -> DeploymentConfig:
     """``cfg`` with ``[decode] elastic`` set and, given ``kv_tokens``, each decode instance
-    holding that many KV tokens (``kv_blocks`` of ``block_size``)."""
+    holding that many KV tokens (``kv_blocks`` of ``block_size``); ``max_len`` raises the
+    model's context limit (the ingress refuses longer prompts; emulation has none of its own)."""
     dc = msgspec.structs.replace(cfg.decode, elastic=elastic)
     if kv_tokens is not None:
         dc = msgspec.structs.replace(dc, kv_blocks=kv_tokens // dc.block_size)
-    return msgspec.structs.replace(cfg, decode=dc)
+    cfg = msgspec.structs.replace(cfg, decode=dc)
+    if max_len is not None and max_len > cfg.model.max_position_embeddings:
+        cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(
+            cfg.model, max_position_embeddings=max_len))
+    return cfg
 
 
 def elastic_trace(workload: str, rate: float, n: int, seed: int, max_output: int,
@@ -140,9 +145,13 @@ class TimedLiveCluster(LiveCluster):
                     prev = t
         errors = [o["error"] for o in out if o["error"]]
         return {"label": EMU_LABEL, "ttft_s": _pcts(ttft), "tbt_s": _weighted(gaps, weights),
-                "served": len(out) - len(errors), "refused": sum("DecodeFull" in e or "429" in e
-                                                                 for e in errors),
+                "served": len(out) - len(errors), "refused": sum(_refusal(e) for e in errors),
                 "failed": len(errors), "errors": sorted(set(errors))[:5]}
+
+
+def _refusal(error: str) -> bool:
+    """The reservation's refusal (``DecodeFull`` as ``Overloaded``: a 429 over HTTP)."""
+    return "no KV room" in error or "DecodeFull" in error
 
 
 def _weighted(values, weights) -> dict:
