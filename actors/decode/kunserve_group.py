@@ -73,6 +73,7 @@ class ServedKunServe:
         self.refused: list[str] = []
         self.freed_param_bytes: dict[int, int] = {}
         self.exchange_bytes = 0    # KV bytes sent between members by drops and restores
+        self.lock = asyncio.Lock()   # one decision applied at a time (monitor, admin)
 
     async def start(self) -> None:
         """The memory model from instance 0's rank tensors (every instance holds the same)."""
@@ -98,6 +99,10 @@ class ServedKunServe:
 
     async def tick(self, queued_blocks: dict[int, int] | None = None) -> str | None:
         """One monitor period: "drop", "restore" or None (nothing to do, or refused)."""
+        async with self.lock:
+            return await self._tick(queued_blocks)
+
+    async def _tick(self, queued_blocks: dict[int, int] | None) -> str | None:
         before = list(self.controller.groups)
         decision = self.controller.decide(self.loads(queued_blocks))
         if decision is None:
@@ -115,6 +120,10 @@ class ServedKunServe:
     async def force_drop(self, groups: list[Group]) -> Decision:
         """``DropRefused`` (nothing changed) for a plan losing a layer's last copy, naming an
         unknown or grouped instance, or one the members cannot hold."""
+        async with self.lock:
+            return await self._force_drop(groups)
+
+    async def _force_drop(self, groups: list[Group]) -> Decision:
         before = list(self.controller.groups)
         decision = self.controller.force_drop(groups)
         try:
@@ -126,6 +135,11 @@ class ServedKunServe:
         return decision
 
     async def force_restore(self, leader: int) -> Decision:
+        """``DropRefused`` (nothing changed) for no such group or requests that would not fit."""
+        async with self.lock:
+            return await self._force_restore(leader)
+
+    async def _force_restore(self, leader: int) -> Decision:
         before = list(self.controller.groups)
         decision = self.controller.force_restore(leader)
         try:

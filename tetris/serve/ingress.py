@@ -80,6 +80,7 @@ class Ingress:
         self.deployment = deployment
         self.dispatcher = dispatcher
         self.backend = DispatcherBackend(deployment, dispatcher, decode)
+        self.decode_pool = decode   # KunServe's admin routes call it
         self.metrics = ServingMetrics(deployment.model.name, scheduler=False)
 
     def __serve_build_asgi_app__(self):
@@ -89,6 +90,10 @@ class Ingress:
         app = create_api(self.backend, metrics=self.metrics,
                          extra_metrics=lambda: self.dispatcher.metrics_text.remote())
         add_admin_routes(app, self.dispatcher)
+        if self.deployment.kunserve.enabled and self.decode_pool is not None:
+            from tetris.serve.kunserve_served import add_kunserve_served_routes
+
+            add_kunserve_served_routes(app, self.decode_pool)
         return app
 
     # -- Python handle API ------------------------------------------------------------------

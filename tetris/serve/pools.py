@@ -16,6 +16,7 @@ from ray import serve
 
 from tetris.actors.process_env import runtime_env
 from tetris.config import DeploymentConfig
+from tetris.serve.kunserve_served import KunServePool
 
 __all__ = ["PrefillPoolServer", "DecodePoolServer", "NO_CPU"]
 
@@ -85,7 +86,7 @@ class PrefillPoolServer:
 
 
 @serve.deployment(ray_actor_options=NO_CPU, max_ongoing_requests=1024)
-class DecodePoolServer:
+class DecodePoolServer(KunServePool):
     """Hosts the decode instances (TP groups of actors with continuous batching)."""
 
     def __init__(self, deployment: DeploymentConfig) -> None:
@@ -94,6 +95,7 @@ class DecodePoolServer:
         self.instances = [DecodeInstance(deployment, d, transfer=deployment.transfer)
                           for d in range(deployment.decode.num_instances)]
         self.deployment_elastic = deployment.decode.elastic
+        self.deployment_kunserve = deployment.kunserve
         self._started = asyncio.Lock()
         self._up = False
         self.world = None   # [decode] elastic: the instances' ElasticWorld
@@ -108,6 +110,8 @@ class DecodePoolServer:
 
                     self.world = ElasticWorld(self.instances)
                     await self.world.start()
+                if self.deployment_kunserve.enabled:   # tetris/serve/kunserve_served.py
+                    await self._start_kunserve(self.deployment_kunserve.monitor_s)
                 self._up = True
 
     async def kv_capacities(self) -> list[int]:
@@ -142,14 +146,17 @@ class DecodePoolServer:
         receivers' new (rank handle, agent info), which the prefill workers must be given
         before they can stream to it."""
         inst = self.instances[instance]
+        self._kunserve_forget()   # a KunServe group with a broken member is let go
         await inst.restart(senders)
         infos = await inst.agent_infos() if inst.transfer is not None else [None] * inst.tp_size
         return {rid: (rank, info) for rid, rank, info in zip(inst.receiver_ids, inst.ranks, infos)}
 
     async def reserve(self, instance: int, request_id: str, prompt, sampling,
                       generated=(), **prefix) -> None:
-        # prefix: keep / prefix_from / prefix_tokens (prefix caching's decode side)
-        await self.instances[instance].reserve(request_id, prompt, sampling, generated, **prefix)
+        # prefix: keep / prefix_from / prefix_tokens (prefix caching's decode side); no KV
+        # room: KunServe's controller decides first when enabled (kunserve_served.py)
+        await self._reserve_or_tick(instance, self.instances[instance].reserve(
+            request_id, prompt, sampling, generated, **prefix), len(prompt) + len(generated))
 
     # -- elastic decode: a request's ranges over a decode group (ElasticWorld) ------------
     async def elastic_place(self, request_id: str, prompt, sampling, ranges,

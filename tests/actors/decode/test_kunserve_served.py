@@ -1,14 +1,16 @@
-"""KunServe on served decode instances (Ray rank actors, TP 1): two instances drop into one
-pipeline group in the middle of generation and are restored, every request's tokens and
+"""KunServe on served decode instances (Ray rank actors, TP 1): on the controller's overload
+decision two instances drop into one pipeline group in the middle of generation, and are
+restored when demand falls; every request's tokens and
 logprobs equal the single engine's, nothing is recomputed, the reported KV capacity grows by
 exactly the freed parameter bytes over the block bytes; a drop that would lose a layer's last
 copy is refused and changes nothing; a member killed mid-pipeline fails the group's requests
 with ``DecodeInstanceLost`` (the dispatcher's resume path) and the restarted instances serve
-whole again."""
+whole again. The admin routes (mounted on the ingress) drive the same pool over HTTP."""
 
 from __future__ import annotations
 
 import asyncio
+import types
 
 import pytest
 import ray
@@ -22,6 +24,7 @@ from tetris.control.drop_plan import DropRefused, Group
 from tetris.engine.engine import LLMEngine
 from tetris.model.loader import load_model
 from tetris.sampling_params import SamplingParams
+from tetris.serve.kunserve_served import KunServePool, add_kunserve_served_routes
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -116,12 +119,14 @@ def test_drop_and_restore_mid_generation_equal_the_single_engine(pool, loop, ref
         tasks = [asyncio.ensure_future(streams.consume(insts[i % 2], i))
                  for i in range(len(PROMPTS))]
         at_drop = await streams.reached(3)
-        await kun.force_drop([HALVES])
+        # the dispatcher's hook on a refused reservation: 100 blocks queued for instance 0
+        assert await kun.tick({0: 100}) == "drop"
+        assert list(kun.controller.groups) == [HALVES]
         dropped = _states(insts)
         blocks = [inst.kv_blocks for inst in insts]
         at_restore = await streams.reached(at_drop[0] + 6)
         during = _states(insts)
-        await kun.force_restore(0)
+        assert await kun.tick() == "restore"   # demand fell: nothing queued, usage low
         await asyncio.gather(*tasks)
         return at_drop, dropped, blocks, at_restore, during
 
@@ -187,4 +192,68 @@ def test_a_member_killed_mid_pipeline_fails_the_group_and_restarts_whole(pool, l
     loop.run_until_complete(again())
     for i, want in enumerate(reference):
         assert_same_run(*streams.runs[i], want, f"k{i}")
+    assert [s["dropped_layers"] for s in _states(insts)] == [0, 0]
+
+
+class _Pool(KunServePool):
+    """The decode pool's KunServe half over the module's instances."""
+
+    def __init__(self, insts, kun) -> None:
+        self.instances, self.kunserve = insts, kun
+
+
+class _Handle:
+    """The pool's Serve handle in process: ``handle.method.remote(*args)`` awaits it."""
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+
+    def __getattr__(self, name):
+        method = getattr(self.pool, name)
+        return types.SimpleNamespace(remote=lambda *a: method(*a))
+
+
+def test_admin_routes_drop_restore_refuse_and_report_dropped_layers(pool, loop):
+    import httpx
+    from fastapi import FastAPI
+
+    insts, kun = pool
+    app = FastAPI()
+    add_kunserve_served_routes(app, _Handle(_Pool(insts, kun)))
+
+    async def body():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t") as c:
+            first = (await c.get("/admin/kunserve")).json()
+            lost = await c.post("/admin/kunserve/drop", json={
+                "groups": [[0, 1]], "layer_ranges": [[[0, 2], [3, 4]]]})
+            bad = await c.post("/admin/kunserve/drop", content=b"[1")
+            after_refusals = (await c.get("/admin/kunserve")).json()
+            dropped = await c.post("/admin/kunserve/drop", json={"groups": [[0, 1]]})
+            metrics = (await c.get("/metrics/kunserve")).text
+            again = await c.post("/admin/kunserve/drop", json={"groups": [[0, 1]]})
+            restored = await c.post("/admin/kunserve/restore", json={"leader": 0})
+            metrics_after = (await c.get("/metrics/kunserve")).text
+            return first, lost, bad, after_refusals, dropped, metrics, again, restored, \
+                metrics_after
+
+    first, lost, bad, after_refusals, dropped, metrics, again, restored, metrics_after = \
+        loop.run_until_complete(body())
+    assert first["enabled"] and first["dropped_layers"] == {"0": 0, "1": 0}
+    assert lost.status_code == 400 and "layer" in lost.json()["error"]["message"]
+    assert bad.status_code == 400
+    assert after_refusals == first and [inst.kv_blocks for inst in insts] == [BLOCKS, BLOCKS]
+    assert dropped.status_code == 200, dropped.text
+    view = dropped.json()
+    assert view["dropped_layers"] == {"0": 2, "1": 2}
+    # idle instances: no request, so no KV to exchange
+    assert view["groups"][0]["members"] == [0, 1]
+    assert view["exchange_bytes"] == first["exchange_bytes"]
+    mem = kun.controller.mem   # invariant 2 on the group's reported blocks
+    assert view["groups"][0]["kv_blocks"] == 2 * BLOCKS + 4 * mem.layer_param_bytes // mem.block_bytes
+    assert 'tetris:dropped_layers{instance="0"} 2.0' in metrics
+    assert 'tetris:dropped_layers{instance="1"} 2.0' in metrics
+    assert again.status_code == 400           # already grouped: refused, nothing changed
+    assert restored.status_code == 200 and restored.json()["dropped_layers"] == {"0": 0, "1": 0}
+    assert 'tetris:dropped_layers{instance="1"} 0.0' in metrics_after
     assert [s["dropped_layers"] for s in _states(insts)] == [0, 0]

@@ -1,0 +1,151 @@
+"""KunServe in the served app (issue #24): the decode pool's driver, its overload hook, the
+admin routes on the ingress.
+
+``KunServePool`` is mixed into ``DecodePoolServer``. With ``[kunserve] enabled``, ``start``
+builds a ``ServedKunServe`` (``actors/decode/kunserve_group.py``) over the pool's instances
+and a monitor task: every ``monitor_s`` one controller tick, so that a group is restored once
+demand fell (§4.4), and a group with a broken member is let go. When an instance refuses a
+reservation for want of KV (``DecodeFull``, the dispatcher's 429), the controller first ticks
+with that request's blocks as queued demand: its overload decision drops layers on a group,
+whose running requests then grow into the freed memory instead of being preempted. The
+refused request itself still goes back as a 429 unless another instance takes it: a dropped
+member takes no prefilled KV (the prefill pool streams every layer to one instance).
+
+``add_kunserve_served_routes(app, decode)`` mounts, over the pool's handle:
+
+    GET  /admin/kunserve          groups, layer ranges, KV blocks per unit, dropped layers
+    POST /admin/kunserve/drop     {"groups": [[0, 1]]} (optionally "layer_ranges"): forced
+    POST /admin/kunserve/restore  {"leader": 0}
+    GET  /metrics/kunserve        ``tetris:dropped_layers{instance}`` and the KV capacity
+
+A refused drop or restore (a layer's last copy lost, an unknown or grouped instance, requests
+that would not fit) answers 400 and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from tetris.control.drop_plan import DropRefused
+from tetris.serve.kunserve_admin import _groups, kunserve_metrics, kunserve_view
+
+__all__ = ["KunServePool", "add_kunserve_served_routes"]
+
+log = logging.getLogger(__name__)
+
+
+class KunServePool:
+    """Mixed into ``DecodePoolServer`` (its ``instances``)."""
+
+    kunserve = None            # ServedKunServe once started with [kunserve] enabled
+    _kunserve_task: asyncio.Task | None = None
+
+    async def _start_kunserve(self, monitor_s: float) -> None:
+        from tetris.actors.decode.kunserve_group import ServedKunServe
+
+        self.kunserve = ServedKunServe(self.instances)
+        await self.kunserve.start()
+        self._kunserve_task = asyncio.create_task(self._kunserve_monitor(monitor_s),
+                                                  name="kunserve-monitor")
+
+    async def _kunserve_monitor(self, period_s: float) -> None:
+        while True:
+            await asyncio.sleep(period_s)   # the monitor's period, not a synchronisation
+            try:
+                self.kunserve.forget_broken()
+                if any(g.size > 1 for g in self.kunserve.controller.groups):
+                    await self.kunserve.tick()
+            except Exception:
+                log.exception("KunServe monitor tick failed")
+
+    async def _reserve_or_tick(self, instance: int, reserve, kv_tokens: int) -> None:
+        """Run ``reserve``; on ``DecodeFull`` let the controller decide (a drop) first, with
+        the ``kv_tokens`` the request needs as queued demand."""
+        from tetris.actors.decode.messages import DecodeFull
+
+        try:
+            await reserve
+        except DecodeFull:
+            if self.kunserve is not None:
+                blocks = -(-(kv_tokens + 1) // self.instances[instance].block_size)
+                with contextlib.suppress(Exception):   # the refusal is what the caller gets
+                    await self.kunserve.tick({instance: blocks})
+            raise
+
+    def _kunserve_forget(self) -> None:
+        """Before a broken instance restarts: its group (if any) is let go."""
+        if self.kunserve is not None:
+            self.kunserve.forget_broken()
+
+    async def kunserve_state(self) -> dict:
+        if self.kunserve is None:
+            return {"enabled": False}
+        return {"enabled": True} | kunserve_view(self.kunserve)
+
+    async def kunserve_drop(self, body: dict) -> dict:
+        """A forced drop; ``{"error": ...}`` (nothing changed) when refused."""
+        if self.kunserve is None:
+            return {"error": "KunServe is not enabled ([kunserve] enabled = true)"}
+        try:
+            groups = _groups(body, self.kunserve.controller.mem.num_layers)
+            await self.kunserve.force_drop(groups)
+        except (DropRefused, ValueError, TypeError) as e:
+            return {"error": str(e)}
+        return await self.kunserve_state()
+
+    async def kunserve_restore(self, leader: int) -> dict:
+        if self.kunserve is None:
+            return {"error": "KunServe is not enabled ([kunserve] enabled = true)"}
+        try:
+            await self.kunserve.force_restore(int(leader))
+        except (DropRefused, ValueError, TypeError) as e:
+            return {"error": str(e)}
+        return await self.kunserve_state()
+
+    async def kunserve_metrics(self) -> bytes:
+        return b"" if self.kunserve is None else kunserve_metrics(self.kunserve)
+
+
+def add_kunserve_served_routes(app: FastAPI, decode) -> None:
+    """``decode``: the decode pool's handle (its ``KunServePool`` methods)."""
+
+    async def body(request: Request) -> dict | None:
+        try:
+            data = await request.json()
+        except ValueError:
+            return None
+        return data if isinstance(data, dict) else None
+
+    def answer(result: dict):
+        if "error" in result:
+            return JSONResponse({"error": {"message": result["error"],
+                                           "type": "invalid_request_error"}}, status_code=400)
+        return result
+
+    @app.get("/admin/kunserve")
+    async def view():
+        return await decode.kunserve_state.remote()
+
+    @app.post("/admin/kunserve/drop")
+    async def drop(request: Request):
+        data = await body(request)
+        if data is None:
+            return answer({"error": "the body must be a JSON object"})
+        return answer(await decode.kunserve_drop.remote(data))
+
+    @app.post("/admin/kunserve/restore")
+    async def restore(request: Request):
+        data = await body(request)
+        if data is None or not isinstance(data.get("leader"), int):
+            return answer({"error": 'expected {"leader": N}'})
+        return answer(await decode.kunserve_restore.remote(data["leader"]))
+
+    @app.get("/metrics/kunserve")
+    async def metrics():
+        return Response(await decode.kunserve_metrics.remote(),
+                        media_type="text/plain; version=0.0.4")
