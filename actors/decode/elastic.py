@@ -30,6 +30,7 @@ import msgspec
 from tetris.actors.decode.messages import Failed, Rejected
 
 from tetris.engine.elastic_rows import ElasticRows
+from tetris.sampling_params import SamplingParams
 
 __all__ = ["HOLDER_LOST", "ElasticMember", "Hold", "Lead", "Release", "range_transfer_id"]
 
@@ -43,21 +44,28 @@ def range_transfer_id(request_id: str, start: int) -> str:
 
 class Lead(msgspec.Struct, frozen=True, tag="lead"):
     """This instance masters ``request_id`` (reserved with ``kv_start``); ``holders`` keep
-    its earlier ranges. ``key`` names the request on the elastic world's wire."""
+    its earlier ranges. ``key`` names the request on the elastic world's wire. ``line``:
+    holders that master next, in order, when this instance has no block for the next token
+    (engine/elastic_handover.py; each got the request with its ``Hold``)."""
 
     request_id: str
     key: int
     holders: tuple[int, ...]
+    line: tuple[int, ...] = ()
 
 
 class Hold(msgspec.Struct, frozen=True, tag="hold"):
-    """Keep tokens ``[start, end)`` of ``request_id``, mastered by instance ``master``."""
+    """Keep tokens ``[start, end)`` of ``request_id``, mastered by instance ``master``. With
+    ``sampling`` this instance is in the master's line: the prompt and sampling parameters
+    it masters the request with if handed it."""
 
     request_id: str
     key: int
     master: int
     start: int
     end: int
+    prompt_token_ids: tuple[int, ...] = ()
+    sampling: SamplingParams | None = None
 
 
 class Release(msgspec.Struct, frozen=True, tag="release"):
@@ -108,7 +116,7 @@ class ElasticMember:
         rid = cmd.request_id
         try:
             if isinstance(cmd, Lead):
-                self.rows.master(rid, cmd.key, list(cmd.holders))
+                self.rows.master(rid, cmd.key, list(cmd.holders), line=cmd.line)
             elif isinstance(cmd, Hold):
                 return self._hold(cmd)
             elif isinstance(cmd, Release):
@@ -139,6 +147,8 @@ class ElasticMember:
         if not ok:
             self.rows.release(cmd.request_id)
             return Rejected(cmd.request_id, f"the receive manager refused transfer {tid}")
+        if cmd.sampling is not None:
+            self.rows.heir(cmd.request_id, cmd.key, cmd.prompt_token_ids, cmd.sampling)
         self._pending[tid] = cmd.request_id
         return None
 
