@@ -39,7 +39,8 @@ def _reference_chunks(plan, node_of, balance):
     return out
 
 
-@pytest.mark.parametrize("n,spec", [(300, "300x4"), (520, "200x2,restx4")])
+@pytest.mark.parametrize("n,spec", [(300, "300x4"), (520, "200x2,restx4"),
+                                    (105, "100x2,5x4")])   # 5 tokens on 4: idle members
 def test_zero_drop_equals_the_dense_single_engine(csa_pool, model, n, spec):
     plan = forced_plan(f"csa0-{spec}", n, spec, NODES)
     zero = CsaConfig(enabled=True, level2_drop_ratio=0.0, level3_drop_ratio=0.0)
