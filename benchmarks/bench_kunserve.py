@@ -2,10 +2,11 @@
 ``--emulated`` the EMULATION of the same trace side by side.
 
     python benchmarks/bench_kunserve.py [--profile qwen2.5-14b-tp1] [--requests 10000]
-        [--rate 150] [--seed 1] [--round-model lookahead|token_budget|fixed]
+        [--rate 150] [--burst 0.3,0.7,2] [--seed 1] [--round-model lookahead|token_budget|fixed]
         [--emulated --policies kunserve,swap --jobs 2] [--out FILE.json]
 
-Every policy runs the same seeded trace (rate doubles for the middle 40% of the requests) on
+Every policy runs the same seeded trace (by default the rate doubles for the middle 40% of the
+requests; ``--burst first,end,factor`` shapes another) on
 the same deployment profile (configs/kunserve-<profile>.toml); one table, ratios side by side.
 Beside the table: the trace's KV *demand* (what every arrived, unfinished request would hold
 with unlimited memory, as a share of the pool's KV; KunServe's evaluation keeps its time
@@ -25,13 +26,13 @@ from tetris.bench.kunserve_compare import _trace, compare, deployment
 from tetris.sim.kunserve import POLICIES, ROUND_MODELS, KunServeSim
 
 
-def kv_demand(profile: str, requests: int, rate: float, seed: int) -> dict:
+def kv_demand(profile: str, requests: int, rate: float, seed: int, burst) -> dict:
     """Time average (over the arrivals) and peak of the trace's KV demand / the pool's KV:
     ``recompute`` on a pool with 20x the KV and no batch cap (nothing waits for memory)."""
     mem, prof = deployment(profile)
     pool = prof.instances * mem.kv_blocks
     big = msgspec.structs.replace(mem, kv_bytes=mem.kv_bytes * 20)
-    sim = KunServeSim(_trace(requests, rate, seed), big,
+    sim = KunServeSim(_trace(requests, rate, seed, burst), big,
                       msgspec.structs.replace(prof, max_batch=1 << 30), "recompute")
     log: list[tuple[float, int]] = []
     start = sim._start
@@ -48,14 +49,15 @@ def kv_demand(profile: str, requests: int, rate: float, seed: int) -> dict:
             "peak": float(max(b for _, b in log) / pool)}
 
 
-def phase_tpot(profile: str, requests: int, rate: float, seed: int, round_model: str) -> dict:
+def phase_tpot(profile: str, requests: int, rate: float, seed: int, round_model: str,
+               burst) -> dict:
     """P50 TPOT (ms) of each policy's requests by arrival phase: before, in, after the burst."""
     mem, prof = deployment(profile)
     out = {}
     for policy in POLICIES:
-        reqs = _trace(requests, rate, seed)
+        reqs = _trace(requests, rate, seed, burst)
         KunServeSim(reqs, mem, prof, policy, round_model=round_model).run()
-        cuts = (0, int(0.3 * requests), int(0.7 * requests), requests)
+        cuts = (0, int(burst[0] * requests), int(burst[1] * requests), requests)
         out[policy] = [float(np.median([(r.finish - r.first_token) / (r.output - 1)
                                         for r in reqs[a:b] if r.output > 1])) * 1e3
                        for a, b in itertools.pairwise(cuts)]
@@ -80,7 +82,8 @@ def _table(out: dict) -> None:
     for policy, e in out["EMULATION"].items():
         s = out["SIMULATION"][policy]
         print(f"live/sim {policy:<10} P99 TTFT {e['p99_ttft'] / s['p99_ttft']:.3f}  "
-              f"P50 TPOT {e['p50_tpot'] / s['p50_tpot']:.3f}  regroups decided at "
+              f"P50 TPOT {e['p50_tpot'] / s['p50_tpot']:.3f}  most behind its timeline "
+              f"{e['max_lag_s']:.3f} s  regroups decided at "
               f"SIMULATION {s['regroup_s']} EMULATION {e['regroup_s']}")
 
 
@@ -88,24 +91,31 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default="qwen2.5-14b-tp1")
     ap.add_argument("--requests", type=int, default=10000)
-    ap.add_argument("--rate", type=float, default=150.0, help="base arrivals/s (burst: 2x)")
+    ap.add_argument("--rate", type=float, default=150.0, help="base arrivals/s")
+    ap.add_argument("--burst", default="0.3,0.7,2",
+                    help="first,end request of the burst (shares of the trace),rate factor")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--round-model", default="lookahead", choices=ROUND_MODELS)
     ap.add_argument("--emulated", action="store_true", help="also run the EMULATION")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--jobs", type=int, default=2, help="emulated policies at once")
+    ap.add_argument("--time-scale", type=float, default=1.0,
+                    help="EMULATION: slow emulated time by this factor (a loaded machine)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
     policies = tuple(p for p in args.policies.split(",") if p)
+    burst = tuple(float(x) for x in args.burst.split(","))
     out = compare(profile=args.profile, requests=args.requests, rate=args.rate, seed=args.seed,
                   jobs=args.jobs, emulate=args.emulated, policies=policies,
-                  round_model=args.round_model)
-    out["kv_demand"] = kv_demand(args.profile, args.requests, args.rate, args.seed)
+                  time_scale=args.time_scale,
+                  round_model=args.round_model, burst=burst)
+    out["kv_demand"] = kv_demand(args.profile, args.requests, args.rate, args.seed, burst)
     out["p50_tpot_ms_by_phase"] = phase_tpot(args.profile, args.requests, args.rate, args.seed,
-                                             args.round_model)
+                                             args.round_model, burst)
     print(f"SIMULATION{' and EMULATION' if args.emulated else ''}  profile={out['profile']}  "
           f"instances={out['instances']}  kv_blocks={out['kv_blocks']} per instance  "
-          f"requests={args.requests}  rate={args.rate:g}/s -> {2 * args.rate:g}/s  "
+          f"requests={args.requests}  rate={args.rate:g}/s -> {burst[2] * args.rate:g}/s for "
+          f"requests {burst[0]:g}-{burst[1]:g} of the trace  "
           f"seed={args.seed}  round model={args.round_model}")
     d = out["kv_demand"]
     print(f"KV demand / pool KV: time average {d['mean']:.2f}, peak {d['peak']:.2f}")

@@ -63,6 +63,7 @@ class PipelinedEmulatedEngine(EmulatedDecodeEngine):
         self.steps = 0
         self._step_start = self._step_end = self._last_seconds = 0.0
         self.continuing = False
+        self.max_lag = 0.0       # wall seconds the thread ran behind the unit's timeline
         self.held: list[tuple[float, Sequence]] = []    # arriving by KV exchange
         self.pending_s = 0.0     # transfers the next iteration waits for (swap over PCIe)
 
@@ -79,6 +80,11 @@ class PipelinedEmulatedEngine(EmulatedDecodeEngine):
         # unit's iterations form one timeline, as on a GPU, and the model's time includes the
         # step's CPU work (``per_seq_s``). After an idle gap, it begins now.
         now = time.monotonic()
+        if self.continuing and self._step_end:
+            # How far this thread runs behind its own timeline: a few ms of bookkeeping on a
+            # machine that keeps up; growing without bound on one that cannot (the run then
+            # measures the machine, and its results should not be quoted).
+            self.max_lag = max(self.max_lag, now - self._step_end)
         self._step_start = self._step_end if self.continuing and self._step_end else now
         return super().step()
 

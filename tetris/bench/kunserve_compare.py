@@ -34,14 +34,22 @@ def deployment(profile: str, instances: int | None = None, kv_scale: float = 1.0
     return mem, prof
 
 
-def _trace(requests: int, rate: float, seed: int):
-    return burst_trace(requests, rate, seed=seed, burst_at=0.3, burst_end=0.7)
+BURST = (0.3, 0.7, 2.0)    # the issue's trace: the rate doubles for the middle 40% of requests
+
+
+def _trace(requests: int, rate: float, seed: int, burst=BURST):
+    """``burst``: (first, end) request of the burst as shares of the trace, and its rate
+    factor."""
+    at, end, factor = burst
+    return burst_trace(requests, rate, seed=seed, burst_at=at, burst_end=end,
+                       burst_factor=factor)
 
 
 def _emulate(spec: dict) -> dict:
     mem, prof = deployment(spec["profile"], spec["instances"], spec["kv_scale"])
     t0 = time.perf_counter()
-    out = KunServeEmulation(_trace(spec["requests"], spec["rate"], spec["seed"]), mem, prof,
+    out = KunServeEmulation(_trace(spec["requests"], spec["rate"], spec["seed"], spec["burst"]),
+                            mem, prof,
                             spec["policy"], time_scale=spec["time_scale"],
                             round_model=spec["round_model"]).run()
     out["wall_s"] = time.perf_counter() - t0
@@ -51,14 +59,14 @@ def _emulate(spec: dict) -> dict:
 def compare(*, profile: str = "qwen2.5-14b-tp1", requests: int = 10000, rate: float = 150.0,
             seed: int = 1, time_scale: float = 1.0, jobs: int = 3, instances: int | None = None,
             kv_scale: float = 1.0, emulate: bool = True, policies=POLICIES,
-            round_model: str = "lookahead") -> dict:
+            round_model: str = "lookahead", burst=BURST) -> dict:
     """``{"SIMULATION": {policy: result}, "EMULATION": {policy: result}}`` (EMULATION empty
     when ``emulate`` is off) for ``policies``; a group's iteration by ``round_model``."""
     mem, prof = deployment(profile, instances, kv_scale)
     sim = {}
     for policy in policies:
         t0 = time.perf_counter()
-        sim[policy] = KunServeSim(_trace(requests, rate, seed), mem, prof, policy,
+        sim[policy] = KunServeSim(_trace(requests, rate, seed, burst), mem, prof, policy,
                                   round_model=round_model).run()
         sim[policy]["mode"] = "SIMULATION"
         sim[policy]["wall_s"] = time.perf_counter() - t0
@@ -66,7 +74,7 @@ def compare(*, profile: str = "qwen2.5-14b-tp1", requests: int = 10000, rate: fl
     if emulate:
         specs = [{"profile": profile, "instances": instances, "kv_scale": kv_scale,
                   "requests": requests, "rate": rate, "seed": seed, "time_scale": time_scale,
-                  "policy": p, "round_model": round_model}
+                  "policy": p, "round_model": round_model, "burst": burst}
                  for p in EMULATED_POLICIES if p in policies]
         with cf.ProcessPoolExecutor(max_workers=jobs,
                                     mp_context=mp.get_context("spawn")) as pool:
@@ -74,4 +82,4 @@ def compare(*, profile: str = "qwen2.5-14b-tp1", requests: int = 10000, rate: fl
                 emu[spec["policy"]] = out
     return {"profile": prof.name, "instances": prof.instances, "kv_blocks": mem.kv_blocks,
             "requests": requests, "rate": rate, "seed": seed, "time_scale": time_scale,
-            "round_model": round_model, "SIMULATION": sim, "EMULATION": emu}
+            "round_model": round_model, "burst": list(burst), "SIMULATION": sim, "EMULATION": emu}

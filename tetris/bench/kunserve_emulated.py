@@ -76,6 +76,7 @@ class KunServeEmulation(KunServeRegrouping):
         self.cv = threading.Condition(self.lock)
         self.control = (KunServeController(mem, list(range(prof.instances)))
                         if policy == "kunserve" else None)
+        self.engines: list[PipelinedEmulatedEngine] = []     # every unit's, replaced ones too
         self.units = [self._unit((i,), mem.kv_blocks) for i in range(prof.instances)]
         self.waiting: deque[KunRequest] = deque()
         self.unit_of: dict[int, _Unit] = {}
@@ -111,6 +112,7 @@ class KunServeEmulation(KunServeRegrouping):
             members, num_blocks=blocks, block_size=self.mem.block_size, max_batch=p.max_batch,
             step_model=lambda contexts: unit_time(self.mem, p, layers, contexts, rm),
             prefill_s_per_token=p.prefill_s_per_token, time_scale=self.scale, lock=self.lock)
+        self.engines.append(engine)
         return _Unit(engine)
 
     # -- the run ------------------------------------------------------------------------------
@@ -334,4 +336,5 @@ class KunServeEmulation(KunServeRegrouping):
         return {"mode": "EMULATION", **policy_result(
             self.policy, self.reqs, self.preemptions, self.control, self.exchange_bytes,
             [d for d, _ in self.regroup_log], self.preempted_at),
-            "regroup_landed_s": [round(t, 3) for _, t in self.regroup_log]}
+            "regroup_landed_s": [round(t, 3) for _, t in self.regroup_log],
+            "max_lag_s": max(e.max_lag for e in self.engines) / self.scale}
