@@ -99,6 +99,7 @@ class GroupMember:
         self.exchange_bytes = 0          # KV bytes sent to other members (drop and restore)
         self.stage_runs = 0              # other members' batches run here
         self._inbox: queue.Queue = queue.Queue()          # exchange messages for drop/restore
+        self._early: list[tuple[int, dict]] = []          # arrived before their _await
         self._results: dict[int, queue.Queue] = {}        # per peer: its stage's answers
         self._steps = 0
         self._lock = threading.Lock()
@@ -224,8 +225,16 @@ class GroupMember:
             self._inbox.put((peer, msg))
 
     def _await(self, kind: str, peers: list[int]) -> list[dict]:
-        """One ``kind`` message from every member of ``peers``, in member order."""
+        """One ``kind`` message from every member of ``peers``, in member order. A message of
+        another kind waits for its own ``_await`` (a peer may answer this member's ``want``
+        before it sends its layers)."""
         got: dict[int, dict] = {}
+        early, self._early = self._early, []
+        for peer, msg in early:
+            if msg["kind"] == kind and peer not in got:
+                got[peer] = msg
+            else:
+                self._early.append((peer, msg))
         while len(got) < len(peers):
             try:
                 peer, msg = self._inbox.get(timeout=_WAIT_S)
@@ -234,8 +243,9 @@ class GroupMember:
                                    f"{sorted(set(peers) - set(got))}") from None
             if msg["kind"] == "lost":
                 raise RuntimeError(f"member {self.member}: member {peer} was lost during {kind}")
-            if msg["kind"] != kind:
-                raise RuntimeError(f"member {self.member}: {msg['kind']} from {peer} during {kind}")
+            if msg["kind"] != kind or peer in got:
+                self._early.append((peer, msg))
+                continue
             got[peer] = msg
         return [got[k] for k in sorted(got)]
 

@@ -75,30 +75,39 @@ def _members(engines):
     return members
 
 
-def test_drop_and_restore_mid_generation_equal_the_single_engine():
+@pytest.mark.parametrize("ranges", [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]],
+                         ids=["group-of-2", "group-of-3"])
+def test_drop_and_restore_mid_generation_equal_the_single_engine(ranges):
     single = _engine()
     expected: dict = {}
     for i, (p, sp) in enumerate(zip(PROMPTS, _params(), strict=True)):
         single.add_request(f"r{i}", p, sp)
     _step_all([single], expected)
 
-    engines = [_engine(), _engine()]
+    n = len(ranges)
+    engines = [_engine() for _ in range(n)]
     for i, (p, sp) in enumerate(zip(PROMPTS, _params(), strict=True)):
-        engines[i % 2].add_request(f"r{i}", p, sp)
+        engines[i % n].add_request(f"r{i}", p, sp)
     got: dict = {}
     _step_all(engines, got, steps=4)
-    ranges = [(0, 2), (2, 4)]
     base = [e.stats().total_blocks for e in engines]
     g = min(member_blocks(e, *r) for e, r in zip(engines, ranges, strict=True))
-    parts = [(0, g // 2), (g // 2, g)]
+    parts = [(j * g // n, (j + 1) * g // n) for j in range(n)]
     members = _members(engines)
     try:
         freed = _in_threads([lambda m=m: m.drop(ranges, g, parts) for m in members])
         block_bytes = kv_bytes_per_block(CFG.num_layers, 4, CFG.num_kv_heads,
                                          CFG.hidden_size // CFG.num_heads,
                                          engines[0].model.dtype)
-        # invariant 2: the group's blocks = the old ones + freed bytes / whole-model block bytes
-        assert g == sum(base) + sum(freed) // block_bytes
+        # invariant 2: each member's blocks = (KV bytes + freed bytes) // its layers' block
+        # bytes; the group's are the smallest member's; for an even split that is the old
+        # blocks plus the freed bytes over whole-model block bytes
+        layer_block = block_bytes // CFG.num_layers
+        per_member = [(BLOCKS * block_bytes + f) // ((t - s) * layer_block)
+                      for f, (s, t) in zip(freed, ranges, strict=True)]
+        assert g == min(per_member)
+        if n == 2:
+            assert g == sum(base) + sum(freed) // block_bytes
         assert sum(e.stats().total_blocks for e in engines) == g > sum(base)
         _step_all(engines, got, steps=5)
         assert all(m.runner.prefill_tokens == 0 for m in members)   # nothing recomputed
