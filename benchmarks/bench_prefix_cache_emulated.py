@@ -9,6 +9,10 @@ instances, 2 emulated TP-8 decode instances, emulated KV transfer; no model runs
 ``--time-scale`` as ``tetris bench fidelity`` slows it, times divided back to paper seconds.
 SIMULATION: ``tetris.sim`` on the same cluster, policy (θ = 0.3) and trace, prefill only.
 Outputs are capped to ``--max-output`` tokens for the live runs (TTFT does not depend on them).
+
+``--capacity``: capacity with the cache off and on, EMULATION beside SIMULATION
+(``prefix_capacity_emulated.py``); the TTFT rows then come from the capacity probes at
+``--rate``, with a per-request breakdown of the live TTFT against the simulated one.
 """
 
 from __future__ import annotations
@@ -44,7 +48,19 @@ def main() -> None:
     ap.add_argument("--time-scale", type=float, default=4.0)
     ap.add_argument("--max-output", type=int, default=16)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--capacity", action="store_true")
+    ap.add_argument("--slo-factor", type=float, default=3.0)
+    ap.add_argument("--lo", type=float, default=0.5)
+    ap.add_argument("--hi", type=float, default=1.0)
+    ap.add_argument("--tol", type=float, default=0.25)
+    ap.add_argument("--max-rate", type=float, default=8.0)
+    ap.add_argument("--out", default="")
     args = ap.parse_args()
+    if args.capacity:
+        from prefix_capacity_emulated import run_capacity
+
+        run_capacity(args)
+        return
     spec = PrefixWorkload(documents=args.documents, sessions=args.sessions)
     items = shared_prefix_prompts(spec, args.rate, args.seed)
     trace = [msgspec.structs.replace(r, output_tokens=min(r.output_tokens, args.max_output))

@@ -53,6 +53,7 @@ class PrefixRun(msgspec.Struct, frozen=True):
     kv_ready_p99: float = float("nan")
     decode_reuses: int = 0
     decode_reused_tokens: int = 0
+    kv_tail_mean: float = float("nan")   # mean of KV on decode - prefill end (the hand-off)
 
 
 def default_capacity_blocks(model: str, block_tokens: int, share: float = 0.5) -> int:
@@ -94,13 +95,15 @@ def run_prefix(requests: list[SimRequest], *, model: str = "8b", policy: str = "
     ready = [d.ready_time - r.arrival_time for r, d in zip(requests, sim.decode_reqs)
              if d is not None]
     p50, p99 = np.percentile(ready, [50, 99]) if ready else (float("nan"),) * 2
+    tails = [d.ready_time - d.first_token_time for d in sim.decode_reqs if d is not None]
+    tail = float(np.mean(tails)) if tails else float("nan")
     kept_stats = sim.kept.stats() if isinstance(sim, PrefixDecodeSimulation) else {}
     return PrefixRun(cache, rate, res.requests, res.ttft.p50, res.ttft.p99, res.ttft.mean,
                      sum(1 for p in plans if p.cached_tokens) / max(1, len(plans)),
                      sum(p.cached_tokens for p in plans) / max(1, prompt),
                      index.stats() if index is not None else {}, float(p50), float(p99),
                      kept_stats.get("decode_reuses", 0),
-                     kept_stats.get("decode_reused_tokens", 0)), sim
+                     kept_stats.get("decode_reused_tokens", 0), tail), sim
 
 
 def bisect_capacity(ok: Callable[[float], bool], *, lo: float, hi: float, tol: float,
