@@ -66,8 +66,10 @@ async def _paused(instances):
 
 
 class ServedKunServe:
-    def __init__(self, instances, *, timeout_s: float = 60.0) -> None:
+    def __init__(self, instances, *, timeout_s: float = 60.0, landing_blocks: int = 0) -> None:
         self.instances = list(instances)
+        # whole-model blocks a dropped member keeps to land prefilled prompts in (landing.py)
+        self.landing_blocks = landing_blocks
         self.timeout_s = timeout_s
         self.controller: KunServeController | None = None
         self.refused: list[str] = []
@@ -190,8 +192,9 @@ class ServedKunServe:
                 for got in joined:
                     if isinstance(got, BaseException):
                         raise got
-                checks = await asyncio.gather(*[r.kunserve_check_drop.remote(s, e) for r, (s, e)
-                                                in zip(ranks, group.layer_ranges, strict=True)])
+                checks = await asyncio.gather(*[
+                    r.kunserve_check_drop.remote(s, e, self.landing_blocks)
+                    for r, (s, e) in zip(ranks, group.layer_ranges, strict=True)])
                 group_blocks = min(c[0] for c in checks)
                 parts = split_parts(group_blocks, [inst.kv_blocks for inst in insts],
                                     [c[1] for c in checks])
@@ -203,8 +206,9 @@ class ServedKunServe:
                                      return_exceptions=True)
                 raise
             ranges = [list(r) for r in group.layer_ranges]
-            done = await asyncio.gather(*[r.kunserve_drop.remote(ranges, group_blocks, parts)
-                                          for r in ranks])
+            done = await asyncio.gather(*[
+                r.kunserve_drop.remote(ranges, group_blocks, parts, self.landing_blocks)
+                for r in ranks])
             for inst, (lo, hi), d in zip(insts, parts, done, strict=True):
                 inst.kv_blocks = hi - lo
                 self.freed_param_bytes[inst.instance] = int(d["freed_param_bytes"])

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 
 import msgspec
 import torch
@@ -62,14 +63,15 @@ def layer_block_bytes(engine: LLMEngine) -> int:
                               m.dtype)
 
 
-def member_blocks(engine: LLMEngine, start: int, end: int) -> int:
+def member_blocks(engine: LLMEngine, start: int, end: int, reserve_bytes: int = 0) -> int:
     """Blocks of layers ``[start, end)`` that fit the cache's bytes plus the parameter bytes
-    of the layers dropped (KunServe invariant 2: freed parameter memory becomes KV)."""
+    of the layers dropped (KunServe invariant 2: freed parameter memory becomes KV), less
+    ``reserve_bytes`` kept for something else (a landing zone)."""
     model = engine.model
     freed = sum(layer_bytes(model.layers[i]) for i in range(model.num_layers)
                 if not start <= i < end)
     kv = engine.cache.buffer.numel() * engine.cache.buffer.element_size()
-    return (kv + freed) // ((end - start) * layer_block_bytes(engine))
+    return (kv + freed - reserve_bytes) // ((end - start) * layer_block_bytes(engine))
 
 
 class RemoteStage:
@@ -100,6 +102,7 @@ class GroupMember:
         self.stage_runs = 0              # other members' batches run here
         self._inbox: queue.Queue = queue.Queue()          # exchange messages for drop/restore
         self._early: list[tuple[int, dict]] = []          # arrived before their _await
+        self._landing: dict[str, tuple[set[int], Callable[[str], None]]] = {}
         self._results: dict[int, queue.Queue] = {}        # per peer: its stage's answers
         self._steps = 0
         self._lock = threading.Lock()
@@ -110,14 +113,15 @@ class GroupMember:
         self.links.connect([tuple(a) for a in addresses], timeout_s)
 
     # -- 2. drop --------------------------------------------------------------------------
-    def check_drop(self, start: int, end: int) -> int:
-        """``member_blocks`` after checking the engine can join (``ValueError`` if not)."""
+    def check_drop(self, start: int, end: int, reserve_bytes: int = 0) -> int:
+        """``member_blocks`` after checking the engine can join (``ValueError`` if not);
+        ``reserve_bytes`` of the KV region stay out of the stage cache (the landing zone)."""
         e = self.engine
         if e.cache is None or not isinstance(e.runner, ModelRunner) or e.runner.graphs is not None:
             raise ValueError("only an undropped engine without CUDA graphs can join a group")
         if e.stats().receiving:
             raise ValueError("a request's KV is still arriving; drop after it")
-        return member_blocks(e, start, end)
+        return member_blocks(e, start, end, reserve_bytes)
 
     def drop(self, ranges: list[tuple[int, int]], group_blocks: int,
              parts: list[tuple[int, int]]) -> int:
@@ -216,6 +220,12 @@ class GroupMember:
             self.exchange_bytes += kv.numel() * kv.element_size()
             self.links.send(peer, {"kind": "kv_back", "member": self.member, "kv": kv},
                             TrafficClass.BULK)
+        elif kind == "land":     # a member's newly prefilled request: KV of my layers
+            self.stage.cache.buffer[:, :, msg["blocks"]] = msg["kv"].to(
+                self.stage.cache.buffer.device)
+            self.links.send(peer, {"kind": "landed", "rid": msg["rid"]}, TrafficClass.BULK)
+        elif kind == "landed":
+            self._landed_at(peer, msg["rid"])
         elif kind is None:       # the link broke: a member died (or the group closed)
             if not self.closing:
                 for q in self._results.values():
@@ -248,6 +258,33 @@ class GroupMember:
                 continue
             got[peer] = msg
         return [got[k] for k in sorted(got)]
+
+    # -- while dropped: a prefilled request's KV, landed whole, goes to its layers' keepers --
+    def land(self, rid: str, blocks: list[int], landing: KVCache, landing_ids: list[int],
+             done: Callable[[str], None]) -> None:
+        """The whole-model KV of ``rid`` arrived in ``landing`` (blocks ``landing_ids``): this
+        member's layers go to its stage cache at the group ``blocks``, every other member's
+        over the link as bulk; ``done(rid)`` once every keeper has written it."""
+        new, old = torch.tensor(blocks), torch.tensor(landing_ids)
+        start, end = self.ranges[self.member]
+        self.stage.cache.buffer[:, :, new] = landing.buffer[start:end, :, old]
+        with self._lock:
+            self._landing[rid] = (set(self.links.peers), done)
+        for k in self.links.peers:
+            s, t = self.ranges[k]
+            kv = landing.buffer[s:t, :, old].clone()
+            self.exchange_bytes += kv.numel() * kv.element_size()
+            self.links.send(k, {"kind": "land", "rid": rid, "blocks": new, "kv": kv},
+                            TrafficClass.BULK)
+
+    def _landed_at(self, peer: int, rid: str) -> None:
+        with self._lock:
+            waiting, done = self._landing.get(rid, (set(), None))
+            waiting.discard(peer)
+            if waiting or done is None:
+                return
+            del self._landing[rid]
+        done(rid)
 
     # -- 3. restore -----------------------------------------------------------------------
     def check_restore(self, base_blocks: int) -> None:

@@ -239,7 +239,7 @@ class DecodeRank(KunServeRank, RankCommands):
         with self._events_lock:
             for e in events:
                 if isinstance(e, RequestReady):
-                    self._ready.append(e.request_id)
+                    self._request_ready(e.request_id)   # rank_kunserve.py
                 elif isinstance(e, TransferFailed):
                     self._failed.append(Failed(e.request_id, e.reason))
                 elif isinstance(e, FirstTokenIn):

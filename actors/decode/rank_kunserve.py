@@ -12,6 +12,7 @@ instance, and a member holds only its layers (docs/kunserve.md, "not built").
 from __future__ import annotations
 
 import ray
+from tetris.actors.decode.landing import LandingZone
 from tetris.actors.decode.messages import Rejected, Reserve
 from tetris.actors.decode.pipeline_stage import GroupMember, layer_block_bytes
 from tetris.transfer.traffic import TrafficClass
@@ -25,12 +26,34 @@ class KunServeRank:
     """Mixed into ``DecodeRank`` before ``RankCommands`` (its ``_reserve`` goes first)."""
 
     group_member: GroupMember | None = None
+    _landing = None             # LandingZone while dropped with one
 
     def _reserve(self, cmd: Reserve) -> Rejected | None:
-        if self.group_member is not None and self.group_member.runner is not None:
+        if self.group_member is None or self.group_member.runner is None:
+            return super()._reserve(cmd)
+        if self._landing is None or cmd.keep or cmd.prefix_tokens or cmd.kv_start:
             return Rejected(cmd.request_id, "this decode instance runs as a KunServe pipeline "
-                            "stage: a prefilled prompt's KV cannot be streamed to it", full=True)
-        return super()._reserve(cmd)
+                            "stage without room to land a prefilled prompt's KV", full=True)
+        return self._landing.reserve(self, cmd)
+
+    def _request_ready(self, request_id: str) -> None:
+        """A request's KV is complete here (pump thread, events lock held): reported to the
+        driver now, or, landed while dropped, once every keeper has its layers."""
+        if self._landing is not None and self._landing.holds(request_id):
+            self._landing.forward(self, request_id)
+        else:
+            self._ready.append(request_id)
+
+    def _landed(self, request_id: str) -> None:
+        """Every keeper wrote the landed request's layers (a link thread)."""
+        self._landing.release(request_id)
+        with self._events_lock:
+            self._ready.append(request_id)
+
+    def _abort(self, request_id: str, reason: str) -> None:
+        super()._abort(request_id, reason)
+        if self._landing is not None:
+            self._landing.release(request_id)
 
     def kunserve_memory(self) -> dict:
         """``InstanceMemory``'s fields from this rank's tensors (undropped)."""
@@ -58,22 +81,33 @@ class KunServeRank:
                                             ray.util.get_node_ip_address())
             return self.group_member.address
 
-    def kunserve_check_drop(self, start: int, end: int) -> tuple[int, int]:
-        """(blocks of layers [start, end) this member could hold, blocks its requests use)."""
+    def kunserve_check_drop(self, start: int, end: int, landing_blocks: int = 0
+                            ) -> tuple[int, int]:
+        """(blocks of layers [start, end) this member could hold beside a landing zone of
+        ``landing_blocks`` whole-model blocks, blocks its requests use)."""
         with self._step_lock:
-            s = self._engine().stats()
-            return self.group_member.check_drop(start, end), s.total_blocks - s.free_blocks
+            engine = self._engine()
+            s = engine.stats()
+            zone = landing_blocks * engine.model.num_layers * layer_block_bytes(engine)
+            return self.group_member.check_drop(start, end, zone), s.total_blocks - s.free_blocks
 
     def kunserve_connect(self, addresses: list, timeout_s: float) -> None:
         self.group_member.connect(addresses, timeout_s)
 
-    def kunserve_drop(self, ranges: list, group_blocks: int, parts: list) -> dict:
-        """(freed parameter bytes, KV bytes sent) of this member's drop."""
+    def kunserve_drop(self, ranges: list, group_blocks: int, parts: list,
+                      landing_blocks: int = 0) -> dict:
+        """(freed parameter bytes, KV bytes sent) of this member's drop; with
+        ``landing_blocks`` whole-model blocks kept to land prefilled prompts in."""
         with self._step_lock:
             m = self.group_member
             sent = m.exchange_bytes
             freed = m.drop(ranges, group_blocks, parts)
-            self._retarget_receiver(None)
+            if landing_blocks and self.pump is not None:
+                self._landing = LandingZone(self._engine().model, landing_blocks,
+                                            self._engine().blocks.block_size)
+                self._retarget_receiver(self._landing.cache)
+            else:
+                self._retarget_receiver(None)
             return {"freed_param_bytes": freed, "exchange_bytes": m.exchange_bytes - sent}
 
     def kunserve_check_restore(self) -> None:
@@ -87,6 +121,7 @@ class KunServeRank:
             m = self.group_member
             self._restore_sent = m.exchange_bytes
             pulled = m.restore(m.base_blocks)
+            self._landing = None
             self._retarget_receiver(self._engine().cache)
             return {"pulled_param_bytes": pulled}
 
@@ -126,5 +161,6 @@ class KunServeRank:
                            freed_param_bytes=m.freed_param_bytes,
                            activation_items=m.links.sent_items[TrafficClass.ACTIVATION],
                            activation_bytes=m.links.sent_bytes[TrafficClass.ACTIVATION],
-                           bulk_bytes=m.links.sent_bytes[TrafficClass.BULK])
+                           bulk_bytes=m.links.sent_bytes[TrafficClass.BULK],
+                           landed=0 if self._landing is None else self._landing.landed)
             return out

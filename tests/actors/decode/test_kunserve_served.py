@@ -16,8 +16,10 @@ import pytest
 import ray
 import torch
 from exactness import TOP, assert_same_run, engine_runs
+from test_decode_instance import TRANSFER, Reference, TestSenderActor
 from tetris.actors.decode.instance import DecodeInstance, DecodeInstanceLost
 from tetris.actors.decode.kunserve_group import ServedKunServe
+from tetris.transfer.backends import nixl_unavailable_reason
 
 from tetris.config import DecodeConfig, DeploymentConfig, ModelConfig
 from tetris.control.drop_plan import DropRefused, Group
@@ -56,7 +58,9 @@ def loop():
 
 @pytest.fixture(scope="module")
 def pool(ray_session, loop):
-    insts = [DecodeInstance(DEPLOYMENT, i, transfer=None) for i in range(2)]
+    # KV transfer on (NIXL) where it can be: the landing test streams a prefilled prompt
+    transfer = TRANSFER if nixl_unavailable_reason() is None else None
+    insts = [DecodeInstance(DEPLOYMENT, i, transfer=transfer) for i in range(2)]
     kun = ServedKunServe(insts)
 
     async def start():
@@ -64,6 +68,13 @@ def pool(ray_session, loop):
         await kun.start()
 
     loop.run_until_complete(start())
+    if transfer is not None:   # one prefill sender (id 0) that can stream to both instances
+        sender = TestSenderActor.remote(0, TRANSFER)
+        infos = [info for inst in insts for info in loop.run_until_complete(inst.agent_infos())]
+        ray.get(sender.connect.remote(infos, {i: inst.ranks[0] for i, inst in enumerate(insts)}))
+        for inst in insts:
+            loop.run_until_complete(inst.connect_senders({0: sender}))
+        insts[0].test_sender = sender
     yield insts, kun
     async def stop():
         await asyncio.gather(*[inst.shutdown() for inst in insts])
@@ -158,6 +169,57 @@ def test_a_drop_losing_a_layer_is_refused_and_changes_nothing(pool, loop):
             loop.run_until_complete(kun.force_drop(bad))
         assert (list(kun.controller.groups), [inst.kv_blocks for inst in insts],
                 _states(insts)) == before
+
+
+def test_a_prefilled_request_lands_on_a_dropped_member_and_decodes_exactly(pool, loop,
+                                                                         reference):
+    """While dropped, a member takes a request prefilled elsewhere: its whole-model KV lands
+    in the member's landing zone, each layer goes to its keeper over the link, and the
+    request decodes through the pipeline (and after the restore) as the single engine."""
+    insts, _ = pool
+    sender = getattr(insts[0], "test_sender", None)
+    if sender is None:
+        pytest.skip(nixl_unavailable_reason() or "no KV transfer")
+    landing = 8
+    kun = ServedKunServe(insts, landing_blocks=landing)
+    model, _ = load_model(MODEL)
+    prompt = PROMPTS[1]
+    kv = Reference.prompt_kv(types.SimpleNamespace(model=model), prompt)   # [T, 2, Hkv, D]
+    want = reference[1]
+    streams = Streams()
+
+    async def body():
+        await kun.start()
+        tasks = [asyncio.ensure_future(streams.consume(insts[i % 2], i)) for i in (0, 2, 3)]
+        while len(streams.runs) < 3 or min(len(r[0]) for r in streams.runs.values()) < 2:
+            streams.changed.clear()
+            await streams.changed.wait()
+        await kun.force_drop([HALVES])
+        blocks = [inst.kv_blocks for inst in insts]
+        await insts[1].reserve("land", prompt, GREEDY_LP)
+        insts[1].commit("land", want[0][0], want[1][0])
+        n = len(prompt)
+        await sender.send.remote("land", 1, n, 0, (0, n), kv, len(kv))
+        outs = []
+        async for out in insts[1].stream("land"):
+            outs.append(out)
+            if sum(len(o.new_token_ids) for o in outs) == 6:
+                dropped = _states(insts)
+                await kun.force_restore(0)
+        await asyncio.gather(*tasks)
+        return outs, blocks, dropped
+
+    outs, blocks, dropped = loop.run_until_complete(body())
+    mem = kun.controller.mem
+    zone = 2 * landing * mem.block_bytes   # the two landing zones come out of the KV region
+    assert sum(blocks) == 2 * BLOCKS + (4 * mem.layer_param_bytes - zone) // mem.block_bytes
+    tokens = [t for o in outs for t in o.new_token_ids]
+    logprobs = [e for o in outs for e in o.new_logprobs]
+    assert_same_run(tokens, logprobs, want, "land")
+    assert all(s["prefill_tokens"] == 0 for s in dropped)   # its prompt was not recomputed
+    assert [s["landed"] for s in dropped] == [0, 1]         # landed on member 1, forwarded
+    for i in (0, 2, 3):
+        assert_same_run(*streams.runs[i], reference[i], f"k{i}")
 
 
 def test_a_member_killed_mid_pipeline_fails_the_group_and_restarts_whole(pool, loop,
