@@ -320,10 +320,15 @@ class KunServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     enabled: bool = False
     monitor_s: float = 1.0   # how often the pool checks demand (restore when it fell)
+    # whole-model KV blocks a dropped member keeps to land prefilled prompts in (taken from
+    # its KV region before the group's blocks are sized); 0: a dropped member takes none
+    landing_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.monitor_s <= 0:
             raise ValueError(f"kunserve.monitor_s must be positive, got {self.monitor_s}")
+        if self.landing_blocks < 0:
+            raise ValueError(f"kunserve.landing_blocks must be >= 0, got {self.landing_blocks}")
 
 
 class DeploymentConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
