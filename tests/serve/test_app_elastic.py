@@ -113,19 +113,6 @@ def test_a_prompt_beyond_the_instances_sum_is_refused(app):
     _assert_idle_soon(base)
 
 
-def _stream(base, body, out: dict, started) -> None:
-    """Read a streamed completion into ``out`` (text pieces); ``started`` after 4 pieces."""
-    with httpx.stream("POST", f"{base}/v1/completions", timeout=300,
-                      json=body | {"stream": True}) as r:
-        out["status"] = r.status_code
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                out.setdefault("pieces", []).extend(
-                    c["text"] for c in json.loads(line[len("data: "):])["choices"])
-                if len(out["pieces"]) >= 4:
-                    started.set()
-
-
 def _used(held: dict) -> list[list[int]]:
     """Blocks in use per decode instance and TP rank."""
     return [[r["total_blocks"] - r["free_blocks"] for r in inst["ranks"]]
@@ -149,50 +136,3 @@ def test_a_split_stream_closed_by_its_client_frees_every_range(app):
     assert all(u > 0 for inst in _used(during) for u in inst), _used(during)
     _assert_idle_soon(base)
 
-
-def test_a_lost_holder_resumes_the_request_over_http(app):
-    """Runs last (a restarted instance does not rejoin the elastic world). Two requests of
-    280 + 40 tokens take one instance each; a request of 120 + 150 then fits neither alone and
-    is split over both. Once the first two have ended and it streams, a TP rank of its holder
-    (the instance with blocks in use and no request of its own) is killed: its master fails
-    it with ``HolderLost``, the dispatcher runs it again from the tokens the client has (whole
-    on the restarted instance), and the client's text equals the engine's."""
-    import threading
-
-    import ray
-    from ray import serve
-
-    from tetris.serve.app import APP_NAME
-
-    cfg, base = app
-    decode = serve.get_deployment_handle("DecodePoolServer", APP_NAME)
-    dispatcher = serve.get_deployment_handle("DispatcherServer", APP_NAME)
-    prompts = {"c0": _tokens(280, 6), "c1": _tokens(280, 7), "b": _tokens(120, 8)}
-    max_tokens = {"c0": 40, "c1": 40, "b": 150}
-    engine = LLMEngine.from_deployment(cfg, num_blocks=128)
-    want = {rid: engine.generate([p], SamplingParams(max_tokens=max_tokens[rid], temperature=0,
-                                                     ignore_eos=True))[0].text
-            for rid, p in prompts.items()}
-    out = {rid: {} for rid in prompts}
-    started = {rid: threading.Event() for rid in prompts}
-    readers = {}
-    for rid, prompt in prompts.items():   # c0 and c1 placed (streaming) before b arrives
-        body = _body(prompt) | {"max_tokens": max_tokens[rid]}
-        readers[rid] = threading.Thread(target=_stream, args=(base, body, out[rid], started[rid]))
-        readers[rid].start()
-        assert started[rid].wait(120), f"{rid} never started"
-    for rid in ("c0", "c1"):
-        readers[rid].join(120)
-    held = httpx.get(f"{base}/admin/held", timeout=60).json()
-    owners = [sum(r["engine_requests"] for r in inst["ranks"]) for inst in held["decode"]]
-    used = _used(held)
-    assert sorted(owners) == [0, 2] and all(u > 0 for inst in used for u in inst), (owners, used)
-    holder = owners.index(0)              # b's range only; its master runs b on both ranks
-    peers = decode.peers.remote().result()
-    ray.kill(peers[holder * cfg.decode.tp_size + 1][0])   # TP rank 1 of the holder
-    readers["b"].join(240)
-    assert not readers["b"].is_alive()
-    for rid in prompts:
-        assert out[rid]["status"] == 200 and "".join(out[rid]["pieces"]) == want[rid], rid
-    runs = [t for t in dispatcher.timelines.remote(50).result() if t["prompt_tokens"] == 120]
-    assert runs[-1]["retries"] == 1 and runs[-1]["outcome"] == "length"
