@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import causal_op, tiny_model
+from engine_helpers import causal_op, greedy_reference, tiny_model
 from tetris.kernels.paged_decode import write_kv
 
 from tetris.engine.block_manager import BlockManager
@@ -208,3 +208,32 @@ def test_kept_runs_keep_a_group_from_forming():
     KeptKV(engines[0])   # its blocks may be shared: the group's block copies would not be
     with pytest.raises(ValueError, match="keeping finished runs"):
         group.check_drop()
+
+
+def test_kept_runs_yield_blocks_to_growing_requests_before_any_preemption():
+    # 17 blocks: turn 1 keeps 10; turn 2 shares 8 of them and holds 3 of its own; another
+    # request takes the last 4. Both grow: without the kept run yielding, turn 2 (the newest)
+    # would be preempted, let go of only its 3 own blocks and need 12 fresh ones to come back,
+    # which the kept run holds (the engine would stall). Kept KV never makes the engine refuse
+    # a request: turn 1 is dropped (its 2 unshared blocks freed) and no one is preempted.
+    model, _, engine, kept, history = _first_turn(num_blocks=17)
+    engine.add_request("other", list(range(40, 53)), TURN)
+    tokens = {"other": [t for out in engine.step() for t in out.new_token_ids]}
+    p2 = history + [11, 12, 13]
+    table = engine.reserve_blocks("t2", p2, TURN, shared=kept.shared_blocks("t1", 35))
+    kept.copy_boundary("t1", table, 35)
+    _receive(engine, "t2", p2, table, 35, _prefill(model, p2))
+    assert engine.num_free_blocks == 0
+    preempted = 0
+    for _ in range(100):
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        engine.blocks.check(_tables(engine, kept))
+        preempted = max(preempted, getattr(engine._seqs.get("t2"), "num_preemptions", 0))
+        if not engine.has_unfinished():
+            break
+    assert not engine.has_unfinished() and preempted == 0
+    assert kept.runs == {}   # t1 yielded its blocks
+    assert tokens["t2"] == greedy_reference(model, p2, 8)
+    assert tokens["other"] == greedy_reference(model, list(range(40, 53)), 8)
+    assert engine.num_free_blocks == 17

@@ -120,7 +120,8 @@ class Batcher:
             if seq.num_uncomputed != 1 or seq.num_computed == 0:
                 i += 1
                 continue
-            while not self.blocks.can_append(seq):
+            # kept runs (engine/kept_kv.py) yield their blocks before a request is preempted
+            while not self.blocks.can_append(seq) and not self.blocks.make_room(1):
                 victim = self.running[-1]
                 self._preempt(victim, plan)
                 if victim is seq:
@@ -135,7 +136,8 @@ class Batcher:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             # One spare slot so that the first decode after the prompt can always be written.
-            if not self.blocks.can_allocate(seq.num_tokens + 1):
+            if not self.blocks.can_allocate(seq.num_tokens + 1) and not self.blocks.make_room(
+                    self.blocks.blocks_needed(seq.num_tokens + 1)):
                 break
             self.waiting.popleft()
             self.blocks.allocate(seq)

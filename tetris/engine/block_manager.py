@@ -42,8 +42,10 @@ class BlockManager:
         # block -> its holders (request ids or owners), one entry per table holding it: the
         # block's reference count is the list's length
         self._holders: dict[int, list[str]] = {}
-        # Prefix caching's decode side (engine/kept_kv.py): True keeps a freed sequence's blocks.
+        # Prefix caching's decode side (engine/kept_kv.py): True keeps a freed sequence's blocks;
+        # ``reclaim(n)`` lets kept runs go until ``n`` blocks are free (they never refuse a request)
         self.keeper = None
+        self.reclaim = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -77,6 +79,13 @@ class BlockManager:
             self._holders[block].append(seq.request_id)
         seq.block_table = shared + [self._take(seq.request_id)
                                     for _ in range(need - len(shared))]
+
+    def make_room(self, blocks: int) -> bool:
+        """Whether ``blocks`` blocks are free, once kept runs let go of theirs if needed (the
+        batcher asks before it preempts or leaves a request waiting)."""
+        if len(self._free) < blocks and self.reclaim is not None:
+            self.reclaim(blocks)
+        return len(self._free) >= blocks
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether ``seq``'s newest token can get a slot (a new block only at a boundary)."""

@@ -16,8 +16,10 @@ reads them from the run's blocks, so the prefix is not streamed again:
    from there on must be the request's alone (asserted), so no write reaches a shared block.
 
 ``drop(run)`` lets go of the kept blocks (a block a reader still holds stays until it
-finishes); ``make_room`` drops the earliest kept runs when a new request would not fit otherwise
-(whoever recorded them finds them gone: sharing a run no longer kept is refused, ``covers``).
+finishes); ``make_room`` drops the earliest kept runs when a new request would not fit otherwise,
+and so does the batcher when a running request would be preempted or a waiting one left
+waiting for room (``BlockManager.make_room``); whoever recorded them finds them gone: sharing a
+run no longer kept is refused, ``covers``.
 Every TP rank applies the same reservations in the same order to its own engine, so the
 sharing is the same on each.
 """
@@ -39,6 +41,7 @@ class KeptKV:
         self._wanted: set[str] = set()
         self.runs: dict[str, tuple[list[int], list[int]]] = {}
         engine.blocks.keeper = self._keep_on_free
+        engine.blocks.reclaim = self._reclaim
 
     def want(self, run_id: str) -> None:
         self._wanted.add(run_id)
@@ -110,6 +113,15 @@ class KeptKV:
                 self.drop(run)
                 dropped.append(run)
         return dropped
+
+    def _reclaim(self, blocks: int) -> None:
+        """The engine's own requests need ``blocks`` free blocks (a preempted one coming back,
+        one growing): drop kept runs, the earliest first, until they are. A preempted reader
+        lets go of only its unshared blocks, so it may need a kept run's to come back."""
+        for run in list(self.runs):
+            if self.engine.blocks.num_free_blocks >= blocks:
+                return
+            self.drop(run)
 
     def drop(self, run_id: str) -> bool:
         """Let go of the run's kept blocks (and forget a wish to keep it); False if none. A
