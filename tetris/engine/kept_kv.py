@@ -52,7 +52,7 @@ class KeptKV:
         return 0 if kept is None else len(kept[1])
 
     def covers(self, run_id: str, token_ids, upto: int) -> bool:
-        """Whether the kept run holds KV of exactly ``token_ids[:upto]`` (a prefix copied for
+        """Whether the kept run holds KV of exactly ``token_ids[:upto]`` (a prefix read for
         other tokens would be silently wrong: checked here, not trusted to the caller)."""
         kept = self.runs.get(run_id)
         return kept is not None and len(kept[1]) >= upto and \
