@@ -108,6 +108,11 @@ def test_kunserve_drops_under_the_burst_and_restores_after_it():
     assert out["unfinished"] == 0
     assert all(not math.isnan(r.first_token) and r.finish >= r.first_token for r in reqs)
     assert out["drops"] >= 1 and out["restores"] >= 1 and out["exchange_gb"] > 0
+    # a replaced unit starts no iteration after the decision: it finishes the one in flight
+    assert out["regroup_iterations"] <= 1
+    assert len(out["regroup_s"]) == len(out["regroup_landed_s"]) == out["drops"] + out["restores"]
+    assert all(d <= landed for d, landed in zip(out["regroup_s"], out["regroup_landed_s"],
+                                                 strict=True))
     # tetris:dropped_layers{instance} after each regrouping: a pair drops half the layers
     # each, a restored instance none; the final grouping is undropped again.
     for _, dropped in emu.dropped_layers_log:

@@ -86,6 +86,7 @@ class KunServeEmulation(KunServeRegrouping):
         self.preemptions = 0
         self.preempted_at: list[float] = []
         self.regroup_log: list[tuple[float, float]] = []    # (decided, landed), trace s
+        self.regroup_iterations = 0    # most iterations a replaced unit ran after a decision
         self.prefills: list[tuple[float, int]] = []
         self.done = 0
         self.exchange_bytes = 0.0
@@ -337,4 +338,5 @@ class KunServeEmulation(KunServeRegrouping):
             self.policy, self.reqs, self.preemptions, self.control, self.exchange_bytes,
             [d for d, _ in self.regroup_log], self.preempted_at),
             "regroup_landed_s": [round(t, 3) for _, t in self.regroup_log],
-            "max_lag_s": max(e.max_lag for e in self.engines) / self.scale}
+            "max_lag_s": max(e.max_lag for e in self.engines) / self.scale,
+            "regroup_iterations": self.regroup_iterations}

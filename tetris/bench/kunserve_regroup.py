@@ -69,6 +69,7 @@ class KunServeRegrouping:
                 old = [u for u in self.units if u.members not in member_sets]
                 for u in old:
                     u.holding = True
+                steps = [u.engine.steps for u in old]
             if not old:
                 return
             for u in old:
@@ -79,6 +80,11 @@ class KunServeRegrouping:
                         for u in old:
                             u.holding = False
                         continue           # changed meanwhile (the monitor, or an operator)
+                    # iterations each replaced unit finished after the decision: only the
+                    # one in flight (<= 1) when holding works
+                    self.regroup_iterations = max(
+                        self.regroup_iterations,
+                        *(u.engine.steps - n for u, n in zip(old, steps, strict=True)))
                     self._move(old, member_sets, at)
                     now = self.now()
                     self.dropped_layers_log.append((now, self.control.dropped_layers()))
