@@ -89,8 +89,15 @@ def main() -> None:
             print(_row("SIMULATION", name, rate, r))
         if not args.sim_only:
             load0, t0 = os.getloadavg()[0], time.perf_counter()
-            with tempfile.TemporaryDirectory(prefix="tetris-elastic-") as tmp:
-                live = run_live(cfg, traces, args.time_scale, Path(tmp))
+            for attempt in range(3):   # Ray's start-up times out on a loaded machine
+                try:
+                    with tempfile.TemporaryDirectory(prefix="tetris-elastic-") as tmp:
+                        live = run_live(cfg, traces, args.time_scale, Path(tmp))
+                    break
+                except Exception as e:  # noqa: BLE001 - only a failed start is retried
+                    if "during startup" not in str(e) or attempt == 2:
+                        raise
+                    print(f"EMULATION {name}: Ray did not start ({e}); again")
             live["load_average_1m"] = [load0, os.getloadavg()[0]]
             live["wall_s"] = time.perf_counter() - t0
             setting["EMULATION"] = live
