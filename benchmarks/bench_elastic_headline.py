@@ -94,7 +94,7 @@ def main() -> None:
                     with tempfile.TemporaryDirectory(prefix="tetris-elastic-") as tmp:
                         live = run_live(cfg, traces, args.time_scale, Path(tmp))
                     break
-                except Exception as e:  # noqa: BLE001 - only a failed start is retried
+                except Exception as e:   # only a failed start is retried
                     if "during startup" not in str(e) or attempt == 2:
                         raise
                     print(f"EMULATION {name}: Ray did not start ({e}); again")
