@@ -102,6 +102,8 @@ def main() -> None:
     ap.add_argument("--time-scale", type=float, default=1.0,
                     help="EMULATION: slow emulated time by this factor (a loaded machine)")
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--no-demand", action="store_true",
+                    help="skip the KV demand and the TPOT by phase (five more SIMULATIONs)")
     args = ap.parse_args()
     policies = tuple(p for p in args.policies.split(",") if p)
     burst = tuple(float(x) for x in args.burst.split(","))
@@ -109,19 +111,23 @@ def main() -> None:
                   jobs=args.jobs, emulate=args.emulated, policies=policies,
                   time_scale=args.time_scale,
                   round_model=args.round_model, burst=burst)
-    out["kv_demand"] = kv_demand(args.profile, args.requests, args.rate, args.seed, burst)
-    out["p50_tpot_ms_by_phase"] = phase_tpot(args.profile, args.requests, args.rate, args.seed,
-                                             args.round_model, burst)
+    if not args.no_demand:
+        out["kv_demand"] = kv_demand(args.profile, args.requests, args.rate, args.seed, burst)
+        out["p50_tpot_ms_by_phase"] = phase_tpot(args.profile, args.requests, args.rate,
+                                                 args.seed, args.round_model, burst)
     print(f"SIMULATION{' and EMULATION' if args.emulated else ''}  profile={out['profile']}  "
           f"instances={out['instances']}  kv_blocks={out['kv_blocks']} per instance  "
           f"requests={args.requests}  rate={args.rate:g}/s -> {burst[2] * args.rate:g}/s for "
           f"requests {burst[0]:g}-{burst[1]:g} of the trace  "
           f"seed={args.seed}  round model={args.round_model}")
-    d = out["kv_demand"]
-    print(f"KV demand / pool KV: time average {d['mean']:.2f}, peak {d['peak']:.2f}")
+    if not args.no_demand:
+        d = out["kv_demand"]
+        print(f"KV demand / pool KV: time average {d['mean']:.2f}, peak {d['peak']:.2f}")
     _table(out)
-    print("P50 TPOT ms by arrival phase (before / in / after the burst): " + "; ".join(
-        f"{p} {' / '.join(f'{x:.1f}' for x in v)}" for p, v in out["p50_tpot_ms_by_phase"].items()))
+    if not args.no_demand:
+        print("P50 TPOT ms by arrival phase (before / in / after the burst): " + "; ".join(
+            f"{p} {' / '.join(f'{x:.1f}' for x in v)}"
+            for p, v in out["p50_tpot_ms_by_phase"].items()))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
