@@ -13,7 +13,7 @@ from tetris.actors.prefill.layout import forced_plan, plan_layout
 from tetris.actors.prefill.threaded import ThreadedPool
 from tetris.kernels.csa import CsaLayout
 
-from tetris.config import CsaConfig
+from tetris.config import CsaConfig, load_deployment
 from tetris.engine.csa_prefill import csa_chunked_prefill
 from tetris.token_ids import compact_tokens
 
@@ -89,3 +89,17 @@ def test_off_leaves_every_task_as_without_csa():
     assert [t.csa_drop_ratios for t in on] == [pytest.approx((0.0, 0.2, 0.6))] * len(on)
     assert on[-1].sp_member_nodes == tuple(NODES[i] for i in on[-1].group)
     assert all(not t.csa_drop_ratios and not t.sp_member_nodes for t in plain)
+
+
+def test_the_deployment_section_reaches_the_tasks(tmp_path):
+    path = tmp_path / "d.toml"
+    path.write_text('[model]\nname = "tiny"\n[csa]\nenabled = true\nlevel2_drop_ratio = 0.4\n'
+                    'drop_queries = false\n')
+    csa = load_deployment(str(path)).csa
+    plan = forced_plan("csa-cfg", 300, "300x4", NODES)
+    lay = plan_layout(plan, "off")[0][0]
+    task = chunk_task(plan, 0, 1, lay, compact_tokens(prompt(300, 0)), 1,
+                      RunOptions("off", None, False, (), None, None, csa=csa), 0,
+                      timeout_s=9.0, emulated=False, node_of=NODES)
+    assert task.csa_drop_ratios == pytest.approx((0.0, 0.4, 0.7))
+    assert task.csa_drop_queries is False
