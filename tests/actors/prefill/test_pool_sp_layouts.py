@@ -25,6 +25,9 @@ pytestmark = pytest.mark.ray
     (1100, "300x1,400x2:a2a/5,restx4", ["ring", "a2a", "ring"]),
     # SP-TP: the group of 4 spans both nodes, so its collectives run hierarchically
     (1000, "300x2:sptp,restx4:sptp", ["sptp", "sptp"]),
+    # the ring over micro-partitions (ring_pipeline.py) between a whole-block ring chunk and one
+    # over 3 pieces, on the Ray workers
+    (1000, "300x1,400x2:ring/4,restx4:ring/3", ["ring", "ring", "ring"]),
 ])
 def test_sp_ntp_and_mixed_plans_match_single_instance(pool, model, n, spec, layouts):
     ids = torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist()
