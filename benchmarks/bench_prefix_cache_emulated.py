@@ -55,6 +55,8 @@ def main() -> None:
     ap.add_argument("--tol", type=float, default=0.25)
     ap.add_argument("--max-rate", type=float, default=8.0)
     ap.add_argument("--out", default="")
+    ap.add_argument("--only", choices=("", "on", "off"), default="",
+                    help="with --capacity: one setting only")
     args = ap.parse_args()
     if args.capacity:
         from prefix_capacity_emulated import run_capacity

@@ -58,7 +58,7 @@ def run_capacity(args) -> None:
     base = load_deployment(args.config)
     start_ray()
     with tempfile.TemporaryDirectory() as tmp:
-        for cache in (False, True):
+        for cache in [c for c in (False, True) if args.only in ("", "on" if c else "off")]:
             sim_cap, sim_probes = prefix_capacity(spec, args.seed, cache=cache, slo=slo,
                                                   capacity_blocks=blocks, **search)
             with live_cluster(base, segments, cache=cache, block_tokens=spec.block_tokens,
