@@ -97,11 +97,10 @@ class ModelExecutor:
             raise ValueError(f"chunk {task.chunk_index}: token count does not match positions")
         if task.kv_receivers or task.kv_ranges:
             self._check_streaming(task)
-        if task.sp_layout in ("a2a", "sptp"):   # head shards (KV heads replicated past Hkv)
+        # head shards of this instance's heads (its TP slice; KV heads replicated past Hkv)
+        if task.sp_layout in ("a2a", "sptp"):
             why = head_split_problem(len(task.group), self.model.local_num_heads,
                                      self.model.local_num_kv_heads)
-            if not why and task.sp_layout == "sptp" and self.model.tp_size > 1:
-                why = "TP-1 instances only"
             if why:
                 raise ValueError(f"chunk {task.chunk_index}: {task.sp_layout}: {why}")
         self.store.reserve(task.request_id, normalize_ranges(

@@ -30,11 +30,26 @@ the group is larger than ``Hkv`` (head_shards.py): a shared KV head is projected
 members, and its history sent to each. The MLP runs on the member's own rows with full weights
 (the paper leaves SP-TP's MLP open, notes §1.3). Volume per layer over the group at ``h = 0``:
 ``2·l·d·(s−1)`` (Appendix A), measured by ``sent_elements``.
+
+**Members that are TP > 1 instances** (tp.py). TP rank ``t`` of an instance holds head slice
+``t`` (``Hq/T`` query heads, ``Hkv/T`` KV heads, the matching ``o_proj`` columns) and the whole
+hidden rows of its instance's share. SP-TP then runs once per head slice, between the TP ranks
+``t`` of the group's instances (the slice's world, as the ring does): member ``j`` of slice ``t``
+takes head shard ``j`` of the slice's heads (``head_shard_slices`` over the local counts), the
+all-gather carries the full ``d``-wide rows, and the reduce-scatter leaves member ``r`` with
+``Σ_j O^{t,j} W_L^{t,j}``: slice ``t``'s part of ``O_L`` only. The instance's TP all-reduce
+(its ``o_proj`` group) then adds the ``T`` slices: ``O_L = Σ_t Σ_j O^{t,j} W_L^{t,j}``, the
+row-parallel sum the TP-1 ``o_proj`` makes in one step. It runs after the reduce-scatter, on
+the member's ``n_r`` rows (``2·(T−1)/T·n_r·d`` per rank, inside the instance), not on the
+``l`` rows of the partial before it. Per slice world the volume is the TP-1 one with the full
+``d`` (every slice gathers the same rows): ``T`` times the group's hidden traffic, each slice
+on its own rank's links.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from tetris.actors.prefill.alltoall import attend_head_shard
 from tetris.actors.prefill.group_exchange import GroupExchange
@@ -61,6 +76,16 @@ def shard_qkv(model, i: int, hidden: torch.Tensor, positions: torch.Tensor, qh: 
     cos, sin = model.rotary.cos_sin(positions, hidden.dtype)
     qk = RotaryEmbedding.rotate(qkv[:, :(nq + nk) * d].view(t, nq + nk, d), cos, sin)
     return qk[:, :nq], qk[:, nq:], qkv[:, (nq + nk) * d:].view(t, nk, d)
+
+
+def _instance_sum(model, part: torch.Tensor) -> torch.Tensor:
+    """Sum a member's reduced rows [n_r, d] over its instance's TP ranks (head slices): the
+    all-reduce of the instance's row-parallel ``o_proj`` (module docstring). Every TP rank of
+    an instance holds the same rows, so an idle member's ranks skip it together."""
+    if model.tp_size > 1 and part.numel():
+        part = part.contiguous()
+        dist.all_reduce(part, group=model.tp_group)
+    return part
 
 
 class SpTpAttention(GroupExchange):
@@ -98,7 +123,7 @@ class SpTpAttention(GroupExchange):
         w_o = model.layers[i].self_attn.o_proj.weight
         partial = F.linear(out.reshape(out.shape[0], -1).to(hidden.dtype),
                            w_o[:, qh.start * d: qh.stop * d])
-        return hidden + self.reduce_scatter(partial, hidden.shape[0], i)
+        return hidden + _instance_sum(model, self.reduce_scatter(partial, hidden.shape[0], i))
 
     def all_gather(self, hidden, hist_out, my_kh: int, d: int, layer: int):
         """Every member's rows in member order [l, width], and per member the history KV
