@@ -20,6 +20,14 @@ layer (elements summed over the group; ``Hq``, ``Hkv`` heads of ``d_h``, ``d = H
     (flat; a group spanning nodes runs the hierarchical collectives of sptp_hier.py, which
     cross each node pair once: its time is three steps per collective, ``_hierarchical``;
     the history KV goes directly, charged before them)
+    sptp on TP > 1 instances (T ranks each; the geometry is per instance, ``per_instance``):
+    SP-TP runs per head slice between the TP ranks t of the members (sptp.py), and every
+    slice gathers and reduces the whole ``d``-wide rows: ``d`` is the model's
+    (``ModelGeometry.model_hidden``), not the slice's ``Hq/T·d_h``, while the history KV is
+    the slice's. The instance's all-reduce of the reduced rows (``n_r·d``) is the one its
+    row-parallel ``o_proj`` makes under the ring, on the same rows: not a cost of the layout.
+    So SP-TP's volume per slice is the TP-1 one and the ring's is 1/T of it: TP makes SP-TP
+    relatively dearer, as the paper finds (SP-NTP 23–35% above SP-TP).
     SP-NTP on a TP deployment (Appendix A): members hold 1/N of the attention weights and
     must all-gather them first, ``4·d²·(N−1)`` per layer (``LayoutChooser(ntp_gathers_weights)``).
     Against SP-TP at h = 0 with MHA, SP-NTP then wins iff L > 2dN/(N−2): never at N = 2 (the
@@ -66,21 +74,28 @@ class ModelGeometry(NamedTuple):
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    tp_size: int = 1   # the instance's TP ranks: heads above are one rank's slice
 
     @property
     def hidden(self) -> int:
         return self.num_heads * self.head_dim
 
+    @property
+    def model_hidden(self) -> int:
+        """The model's hidden width ``d``: the rows SP-TP gathers on every head slice."""
+        return self.hidden * self.tp_size
+
     def per_instance(self, tp_size: int) -> ModelGeometry:
         """An instance of ``tp_size`` GPUs holds 1/tp of the heads (its own all-to-all)."""
         return self._replace(num_heads=self.num_heads // tp_size,
-                             num_kv_heads=self.num_kv_heads // tp_size)
+                             num_kv_heads=self.num_kv_heads // tp_size,
+                             tp_size=self.tp_size * tp_size)
 
     @classmethod
     def from_model_config(cls, model, tp_size: int = 1) -> ModelGeometry:
         head_dim = model.head_dim or model.hidden_size // model.num_heads
         return cls(model.num_layers, model.num_heads // tp_size,
-                   model.num_kv_heads // tp_size, head_dim)
+                   model.num_kv_heads // tp_size, head_dim, tp_size)
 
 
 # The paper's models (Tetris §7.1, CSPS §3.1); the simulator's clusters run 8B at TP 1 and
@@ -114,7 +129,7 @@ def layout_volume(layout: str, g: ModelGeometry, sp: int, history: int, tokens: 
     if layout == "allgather":
         return 2 * l * g.hidden * (n - 1)
     if layout == "sptp":
-        return 2 * l * g.hidden * (n - 1) + (n - 1) / n * h * 2 * max(g.num_kv_heads, n) * dh
+        return 2 * l * g.model_hidden * (n - 1) + (n - 1) / n * h * 2 * max(g.num_kv_heads, n) * dh
     if layout == "ntp_weights":   # SP-NTP's parameter all-gather on a TP deployment
         return 4 * g.hidden ** 2 * (n - 1)
     raise ValueError(f"unknown SP layout {layout!r}")
@@ -170,7 +185,7 @@ def layout_time(layout: str, g: ModelGeometry, links: CommLinks, node_counts: Se
         rows = l / n * g.hidden * b   # each member's share of E, then of O_L
         per_layer = 2 * _spread(node_counts, rows, links)
     elif layout == "sptp":
-        rows = l / n * g.hidden * b
+        rows = l / n * g.model_hidden * b   # whole rows on every head slice (TP > 1)
         hist = h / n * 2 * max(g.num_kv_heads, n) / n * dh * b   # history KV per peer
         if len(node_counts) > 1:   # hierarchical collectives (actors/prefill/sptp_hier.py)
             per_layer = (_spread(node_counts, hist, links)
