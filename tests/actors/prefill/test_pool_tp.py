@@ -146,6 +146,9 @@ def test_receivers_not_a_multiple_of_the_tp_size_are_refused(pool, receivers):
     (900, "300x1,restx2", "overlap"),            # history on one instance, balanced to two
     (900, "300x1,restx2", "off"),                # the ring reads history where it was made
     (1100, "200x1,300x1,restx2", "blocking"),    # two chunks on one instance, then two
+    # SP-TP per head slice, its rows summed over each instance's TP ranks (sptp.py), with
+    # history, beside a2a and ring chunks
+    (900, "200x1,300x2:sptp,200x2:a2a,restx2", "overlap"),
 ])
 def test_forced_plans_match_single_instance(pool, model, n, spec, balance):
     plan = forced_plan(f"tp-{spec}-{balance}", n, spec, pool.node_of)
