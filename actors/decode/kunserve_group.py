@@ -111,8 +111,10 @@ class ServedKunServe:
             return None
         try:
             await self._apply(before, decision)
-        except ValueError as e:
+        except BaseException as e:   # the grouping stays what the instances run
             self.controller.groups = before
+            if not isinstance(e, ValueError):
+                raise
             self.refused.append(str(e))
             log.warning("KunServe %s not applied: %s", decision.kind, e)
             return None
@@ -130,10 +132,12 @@ class ServedKunServe:
         decision = self.controller.force_drop(groups)
         try:
             await self._apply(before, decision)
-        except ValueError as e:
+        except BaseException as e:
             self.controller.groups = before
             self.controller.drops -= 1
-            raise DropRefused(str(e)) from e
+            if isinstance(e, ValueError):
+                raise DropRefused(str(e)) from e
+            raise
         return decision
 
     async def force_restore(self, leader: int) -> Decision:
@@ -146,10 +150,12 @@ class ServedKunServe:
         decision = self.controller.force_restore(leader)
         try:
             await self._apply(before, decision)
-        except ValueError as e:
+        except BaseException as e:
             self.controller.groups = before
             self.controller.restores -= 1
-            raise DropRefused(str(e)) from e
+            if isinstance(e, ValueError):
+                raise DropRefused(str(e)) from e
+            raise
         return decision
 
     def unit_blocks(self) -> dict[int, int]:

@@ -7,9 +7,10 @@ and a monitor task: every ``monitor_s`` one controller tick, so that a group is 
 demand fell (§4.4), and a group with a broken member is let go. When an instance refuses a
 reservation for want of KV (``DecodeFull``, the dispatcher's 429), the controller first ticks
 with that request's blocks as queued demand: its overload decision drops layers on a group,
-whose running requests then grow into the freed memory instead of being preempted. The
-refused request itself still goes back as a 429 unless another instance takes it: a dropped
-member takes no prefilled KV (the prefill pool streams every layer to one instance).
+whose running requests then grow into the freed memory instead of being preempted, and, with
+``[kunserve] landing_blocks``, the request is reserved again on its now dropped instance (its
+KV lands whole and is forwarded layer by layer: ``actors/decode/landing.py``). Without a
+landing zone a dropped member takes no prefilled KV, and the refusal stays a 429.
 
 ``add_kunserve_served_routes(app, decode)`` mounts, over the pool's handle:
 
@@ -25,7 +26,6 @@ that would not fit) answers 400 and changes nothing.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from fastapi import FastAPI, Request
@@ -45,12 +45,13 @@ class KunServePool:
     kunserve = None            # ServedKunServe once started with [kunserve] enabled
     _kunserve_task: asyncio.Task | None = None
 
-    async def _start_kunserve(self, monitor_s: float) -> None:
+    async def _start_kunserve(self, config) -> None:
+        """``config``: the deployment's ``KunServeConfig``."""
         from tetris.actors.decode.kunserve_group import ServedKunServe
 
-        self.kunserve = ServedKunServe(self.instances)
+        self.kunserve = ServedKunServe(self.instances, landing_blocks=config.landing_blocks)
         await self.kunserve.start()
-        self._kunserve_task = asyncio.create_task(self._kunserve_monitor(monitor_s),
+        self._kunserve_task = asyncio.create_task(self._kunserve_monitor(config.monitor_s),
                                                   name="kunserve-monitor")
 
     async def _kunserve_monitor(self, period_s: float) -> None:
@@ -64,18 +65,27 @@ class KunServePool:
                 log.exception("KunServe monitor tick failed")
 
     async def _reserve_or_tick(self, instance: int, reserve, kv_tokens: int) -> None:
-        """Run ``reserve``; on ``DecodeFull`` let the controller decide (a drop) first, with
-        the ``kv_tokens`` the request needs as queued demand."""
+        """``await reserve()``; on ``DecodeFull`` the controller decides first, with the
+        ``kv_tokens`` the request needs as queued demand, and when it dropped ``instance``
+        into a group that lands prefilled prompts, the reservation is tried once more there
+        (instead of the 429)."""
         from tetris.actors.decode.messages import DecodeFull
 
         try:
-            await reserve
-        except DecodeFull:
-            if self.kunserve is not None:
-                blocks = -(-(kv_tokens + 1) // self.instances[instance].block_size)
-                with contextlib.suppress(Exception):   # the refusal is what the caller gets
-                    await self.kunserve.tick({instance: blocks})
-            raise
+            return await reserve()
+        except DecodeFull as full:
+            if self.kunserve is None:
+                raise
+            blocks = -(-(kv_tokens + 1) // self.instances[instance].block_size)
+            try:
+                decision = await self.kunserve.tick({instance: blocks})
+            except Exception:
+                log.exception("KunServe tick on a refused reservation failed")
+                raise full from None
+            if decision != "drop" or not self.kunserve.landing_blocks or \
+                    self.kunserve.dropped_layers().get(instance, 0) == 0:
+                raise
+        await reserve()   # dropped now, with a landing zone: once more
 
     def _kunserve_forget(self) -> None:
         """Before a broken instance restarts: its group (if any) is let go."""

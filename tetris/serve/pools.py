@@ -111,7 +111,7 @@ class DecodePoolServer(KunServePool):
                     self.world = ElasticWorld(self.instances)
                     await self.world.start()
                 if self.deployment_kunserve.enabled:   # tetris/serve/kunserve_served.py
-                    await self._start_kunserve(self.deployment_kunserve.monitor_s)
+                    await self._start_kunserve(self.deployment_kunserve)
                 self._up = True
 
     async def kv_capacities(self) -> list[int]:
@@ -155,7 +155,7 @@ class DecodePoolServer(KunServePool):
                       generated=(), **prefix) -> None:
         # prefix: keep / prefix_from / prefix_tokens (prefix caching's decode side); no KV
         # room: KunServe's controller decides first when enabled (kunserve_served.py)
-        await self._reserve_or_tick(instance, self.instances[instance].reserve(
+        await self._reserve_or_tick(instance, lambda: self.instances[instance].reserve(
             request_id, prompt, sampling, generated, **prefix), len(prompt) + len(generated))
 
     # -- elastic decode: a request's ranges over a decode group (ElasticWorld) ------------

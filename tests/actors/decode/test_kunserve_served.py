@@ -17,7 +17,7 @@ import ray
 import torch
 from exactness import TOP, assert_same_run, engine_runs
 from test_decode_instance import TRANSFER, Reference, TestSenderActor
-from tetris.actors.decode.instance import DecodeInstance, DecodeInstanceLost
+from tetris.actors.decode.instance import DecodeFull, DecodeInstance, DecodeInstanceLost
 from tetris.actors.decode.kunserve_group import ServedKunServe
 from tetris.transfer.backends import nixl_unavailable_reason
 
@@ -30,7 +30,8 @@ from tetris.serve.kunserve_served import KunServePool, add_kunserve_served_route
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
-MODEL = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=4,
+# a wide MLP: parameters are most of an instance's memory, as where KunServe pays
+MODEL = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=384, num_layers=4,
                     num_heads=4, num_kv_heads=2, seed=5)
 BLOCKS = 48
 DEPLOYMENT = DeploymentConfig(model=MODEL, decode=DecodeConfig(
@@ -97,14 +98,15 @@ class Streams:
     """Each request's tokens and logprobs as they arrive; ``reached(n)`` waits until every
     request has at least n tokens (or finished)."""
 
-    def __init__(self) -> None:
+    def __init__(self, prompts=PROMPTS) -> None:
+        self.prompts = prompts
         self.runs: dict[int, tuple[list, list]] = {}
         self.finished: set[int] = set()
         self.changed = asyncio.Event()
 
     async def consume(self, inst, i: int) -> None:
         rid = f"k{i}"
-        await inst.add(rid, PROMPTS[i], GREEDY_LP)
+        await inst.add(rid, self.prompts[i], GREEDY_LP)
         self.runs[i] = ([], [])
         async for out in inst.stream(rid):
             self.runs[i][0].extend(out.new_token_ids)
@@ -114,7 +116,7 @@ class Streams:
             self.changed.set()
 
     async def reached(self, n: int) -> list[int]:
-        while not (len(self.runs) == len(PROMPTS)
+        while not (len(self.runs) == len(self.prompts)
                    and all(len(r[0]) >= n for r in self.runs.values())):
             self.changed.clear()
             await self.changed.wait()
@@ -220,6 +222,60 @@ def test_a_prefilled_request_lands_on_a_dropped_member_and_decodes_exactly(pool,
     assert [s["landed"] for s in dropped] == [0, 1]         # landed on member 1, forwarded
     for i in (0, 2, 3):
         assert_same_run(*streams.runs[i], reference[i], f"k{i}")
+
+
+def test_a_reservation_refused_for_kv_drops_a_group_and_lands_instead_of_a_429(pool, loop):
+    """The decode pool's hook (``KunServePool._reserve_or_tick``): with two requests on each
+    instance (30 to 48 of its 48 blocks over their life, never preempted), a 40-block prompt
+    fits neither instance nor the pool's free blocks: refused (``DecodeFull``, the
+    dispatcher's 429) without KunServe; with it, the controller's overload decision drops
+    instances 0 and 1 into a group and the prompt lands on instance 0, then decodes as the
+    single engine."""
+    insts, _ = pool
+    sender = getattr(insts[0], "test_sender", None)
+    if sender is None:
+        pytest.skip(nixl_unavailable_reason() or "no KV transfer")
+    kun = ServedKunServe(insts, landing_blocks=BLOCKS)
+    model, tok = load_model(MODEL)
+    fillers = [_prompt(56, 20 + i) for i in range(4)]    # 15 to 24 blocks each
+    big = _prompt(156, 9)                                # 40 blocks
+    ref = LLMEngine(model, tok, num_blocks=256, block_size=4, max_num_seqs=8)
+    want_fillers = engine_runs(ref, fillers, GREEDY_LP)
+    want = engine_runs(ref, [big], GREEDY_LP, "big")[0]
+    kv = Reference.prompt_kv(types.SimpleNamespace(model=model), big)
+    streams = Streams(fillers)
+
+    async def body():
+        await kun.start()
+        tasks = [asyncio.ensure_future(streams.consume(insts[i % 2], i)) for i in range(4)]
+        await streams.reached(2)
+
+        def reserve():
+            return insts[0].reserve("big", big, GREEDY_LP)
+
+        with pytest.raises(DecodeFull):
+            await _Pool(insts, None)._reserve_or_tick(0, reserve, len(big))
+        loads = kun.loads({0: 40})
+        try:
+            await _Pool(insts, kun)._reserve_or_tick(0, reserve, len(big))
+        except DecodeFull:
+            pytest.fail(f"no drop: refused {kun.refused}, refusals {kun.controller.refusals}, "
+                        f"loads before {loads}, after {kun.loads({0: 40})}")
+        dropped = kun.dropped_layers()
+        insts[0].commit("big", want[0][0], want[1][0])
+        await sender.send.remote("big", 0, len(big), 0, (0, len(big)), kv, len(kv))
+        outs = [out async for out in insts[0].stream("big")]
+        await asyncio.gather(*tasks)
+        await kun.force_restore(0)
+        return dropped, outs
+
+    dropped, outs = loop.run_until_complete(body())
+    assert dropped == {0: 2, 1: 2}
+    assert_same_run([t for o in outs for t in o.new_token_ids],
+                    [e for o in outs for e in o.new_logprobs], want, "big")
+    for i, w in enumerate(want_fillers):
+        assert_same_run(*streams.runs[i], w, f"k{i}")
+    assert kun.dropped_layers() == {0: 0, 1: 0}
 
 
 def test_a_member_killed_mid_pipeline_fails_the_group_and_restarts_whole(pool, loop,
