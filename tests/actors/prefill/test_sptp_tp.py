@@ -53,7 +53,8 @@ def _run(pool, model, spec: str, n: int):
     res = pool.run(plan, prompt(n, n), return_logits=True)
     kv = {i: pool.kv(plan.request_id, i) for i in plan.instances}
     pool.release(plan.request_id)
-    return [c.sp_layout for c in plan.chunks], res.first_token, torch.tensor(res.logits), kv
+    return ([c.sp_layout for c in plan.chunks], res.first_token, torch.tensor(res.logits), kv,
+            res.sent_elements)
 
 
 def _refusal(pool, model) -> str:
@@ -108,7 +109,7 @@ def test_sptp_on_tp2_instances_matches_the_single_engine(tp_runs, model, k):
     ref_logits, ref_k, ref_v = reference(model, prompt(n, n))
     hkv = model.local_num_kv_heads // TP   # KV heads of one TP rank's slice
     for t, out in enumerate(tp_runs):
-        got_layouts, token, logits, kv = out["runs"][k]
+        got_layouts, token, logits, kv, _sent = out["runs"][k]
         assert got_layouts == layouts
         assert _rel(logits, ref_logits) < 1e-4, (spec, t)
         assert token == int(ref_logits.argmax())
@@ -120,6 +121,20 @@ def test_sptp_on_tp2_instances_matches_the_single_engine(tp_runs, model, k):
         assert k_t.shape[2] == hkv
         torch.testing.assert_close(k_t, ref_k[:, pos][:, :, heads], rtol=1e-4, atol=2e-5)
         torch.testing.assert_close(v_t, ref_v[:, pos][:, :, heads], rtol=1e-4, atol=2e-5)
+
+
+def test_each_head_slice_sends_what_the_cost_model_charges(tp_runs, deployment):
+    """Plan 0's two SP-TP chunks (h = 200, l = 200 on 2; h = 400, l = 200 on 4): each slice
+    world moves the model's whole rows plus its slice's history KV, as ``layout_volume`` says
+    for the per-instance geometry (sp_comm.py), every layer."""
+    from tetris.scheduler.sp_comm import ModelGeometry, layout_volume
+
+    g = ModelGeometry.from_model_config(deployment.model, TP)
+    want = g.num_layers * (layout_volume("sptp", g, 2, 200, 200)
+                           + layout_volume("sptp", g, 4, 400, 200))
+    assert g.model_hidden == deployment.model.hidden_size
+    for out in tp_runs:
+        assert out["runs"][0][4] == want
 
 
 def test_a_group_that_cannot_split_an_instances_heads_is_refused(tp_runs):
