@@ -7,7 +7,9 @@ with ring transfers hidden behind attention (the model as shipped), ring or SP-T
 three layouts; SP-NTP and SP-TP on SP 16 replicate the 8 KV heads; and the same with the
 ring's transfers charged in full (``ring_overlap = False``: an upper bound on what all-to-all
 saves). A chunk on all-to-all runs ``T_s(h, l) + Δ`` on the simulated hardware, the delta the
-plan predicted. Per configuration: capacity (the simulator's bisection against the SLO of
+plan predicted. ``a2a forced`` / ``sptp forced`` put every chunk of SP > 1 on SP-NTP / SP-TP
+where it can run (the ring elsewhere), charged their modelled time: SP-NTP against SP-TP with
+the chooser out of the way. Per configuration: capacity (the simulator's bisection against the SLO of
 ``tetris.sim.experiments.capacity``), TTFT P50/P99 at fixed rates, and the share of chunks on
 each layout and SP size.
 
@@ -23,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import time
 
 from tetris.config import SpLayoutConfig
+from tetris.scheduler.sp_comm import LayoutChoice, LayoutChooser
 from tetris.sim.experiments import RunSpec, capacity, light_load, run_one
 from tetris.sim.prefill import PrefillPoolSim
 
@@ -37,7 +41,35 @@ CONFIGS = {
     "ring|sptp, ring charged in full": SpLayoutConfig(layouts=("ring", "sptp"), ring_overlap=False),
     "ring|a2a|sptp, ring charged in full": SpLayoutConfig(layouts=("ring", "a2a", "sptp"),
                                                           ring_overlap=False),
+    # Every chunk of SP > 1 on one layout where it can run (ring otherwise): SP-NTP vs SP-TP
+    # throughput with the chooser out of the way (CSPS Fig. 12's comparison, on TP-1 members).
+    "a2a forced": SpLayoutConfig(layouts=("ring", "a2a", "sptp"), ring_overlap=False),
+    "sptp forced": SpLayoutConfig(layouts=("ring", "a2a", "sptp"), ring_overlap=False),
 }
+FORCED = {"a2a forced": "a2a", "sptp forced": "sptp"}
+
+
+@contextlib.contextmanager
+def forced_layout(layout: str | None):
+    """``LayoutChooser.choose`` picking ``layout`` for every chunk of SP > 1 it can run on, the
+    plan charged its modelled time (delta against the ring, as the chooser charges a pick)."""
+    if layout is None:
+        yield
+        return
+    original = LayoutChooser.choose
+
+    def choose(self, members, node_of, history, tokens, attention_s=0.0):
+        pick = original(self, members, node_of, history, tokens, attention_s)
+        if len(members) < 2 or self.feasible(layout, len(members)):
+            return LayoutChoice("ring", pick.reason + "; forced: ring", 0.0, pick.times)
+        t = pick.times
+        return LayoutChoice(layout, pick.reason + f"; forced: {layout}", t[layout] - t["ring"], t)
+
+    LayoutChooser.choose = choose
+    try:
+        yield
+    finally:
+        LayoutChooser.choose = original
 
 
 def chunk_layouts(spec: RunSpec) -> collections.Counter:
@@ -85,15 +117,17 @@ def main() -> None:
         t0 = time.perf_counter()
         base = RunSpec(model="8b", workload=args.workload, policy="tetris",
                        requests=args.requests, sp_layout=cfg, **tail)
-        cap = capacity(base, seeds, lo=args.capacity_lo, tol=args.capacity_tol, light=light)
-        cells = []
-        for rate in rates:
-            ttft = [run_one(RunSpec(**{**_fields(base), "rate": rate, "seed": s}))[0].ttft
-                    for s in seeds]
-            p50 = sum(t.p50 for t in ttft) / len(ttft)
-            p99 = sum(t.p99 for t in ttft) / len(ttft)
-            cells.append(f"{rate:g} req/s: P50 {p50:.4f} s, P99 {p99:.4f} s")
-        layouts = chunk_layouts(RunSpec(**{**_fields(base), "rate": rates[0], "seed": seeds[0]}))
+        with forced_layout(FORCED.get(name)):
+            cap = capacity(base, seeds, lo=args.capacity_lo, tol=args.capacity_tol, light=light)
+            cells = []
+            for rate in rates:
+                ttft = [run_one(RunSpec(**{**_fields(base), "rate": rate, "seed": s}))[0].ttft
+                        for s in seeds]
+                p50 = sum(t.p50 for t in ttft) / len(ttft)
+                p99 = sum(t.p99 for t in ttft) / len(ttft)
+                cells.append(f"{rate:g} req/s: P50 {p50:.4f} s, P99 {p99:.4f} s")
+            layouts = chunk_layouts(RunSpec(**{**_fields(base), "rate": rates[0],
+                                               "seed": seeds[0]}))
         total = sum(layouts.values())
         share = ", ".join(f"{lay} SP{sp} {n / total:.0%}" for (lay, sp), n in sorted(layouts.items()))
         print(f"{name}: capacity {cap.capacity_rps:.3f} req/s; " + "; ".join(cells)
