@@ -282,6 +282,9 @@ class SpLayoutConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The ring's transfers hide behind its attention steps (Eq. 1's γ·h·l + δ·l²); False
     # charges them in full: an upper bound on what another layout saves.
     ring_overlap: bool = True
+    # Micro-partition counts M the chooser may pipeline "ring" and "a2a" chunks over, each
+    # chunk its cheapest (scheduler/sp_pipeline.py), e.g. [1, 2, 4, 8]; [1]: never, as before.
+    micro_partitions: tuple[int, ...] = (1,)
 
     def __post_init__(self) -> None:
         if "ring" not in self.layouts or any(x not in ("ring", "a2a", "sptp")
@@ -290,6 +293,9 @@ class SpLayoutConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                              f"got {list(self.layouts)}")
         if min(self.intra_node_gbps, self.inter_node_gbps) <= 0 or self.bytes_per_element <= 0:
             raise ValueError("sp_layout bandwidths and bytes_per_element must be positive")
+        if not self.micro_partitions or min(self.micro_partitions) < 1:
+            raise ValueError("sp_layout.micro_partitions must be counts >= 1, got "
+                             f"{list(self.micro_partitions)}")
 
 
 class CsaConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -37,6 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-chunk-tokens", type=int, default=DEFAULT_MIN_CHUNK_TOKENS)
     p.add_argument("--sp-layouts", default="ring",
                    help="layouts a chunk may use, e.g. ring,a2a (CSPS SP-NTP); default ring")
+    p.add_argument("--sp-micro-partitions", default="1",
+                   help="micro-partition counts a ring or a2a chunk may be pipelined over, "
+                        "e.g. 1,2,4,8 (the cheapest per chunk); default 1: none")
     p.add_argument("--intra-node-gbps", type=float, default=SpLayoutConfig().intra_node_gbps)
     p.add_argument("--inter-node-gbps", type=float, default=SpLayoutConfig().inter_node_gbps)
     p.add_argument("--cached-tokens", type=int, default=0,
@@ -84,7 +87,8 @@ def build(args: argparse.Namespace) -> dict:
         "chunks": [{"start": c.start, "end": c.end, "tokens": c.tokens, "sp_size": c.sp_size,
                     "instances": list(c.instances), "expected_start": c.expected_start,
                     "expected_end": c.expected_end, "sp_layout": c.sp_layout,
-                    "sp_layout_reason": c.sp_layout_reason} for c in plan.chunks],
+                    "sp_layout_reason": c.sp_layout_reason,
+                    "sp_micro_partitions": c.sp_micro_partitions} for c in plan.chunks],
         "single_chunk_options": [{"sp_size": s, "instances": list(m), "expected_start": st,
                                   "ttft": t} for s, m, st, t in search.options(args.prompt_tokens)],  # now = 0
         "single_chunk_choice": {"sp_size": pick.chunks[0].sp_size, "ttft": pick.ttft_estimate},
@@ -114,7 +118,8 @@ def _chooser(args: argparse.Namespace) -> LayoutChooser:
     """Layouts by CSPS Appendix A costs on the profile's model (the shipped profiles are
     LLaMA3 on A100; the 70B one at TP 4 has 8 KV heads / 4 = 2 per instance)."""
     cfg = SpLayoutConfig(layouts=tuple(x.strip() for x in args.sp_layouts.split(",")),
-                         intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps)
+                         intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
+                         micro_partitions=tuple(_ints(args.sp_micro_partitions)))
     return LayoutChooser.from_config(cfg, LLAMA3_8B)
 
 
@@ -127,7 +132,8 @@ def _print_table(out: dict) -> None:
         print(f"{k:>5} {c['tokens']:>8} {rng:>17} {c['sp_size']:>3} {c['expected_start']:>8.3f} "
               f"{c['expected_end']:>8.3f}  {','.join(map(str, c['instances']))}")
         if c["sp_layout_reason"]:
-            print(f"      layout {c['sp_layout']}: {c['sp_layout_reason']}")
+            pieces = f"/{c['sp_micro_partitions']}" if c["sp_micro_partitions"] > 1 else ""
+            print(f"      layout {c['sp_layout']}{pieces}: {c['sp_layout_reason']}")
     print(f"TTFT estimate {out['ttft_estimate']:.3f} s")
     if "prefix" in out:
         pf = out["prefix"]

@@ -6,9 +6,14 @@ re-times the chunks: a chunk takes ``T_s(h, l) + Δ_layout`` and starts when the
 has ended and its group is free (Eq. 2 on the same snapshot the search used). Chunk boundaries
 are not searched again under the new costs: a faster layout only ends chunks earlier.
 
-A ring-only chooser returns the plan object it was given, so the default deployment plans
-bit for bit as before. ``LayoutPolicy`` wraps any policy with it; ``with_layout_choice`` does
-so from a deployment (the live dispatcher's policy).
+With ``[sp_layout] micro_partitions`` (opt-in) the chooser also prices ``ring/M`` and ``a2a/M``
+(sp_pipeline.py: piece ``m+1``'s transfer behind piece ``m``'s attention, the first piece's
+not hidden, each extra piece a fixed overhead) and the chunk gets the cheapest ``M`` in
+``Chunk.sp_micro_partitions``, which the executors run (ring_pipeline.py, alltoall_pipeline.py).
+
+A ring-only chooser without micro-partitions returns the plan object it was given, so the
+default deployment plans bit for bit as before. ``LayoutPolicy`` wraps any policy with it;
+``with_layout_choice`` does so from a deployment (the live dispatcher's policy).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ def assign_layouts(plan: PrefillPlan, chooser: LayoutChooser, pool: PoolState, n
     for c in plan.chunks:
         pick = chooser.choose(c.instances, pool.node_of, c.start, c.tokens,
                               attention_seconds(profile, c.sp_size, c.start, c.tokens))
-        if pick.layout == "ring" and not changed:
+        if pick.layout == "ring" and pick.micro_partitions == 1 and not changed:
             chunks.append(msgspec.structs.replace(c, sp_layout_reason=pick.reason))
             t_prev = c.expected_end
             continue
@@ -42,7 +47,8 @@ def assign_layouts(plan: PrefillPlan, chooser: LayoutChooser, pool: PoolState, n
         end = start + profile.predict(c.sp_size, c.start, c.tokens) + pick.delta_s
         chunks.append(msgspec.structs.replace(c, expected_start=start, expected_end=end,
                                               sp_layout=pick.layout, sp_layout_reason=pick.reason,
-                                              sp_layout_delta_s=pick.delta_s))
+                                              sp_layout_delta_s=pick.delta_s,
+                                              sp_micro_partitions=pick.micro_partitions))
         t_prev = end
     ttft = chunks[-1].expected_end - now if changed else plan.ttft_estimate
     return msgspec.structs.replace(plan, chunks=tuple(chunks), ttft_estimate=ttft)
@@ -55,10 +61,11 @@ def attention_seconds(profile: PrefillLatencyModel, sp: int, history: int, token
 
 
 def with_layout_choice(policy, deployment):
-    """``policy`` as the deployment's ``[sp_layout]`` says: itself for the ring only, else a
-    ``LayoutPolicy`` over the model's per-instance geometry and the policy's own profile."""
+    """``policy`` as the deployment's ``[sp_layout]`` says: itself for the unpipelined ring
+    only, else a ``LayoutPolicy`` over the model's per-instance geometry and the policy's own
+    profile."""
     cfg = deployment.sp_layout
-    if cfg.layouts == ("ring",):
+    if cfg.layouts == ("ring",) and cfg.micro_partitions == (1,):
         return policy
     geometry = ModelGeometry.from_model_config(deployment.model, deployment.prefill.tp_size)
     return LayoutPolicy(policy, LayoutChooser.from_config(cfg, geometry), policy.profile)

@@ -55,6 +55,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from tetris.scheduler.sp_pipeline import exposed_a2a_s, exposed_ring_s
+
 __all__ = [
     "LLAMA3_8B",
     "LLAMA3_70B",
@@ -64,6 +66,7 @@ __all__ = [
     "ModelGeometry",
     "layout_time",
     "layout_volume",
+    "pipelined_time",
 ]
 
 
@@ -164,6 +167,24 @@ def _hierarchical(counts: Sequence[int], rows: float, links: CommLinks) -> float
     return inside + across + forward + 3 * links.message_latency_s
 
 
+def _ring_step(g: ModelGeometry, links: CommLinks, node_counts: Sequence[int], history: int,
+               tokens: int) -> float:
+    """One ring step's transfer: a member's KV block over the group's slowest hop."""
+    n = sum(node_counts)
+    hop = links.inter_node if len(node_counts) > 1 else links.intra_node
+    block = (history + tokens) / n * 2 * g.num_kv_heads * g.head_dim * links.bytes_per_element
+    return block / hop + links.message_latency_s
+
+
+def _a2a_phases(g: ModelGeometry, links: CommLinks, node_counts: Sequence[int], history: int,
+                tokens: int) -> tuple[float, float]:
+    """One layer's A2A #1 (queries, and KV of chunk and history) and A2A #2 (outputs)."""
+    n, h, l, dh, b = sum(node_counts), history, tokens, g.head_dim, links.bytes_per_element
+    qkv = (l / n * g.num_heads + (h + l) / n * 2 * max(g.num_kv_heads, n)) / n * dh * b
+    out = l / n * g.num_heads / n * dh * b
+    return _spread(node_counts, qkv, links), _spread(node_counts, out, links)
+
+
 def layout_time(layout: str, g: ModelGeometry, links: CommLinks, node_counts: Sequence[int],
                 history: int, tokens: int, attention_s: float = 0.0) -> float:
     """Exposed seconds of communication for the whole chunk (all layers) on a group whose
@@ -173,14 +194,11 @@ def layout_time(layout: str, g: ModelGeometry, links: CommLinks, node_counts: Se
         return 0.0
     h, l, dh, b = history, tokens, g.head_dim, links.bytes_per_element
     if layout == "ring":
-        hop = links.inter_node if len(node_counts) > 1 else links.intra_node
-        block = (h + l) / n * 2 * g.num_kv_heads * dh * b
         hidden = attention_s / (g.num_layers * n)
-        per_layer = (n - 1) * max(0.0, block / hop + links.message_latency_s - hidden)
+        per_layer = (n - 1) * max(0.0, _ring_step(g, links, node_counts, h, l) - hidden)
     elif layout == "a2a":
-        qkv = (l / n * g.num_heads + (h + l) / n * 2 * max(g.num_kv_heads, n)) / n * dh * b
-        out = l / n * g.num_heads / n * dh * b
-        per_layer = _spread(node_counts, qkv, links) + _spread(node_counts, out, links)
+        send, ret = _a2a_phases(g, links, node_counts, h, l)
+        per_layer = send + ret
     elif layout == "allgather":
         rows = l / n * g.hidden * b   # each member's share of E, then of O_L
         per_layer = 2 * _spread(node_counts, rows, links)
@@ -200,18 +218,40 @@ def layout_time(layout: str, g: ModelGeometry, links: CommLinks, node_counts: Se
     return g.num_layers * per_layer
 
 
+def pipelined_time(layout: str, g: ModelGeometry, links: CommLinks, node_counts: Sequence[int],
+                   history: int, tokens: int, attention_s: float, micro: int,
+                   piece_overhead_s: float) -> float:
+    """Exposed seconds of ``layout``/``micro`` (``"ring"`` or ``"a2a"``) for the whole chunk:
+    sp_pipeline.py's overlap of ``micro`` pieces with the chunk's ``attention_s``."""
+    n = sum(node_counts)
+    if n <= 1:
+        return 0.0
+    per_member = attention_s / g.num_layers   # Eq. 1's attention of one layer on one member
+    if layout == "ring":
+        per_layer = exposed_ring_s(n - 1, _ring_step(g, links, node_counts, history, tokens),
+                                   per_member / n, micro, piece_overhead_s)
+    elif layout == "a2a":
+        send, ret = _a2a_phases(g, links, node_counts, history, tokens)
+        per_layer = exposed_a2a_s(send, per_member, ret, micro, piece_overhead_s)
+    else:
+        raise ValueError(f"SP layout {layout!r} has no pipelined executor")
+    return g.num_layers * per_layer
+
+
 class LayoutChoice(NamedTuple):
     layout: str
     reason: str
     delta_s: float              # T_layout − T_ring, added to Eq. 1's prediction
-    times: dict                 # layout -> communication seconds (every layout considered)
+    times: dict                 # layout (or "layout/M") -> communication seconds, as considered
+    micro_partitions: int = 1   # pieces the chosen layout is pipelined over (sp_pipeline.py)
 
 
 class LayoutChooser:
     """Picks each chunk's cheapest executable layout among ``layouts`` (ring on ties)."""
 
     def __init__(self, layouts: Sequence[str], geometry: ModelGeometry, links: CommLinks,
-                 ring_overlap: bool = True, ntp_gathers_weights: bool = False):
+                 ring_overlap: bool = True, ntp_gathers_weights: bool = False,
+                 micro_partitions: Sequence[int] = (1,), piece_overhead_s: float | None = None):
         self.layouts = tuple(layouts)
         self.geometry = geometry
         self.links = links
@@ -219,15 +259,21 @@ class LayoutChooser:
         # True: members hold 1/N of the attention weights (a TP deployment, Appendix A), so
         # SP-NTP all-gathers them every layer; our TP-1 members hold them whole
         self.ntp_gathers_weights = ntp_gathers_weights
+        # M the chooser may pipeline "ring" and "a2a" over (sp_pipeline.py); (1,): never
+        self.micro_partitions = tuple(sorted(set(micro_partitions) | {1}))
+        # one more piece's fixed cost in one exchange; the deployment's message latency
+        self.piece_overhead_s = (links.message_latency_s if piece_overhead_s is None
+                                 else piece_overhead_s)
 
     @classmethod
     def from_config(cls, cfg, geometry: ModelGeometry) -> LayoutChooser:
         """From a ``SpLayoutConfig``."""
-        return cls(cfg.layouts, geometry, CommLinks.from_config(cfg), cfg.ring_overlap)
+        return cls(cfg.layouts, geometry, CommLinks.from_config(cfg), cfg.ring_overlap,
+                   micro_partitions=cfg.micro_partitions)
 
     @property
     def ring_only(self) -> bool:
-        return self.layouts == ("ring",)
+        return self.layouts == ("ring",) and self.micro_partitions == (1,)
 
     def feasible(self, layout: str, sp: int) -> str:
         """Why ``layout`` cannot run on ``sp`` instances ("" when it can)."""
@@ -241,9 +287,9 @@ class LayoutChooser:
     def choose(self, members: Sequence[int], node_of: Sequence[int], history: int,
                tokens: int, attention_s: float = 0.0) -> LayoutChoice:
         counts = node_counts(members, node_of)
-        attention_s = attention_s if self.ring_overlap else 0.0
+        hiding = attention_s if self.ring_overlap else 0.0
         times = {x: layout_time(x, self.geometry, self.links, counts, history, tokens,
-                                attention_s) for x in self.layouts}
+                                hiding) for x in self.layouts}
         if self.ntp_gathers_weights and "a2a" in times:
             times["a2a"] += layout_time("ntp_weights", self.geometry, self.links, counts, 0, 0)
         best, notes = "ring", []
@@ -255,7 +301,37 @@ class LayoutChooser:
                 best = x
         ranked = ", ".join(f"{x} {times[x] * 1e3:.3f} ms" for x in self.layouts)
         reason = f"comm {ranked}" + (f"; {'; '.join(notes)}" if notes else "")
-        return LayoutChoice(best, reason, times[best] - times["ring"], times)
+        if self.micro_partitions == (1,):
+            return LayoutChoice(best, reason, times[best] - times["ring"], times)
+        return self._pieces(LayoutChoice(best, reason, 0.0, times), counts, len(members),
+                            history, tokens, attention_s)
+
+    def _pieces(self, whole: LayoutChoice, counts: list[int], sp: int, history: int,
+                tokens: int, attention_s: float) -> LayoutChoice:
+        """``whole`` (the choice over unpipelined layouts) against every pipelined ``x/M``
+        (sp_pipeline.py): the cheapest wins, whole layouts and fewer pieces on ties. The ring's
+        pieces hide only behind attention it may overlap (``ring_overlap``); the all-to-all's
+        three phases always overlap the chunk's attention."""
+        times = dict(whole.times)
+        best, best_m = whole.layout, 1
+        for x in ("ring", "a2a"):
+            if x not in self.layouts or self.feasible(x, sp):
+                continue
+            att = attention_s if x == "a2a" or self.ring_overlap else 0.0
+            for m in self.micro_partitions[1:]:
+                key = f"{x}/{m}"
+                times[key] = pipelined_time(x, self.geometry, self.links, counts, history,
+                                            tokens, att, m, self.piece_overhead_s)
+                if x == "a2a" and self.ntp_gathers_weights:   # gathered once, not per piece
+                    times[key] += times["a2a"] - layout_time(
+                        "a2a", self.geometry, self.links, counts, history, tokens)
+                if times[key] < times[best if best_m == 1 else f"{best}/{best_m}"]:
+                    best, best_m = x, m
+        pieces = ", ".join(f"{k} {t * 1e3:.3f} ms" for k, t in times.items() if "/" in k)
+        chosen = best if best_m == 1 else f"{best}/{best_m}"
+        reason = (f"{whole.reason}; pieces {pieces or 'none'}; "
+                  f"{chosen} cheapest (piece overhead {self.piece_overhead_s * 1e6:.1f} us)")
+        return LayoutChoice(best, reason, times[chosen] - times["ring"], times, best_m)
 
 
 def node_counts(members: Sequence[int], node_of: Sequence[int]) -> list[int]:

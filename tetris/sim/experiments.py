@@ -142,7 +142,7 @@ def run_one(spec: RunSpec, requests: list[SimRequest] | None = None,
         return run_loongserve(spec, cluster, requests, execution_fn(spec.model, spec.execution))
     lat = _profile(cluster)
     policy, monitor = prefill_policy(spec, cluster, lat)
-    if spec.sp_layout.layouts != ("ring",):
+    if spec.sp_layout.layouts != ("ring",) or spec.sp_layout.micro_partitions != (1,):
         policy = _layout_policy(policy, spec.sp_layout, cluster, lat)
     step, router = _decode_side(cluster) if spec.decode else (None, None)
     control = ControlPlane(policy, PrefillQueue(cluster.node_of()), router,

@@ -71,7 +71,8 @@ class PrefillPoolSim:
         for k, c in enumerate(plan.chunks):
             start = max(prev_end, max(free_at[i] for i in c.instances))
             dur = self.latency(len(c.instances), c.start, c.end - c.start)
-            if c.sp_layout != "ring":   # the layout's communication against the ring's
+            # the layout's communication (or its pieces') against the whole-block ring's
+            if c.sp_layout != "ring" or c.sp_micro_partitions > 1:
                 dur += c.sp_layout_delta_s
             end = start + dur
             for i in c.instances:
