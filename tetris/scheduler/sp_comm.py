@@ -42,10 +42,16 @@ takes the longer of the two, for the member with the most of the slower kind. Ea
 ``message_latency_s`` once. The ring overlaps each step's transfer with attention on the block
 it holds, so only the excess is exposed: ``max(0, transfer − attention_s / (layers·N))`` per
 step, with ``attention_s`` the chunk's attention time (Eq. 1's quadratic terms,
-``γ·h·l + δ·l²``; 0 charges the ring in full). The all-to-all is not pipelined (three-phase
-pipelining is not built), so all of its time is exposed. Eq. 1 was fitted on ring runs, so its
-coefficients already hold the ring's exposed communication: a chunk on layout X is predicted at
-``T_s(h, l) + T_X − T_ring``.
+``γ·h·l + δ·l²``; 0 charges the ring in full). The unpipelined all-to-all's time is all
+exposed. Eq. 1 was fitted on ring runs, so its coefficients already hold the ring's exposed
+communication: a chunk on layout X is predicted at ``T_s(h, l) + T_X − T_ring``.
+
+Pipelined layouts (``pipelined_time``, opt-in ``LayoutChooser(micro_partitions)``): ``a2a/M``,
+CSPS's three-phase pipeline (actors/prefill/alltoall_pipeline.py), and ``ring/M``, the ring's
+blocks in pieces (ring_pipeline.py), priced by sp_pipeline.py: piece m+1's transfer behind
+piece m's attention, the first piece's not hidden, ``piece_overhead_s`` (default the message
+latency) per extra piece per exchange. The chooser takes the cheapest of every layout and
+``x/M``; ``sptp`` has no pipelined executor (Fig. 9b is not built).
 
 Pure: no torch, no Ray.
 """
