@@ -30,19 +30,13 @@ PLANS = [
 ]
 
 
-def _pool(deployment, groups):
-    """4 instances as threads of this process, instance ``i``'s model on TP group ``groups[i]``
-    (the pool's own executors share one model; each TP instance has its own all-reduce)."""
-    from tetris.actors.prefill.executor import ModelExecutor
-    from tetris.actors.prefill.threaded import ThreadedPool
+def _pool(deployment):
+    """4 instances as threads of this process (threaded_tp.py), each on its own TP group."""
+    from tetris.actors.prefill.threaded_tp import ThreadedTpRank, instance_tp_groups
 
-    from tetris.model.loader import load_model
-
-    models = [load_model(deployment.model, tp_group=g)[0] for g in groups]
-    pool = ThreadedPool(models[0], len(groups), num_blocks=96, block_size=16, timeout_s=30.0,
-                        node_of=NODE_OF)
-    pool.executors = [ModelExecutor(m, s) for m, s in zip(models, pool.stores)]
-    return pool, models[0]
+    pool = ThreadedTpRank(deployment.model, instance_tp_groups(len(NODE_OF)), num_blocks=96,
+                          block_size=16, timeout_s=30.0, node_of=NODE_OF)
+    return pool, pool.models[0]
 
 
 def _run(pool, model, spec: str, n: int):
@@ -80,8 +74,7 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store_path, TP), rank=rank,
                             world_size=TP)
     try:
-        groups = [dist.new_group(list(range(TP))) for _ in NODE_OF]
-        pool, model = _pool(load_deployment("tiny-cpu.toml"), groups)
+        pool, model = _pool(load_deployment("tiny-cpu.toml"))
         out = {"runs": [_run(pool, model, spec, n) for spec, n, _ in PLANS],
                "refusal": _refusal(pool, model)}
         # SP-TP without the instance's all-reduce: each rank keeps its own slice's part
