@@ -183,6 +183,12 @@ class ElasticSimulation(Simulation):
             self.refused.append(i)
             return
         group = self.placer.place(r.request_id, kv, r.output_tokens)
+        if self.decoders and group.tokens_on(group.master) > self.decoders[group.master].capacity:
+            # no group has room now and it fits no instance whole: the live reservation
+            # refuses it (DecodeFull) as it would beyond the sum
+            self.placer.finished(r.request_id)
+            self.refused.append(i)
+            return
         self.groups[r.request_id] = group
         plan = control.plan(r.request_id, r.prompt_tokens, now)
         control.commit(plan)
