@@ -39,3 +39,13 @@ def test_with_the_paper_instances_both_placements_run_the_same_schedule():
     for key in ("ttft_s", "tbt_s"):
         for q in ("p50", "p99"):
             assert whole[key][q] == elastic[key][q] and not math.isnan(whole[key][q])
+
+
+def test_a_tail_the_rooms_cannot_hold_at_its_arrival_is_refused_as_live():
+    # 4 short requests at 1 req/s; the 4th (100K tokens) arrives while the others' KV is
+    # booked: the two 64K instances' free room no longer adds up to it, so the placer falls
+    # back to whole on the freest, which the live reservation refuses (DecodeFull)
+    trace = elastic_trace("short", 1.0, 4, 0, 8, tail_every=4, tail_tokens=100_000)
+    assert sum(r.prompt_tokens for r in trace[:3]) + 100_000 > 2 * 64_000
+    elastic = simulate_placement(placement(BASE, True, 64_000), trace)
+    assert (elastic["refused"], elastic["served"], elastic["sharded"]) == (1, 3, 0)
