@@ -9,7 +9,9 @@ therefore ``tp`` gloo groups, one per head slice (``SliceWorld``), each ranked b
 the TP-1 world is, so the ring and the balancer address their peers exactly as before. The
 row-parallel all-reduces of an instance (o_proj, down_proj) run on the instance's own TP
 group, the worker process's default group (as a decode instance's, actors/decode/rank.py),
-its backend chosen by ``actors/collectives.py``.
+its backend chosen by ``actors/collectives.py``. SP-NTP and SP-TP chunks run per head slice
+on the same worlds; SP-TP's reduced rows are then summed over the instance's TP group, the
+all-reduce its ``o_proj`` makes under the ring (sptp.py).
 
 Who is who. The pool sees one actor per instance, its TP rank 0, the *leader*: the pool's
 code (chunk driver, generations, replacement, node map) is the same for every TP size. The
