@@ -149,8 +149,9 @@ class _Unit:
 class KunServeSim:
     def __init__(self, requests: list[KunRequest], mem: InstanceMemory, prof: PoolProfile,
                  policy: str, *, round_model: str = "lookahead") -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"policy {policy!r} is not one of {POLICIES}")
+        if policy not in POLICIES or round_model not in ROUND_MODELS:
+            raise ValueError(f"policy {policy!r} / round model {round_model!r} is not one of "
+                             f"{POLICIES} / {ROUND_MODELS}")
         self.reqs, self.mem, self.prof, self.policy = requests, mem, prof, policy
         self.round_model = round_model
         self.bs = mem.block_size
