@@ -75,7 +75,8 @@ class EmulatedRangeExecutor(EmulatedExecutor):
             raise FaultInjected("injected fault (emulated)")
         seconds = max(0.0, float(self.profile.predict(len(task.group), task.chunk_start,
                                                       task.chunk_end - task.chunk_start))
-                      + (task.sp_layout_delta_s if task.sp_layout != "ring" else 0.0))
+                      + (task.sp_layout_delta_s if task.sp_layout != "ring"
+                         or task.sp_micro_partitions > 1 else 0.0))
         shards = open_emulated_range_shards(self.pump, self.model, self.tp_size, task)
         layers = self.model.num_layers
         for i in range(layers):

@@ -270,7 +270,8 @@ class EmulatedExecutor:
             raise FaultInjected("injected fault (emulated)")
         seconds = float(self.profile.predict(len(task.group), task.chunk_start,
                                              task.chunk_end - task.chunk_start))
-        if task.sp_layout != "ring":   # as the simulator runs it: Eq. 1 + the layout's delta
+        # as the simulator runs it: Eq. 1 + the layout's (or the ring's pieces') delta
+        if task.sp_layout != "ring" or task.sp_micro_partitions > 1:
             seconds += task.sp_layout_delta_s
         seconds = max(0.0, seconds)
         mine = task.chunk_positions[task.rank]

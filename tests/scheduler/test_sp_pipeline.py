@@ -203,3 +203,25 @@ def test_tetris_plan_shows_the_chosen_pieces_and_why(capsys):
     assert main(args + ["--sp-micro-partitions", "1,2,4,8"]) == 0
     text = capsys.readouterr().out
     assert "layout a2a/8: comm ring" in text and "a2a/4 " in text and "a2a/8 cheapest" in text
+
+
+def test_the_emulated_executor_waits_a_pipelined_ring_chunk_s_delta():
+    """EMULATION follows the plan as the simulator does: a ring/4 chunk waits Eq. 1 plus its
+    delta, a whole-block ring chunk Eq. 1 alone."""
+    from tetris.actors.prefill.executor import EmulatedExecutor
+    from tetris.actors.prefill.layout import forced_plan, plan_layout
+    from tetris.actors.prefill.messages import ChunkTask
+
+    profile = load_profile("a100-llama3-8b-tp1")
+    plan = forced_plan("e", 3000, "1000x1,restx2:ring/4", (0, 0), num_kv_heads=8)
+    lay = plan_layout(plan)[0][1]
+    task = ChunkTask(request_id="e", chunk_index=1, num_chunks=2, seq=0, group=lay.group,
+                     rank=1, chunk_start=1000, chunk_end=3000, prompt_tokens=3000,
+                     chunk_positions=lay.chunk_positions, history=lay.history, moves=lay.moves,
+                     sp_micro_partitions=4, sp_layout_delta_s=-0.004)
+    waits = []
+    ex = EmulatedExecutor(profile, sleep=waits.append, clock=lambda: 0.0)
+    ex.execute(task)
+    ex.execute(msgspec.structs.replace(task, sp_micro_partitions=1))
+    eq1 = profile.predict(2, 1000, 2000)
+    assert waits == [pytest.approx(eq1 - 0.004), pytest.approx(eq1)]
