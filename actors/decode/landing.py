@@ -9,7 +9,8 @@ manager landing blocks instead; when the KV is complete (``RequestReady``) the m
 its own layers into its stage cache and sends every other member its layers' KV over the
 pair's priority link as bulk (``GroupMember.land``), behind the pipeline's activations; the
 request is reported ready (so the driver commits it) only once every keeper wrote it, and its
-landing blocks are free again.
+landing blocks are free again. A request aborted while its layers are on the link leaves its
+group blocks fenced (out of the engine's free list) until every keeper wrote them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class LandingZone:
         self.cache = KVCache.for_model(model, num_blocks, block_size)
         self.blocks = BlockManager(num_blocks, block_size)
         self._tables: dict[str, list[int]] = {}     # request -> its landing blocks
+        self._forwarding: dict[str, list[int]] = {}  # on the link: request -> group blocks
+        self._aborted: set[str] = set()              # aborted while on the link
         self._lock = threading.Lock()               # step thread, pump thread, link threads
         self.landed = 0                              # requests forwarded to their keepers
 
@@ -69,9 +72,28 @@ class LandingZone:
         seq = rank._engine()._seqs[request_id]
         with self._lock:
             landing = list(self._tables[request_id])
+            self._forwarding[request_id] = list(seq.block_table)
             self.landed += 1
         rank.group_member.land(request_id, list(seq.block_table), self.cache, landing,
                                rank._landed)
+
+    def abort(self, request_id: str) -> list[int] | None:
+        """The group blocks of a request aborted while its layers are on the link: the
+        keepers may still write them, so they stay fenced until ``landed_at``."""
+        with self._lock:
+            blocks = self._forwarding.get(request_id)
+            if blocks is not None:
+                self._aborted.add(request_id)
+            return blocks
+
+    def landed_at(self, request_id: str) -> list[int] | None:
+        """Every keeper wrote it: None, or the blocks to unfence if it was aborted."""
+        with self._lock:
+            blocks = self._forwarding.pop(request_id, None)
+            if request_id in self._aborted:
+                self._aborted.discard(request_id)
+                return blocks
+            return None
 
     def release(self, request_id: str) -> None:
         """Landing blocks back (forwarded, aborted or refused); a no-op for others."""

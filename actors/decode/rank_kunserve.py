@@ -46,14 +46,23 @@ class KunServeRank:
 
     def _landed(self, request_id: str) -> None:
         """Every keeper wrote the landed request's layers (a link thread)."""
+        fenced = self._landing.landed_at(request_id)
         self._landing.release(request_id)
+        if fenced is not None:   # aborted meanwhile: its blocks go back at the next step
+            with self.pump.locked():
+                self._blocks.release_held(fenced)
+            return
         with self._events_lock:
             self._ready.append(request_id)
 
     def _abort(self, request_id: str, reason: str) -> None:
+        fence = self._landing.abort(request_id) if self._landing is not None else None
         super()._abort(request_id, reason)
         if self._landing is not None:
             self._landing.release(request_id)
+        if fence:   # keepers may still write these group blocks: not reused until they did
+            with self.pump.locked():
+                self._blocks.withhold(self._engine().blocks, fence)
 
     def kunserve_memory(self) -> dict:
         """``InstanceMemory``'s fields from this rank's tensors (undropped)."""
