@@ -285,13 +285,19 @@ class SpLayoutConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Micro-partition counts M the chooser may pipeline "ring" and "a2a" chunks over, each
     # chunk its cheapest (scheduler/sp_pipeline.py), e.g. [1, 2, 4, 8]; [1]: never, as before.
     micro_partitions: tuple[int, ...] = (1,)
+    # The links the latency profile's Eq. 1 was fitted on (the shipped A100 profiles: the
+    # paper's cluster, as above): Eq. 1 holds the ring's communication at these, so a chunk
+    # is corrected by (its layout at the links above − the ring at these) (sp_comm.py).
+    fit_intra_node_gbps: float = 240.0
+    fit_inter_node_gbps: float = 25.0
 
     def __post_init__(self) -> None:
         if "ring" not in self.layouts or any(x not in ("ring", "a2a", "sptp")
                                              for x in self.layouts):
             raise ValueError(f"sp_layout.layouts must hold 'ring' and may add 'a2a', 'sptp', "
                              f"got {list(self.layouts)}")
-        if min(self.intra_node_gbps, self.inter_node_gbps) <= 0 or self.bytes_per_element <= 0:
+        if min(self.intra_node_gbps, self.inter_node_gbps, self.fit_intra_node_gbps,
+               self.fit_inter_node_gbps) <= 0 or self.bytes_per_element <= 0:
             raise ValueError("sp_layout bandwidths and bytes_per_element must be positive")
         if not self.micro_partitions or min(self.micro_partitions) < 1:
             raise ValueError("sp_layout.micro_partitions must be counts >= 1, got "

@@ -76,7 +76,7 @@ class EmulatedRangeExecutor(EmulatedExecutor):
         seconds = max(0.0, float(self.profile.predict(len(task.group), task.chunk_start,
                                                       task.chunk_end - task.chunk_start))
                       + (task.sp_layout_delta_s if task.sp_layout != "ring"
-                         or task.sp_micro_partitions > 1 else 0.0))
+                         or task.sp_micro_partitions > 1 or task.sp_layout_delta_s else 0.0))
         shards = open_emulated_range_shards(self.pump, self.model, self.tp_size, task)
         layers = self.model.num_layers
         for i in range(layers):

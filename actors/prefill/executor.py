@@ -271,7 +271,7 @@ class EmulatedExecutor:
         seconds = float(self.profile.predict(len(task.group), task.chunk_start,
                                              task.chunk_end - task.chunk_start))
         # as the simulator runs it: Eq. 1 + the layout's (or the ring's pieces') delta
-        if task.sp_layout != "ring" or task.sp_micro_partitions > 1:
+        if task.sp_layout != "ring" or task.sp_micro_partitions > 1 or task.sp_layout_delta_s:
             seconds += task.sp_layout_delta_s
         seconds = max(0.0, seconds)
         mine = task.chunk_positions[task.rank]

@@ -14,11 +14,15 @@ def _latency(sp, h, l):
 
 def test_an_a2a_chunk_takes_eq1_plus_its_delta_a_ring_chunk_eq1():
     pool = PrefillPoolSim(4, _latency)
-    ring = Chunk(0, 1000, (0, 1), sp_layout_delta_s=-0.5)        # ring: the delta is not run
+    ring = Chunk(0, 1000, (0, 1))                                # ring on the fitted links
     a2a = Chunk(1000, 3000, (0, 1), sp_layout="a2a", sp_layout_delta_s=-0.25)
     end, runs = pool.execute(PrefillPlan("r", 3000, (ring, a2a)), arrival=0.0)
     assert [(r.start, r.end) for r in runs] == [(0.0, 2.0), (2.0, 4.75)]
     assert end == 4.75 and pool.busy_s[:2] == [4.75, 4.75]
+    # a ring on links slower than Eq. 1's fit carries its correction (layout_policy.py)
+    slow = Chunk(0, 1000, (2, 3), sp_layout_delta_s=0.5)
+    end, runs = pool.execute(PrefillPlan("s", 1000, (slow,)), arrival=0.0)
+    assert (runs[0].start, runs[0].end) == (0.0, 2.5)
 
 
 def _run(cfg):

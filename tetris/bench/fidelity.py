@@ -70,6 +70,8 @@ def scale_deployment(cfg: DeploymentConfig, time_scale: float, workdir: Path) ->
     lay = cfg.sp_layout
     lay = msgspec.structs.replace(lay, intra_node_gbps=lay.intra_node_gbps / time_scale,
                                   inter_node_gbps=lay.inter_node_gbps / time_scale,
+                                  fit_intra_node_gbps=lay.fit_intra_node_gbps / time_scale,
+                                  fit_inter_node_gbps=lay.fit_inter_node_gbps / time_scale,
                                   message_latency_s=lay.message_latency_s * time_scale)
     out = msgspec.structs.replace(
         cfg, prefill=pc, sp_layout=lay, scheduler=msgspec.structs.replace(sc, profile=str(path)),

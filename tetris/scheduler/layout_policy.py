@@ -2,7 +2,7 @@
 
 ``assign_layouts`` takes a plan the CDSP search made (chunk lengths and groups chosen under
 Eq. 1, i.e. the ring), picks every chunk's layout with a ``LayoutChooser`` (sp_comm.py), and
-re-times the chunks: a chunk takes ``T_s(h, l) + Δ_layout`` and starts when the previous chunk
+re-times the chunks: a chunk takes ``T_s(h, l) + Δ_layout`` (``chunk_seconds``) and starts when the previous chunk
 has ended and its group is free (Eq. 2 on the same snapshot the search used). Chunk boundaries
 are not searched again under the new costs: a faster layout only ends chunks earlier.
 
@@ -11,8 +11,9 @@ With ``[sp_layout] micro_partitions`` (opt-in) the chooser also prices ``ring/M`
 not hidden, each extra piece a fixed overhead) and the chunk gets the cheapest ``M`` in
 ``Chunk.sp_micro_partitions``, which the executors run (ring_pipeline.py, alltoall_pipeline.py).
 
-A ring-only chooser without micro-partitions returns the plan object it was given, so the
-default deployment plans bit for bit as before. ``LayoutPolicy`` wraps any policy with it;
+A ring-only chooser without micro-partitions, on the links the profile was fitted on, returns
+the plan object it was given, so the default deployment plans bit for bit as before; on other
+links its ring chunks are corrected too (``T_ring(deployment) − T_ring(fit)``). ``LayoutPolicy`` wraps any policy with it;
 ``with_layout_choice`` does so from a deployment (the live dispatcher's policy).
 """
 
@@ -25,7 +26,8 @@ from tetris.scheduler.latency import PrefillLatencyModel
 from tetris.scheduler.pool import PoolState
 from tetris.scheduler.sp_comm import LayoutChooser, ModelGeometry
 
-__all__ = ["LayoutPolicy", "assign_layouts", "attention_seconds", "with_layout_choice"]
+__all__ = ["LayoutPolicy", "assign_layouts", "attention_seconds", "chunk_seconds",
+           "needs_layout_choice", "with_layout_choice"]
 
 
 def assign_layouts(plan: PrefillPlan, chooser: LayoutChooser, pool: PoolState, now: float,
@@ -37,21 +39,36 @@ def assign_layouts(plan: PrefillPlan, chooser: LayoutChooser, pool: PoolState, n
     for c in plan.chunks:
         pick = chooser.choose(c.instances, pool.node_of, c.start, c.tokens,
                               attention_seconds(profile, c.sp_size, c.start, c.tokens))
-        if pick.layout == "ring" and pick.micro_partitions == 1 and not changed:
+        t_s = profile.predict(c.sp_size, c.start, c.tokens)
+        _, delta = chunk_seconds(t_s, pick.comm_s, pick.ring_fit_s)
+        if (pick.layout == "ring" and pick.micro_partitions == 1 and delta == 0.0
+                and not changed):
             chunks.append(msgspec.structs.replace(c, sp_layout_reason=pick.reason))
             t_prev = c.expected_end
             continue
         changed = True
         busy = max(pool.queue_times[i] for i in c.instances)
         start = max(t_prev, busy)
-        end = start + profile.predict(c.sp_size, c.start, c.tokens) + pick.delta_s
+        end = start + t_s + delta
         chunks.append(msgspec.structs.replace(c, expected_start=start, expected_end=end,
                                               sp_layout=pick.layout, sp_layout_reason=pick.reason,
-                                              sp_layout_delta_s=pick.delta_s,
+                                              sp_layout_delta_s=delta,
                                               sp_micro_partitions=pick.micro_partitions))
         t_prev = end
     ttft = chunks[-1].expected_end - now if changed else plan.ttft_estimate
     return msgspec.structs.replace(plan, chunks=tuple(chunks), ttft_estimate=ttft)
+
+
+def chunk_seconds(eq1_s: float, comm_s: float, ring_fit_s: float) -> tuple[float, float]:
+    """The chunk's compute-only seconds and its delta over Eq. 1 (sp_comm.py's module
+    docstring): Eq. 1 (``eq1_s``) holds the ring's exposed communication on the fitted links
+    (``ring_fit_s``); the chunk runs its compute plus its own layout's ``comm_s`` on the
+    deployment's links. Eq. 1 cannot hold more ring than its whole time: where the cost
+    model's fitted ring exceeds it (long history, short chunk: Eq. 1's history term is
+    attention only, SPEC §2), the profile's ring was faster than modelled and the compute is
+    taken as 0, so the prediction is never below the compute and never negative."""
+    held = min(ring_fit_s, eq1_s)
+    return eq1_s - held, comm_s - held
 
 
 def attention_seconds(profile: PrefillLatencyModel, sp: int, history: int, tokens: int) -> float:
@@ -65,10 +82,18 @@ def with_layout_choice(policy, deployment):
     only, else a ``LayoutPolicy`` over the model's per-instance geometry and the policy's own
     profile."""
     cfg = deployment.sp_layout
-    if cfg.layouts == ("ring",) and cfg.micro_partitions == (1,):
+    if not needs_layout_choice(cfg):
         return policy
     geometry = ModelGeometry.from_model_config(deployment.model, deployment.prefill.tp_size)
     return LayoutPolicy(policy, LayoutChooser.from_config(cfg, geometry), policy.profile)
+
+
+def needs_layout_choice(cfg) -> bool:
+    """Whether a ``SpLayoutConfig`` changes any plan: another layout, pieces, or links other
+    than those Eq. 1 was fitted on."""
+    return (cfg.layouts != ("ring",) or cfg.micro_partitions != (1,)
+            or (cfg.intra_node_gbps, cfg.inter_node_gbps)
+            != (cfg.fit_intra_node_gbps, cfg.fit_inter_node_gbps))
 
 
 class LayoutPolicy:

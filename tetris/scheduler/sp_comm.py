@@ -44,7 +44,12 @@ it holds, so only the excess is exposed: ``max(0, transfer − attention_s / (la
 step, with ``attention_s`` the chunk's attention time (Eq. 1's quadratic terms,
 ``γ·h·l + δ·l²``; 0 charges the ring in full). The unpipelined all-to-all's time is all
 exposed. Eq. 1 was fitted on ring runs, so its coefficients already hold the ring's exposed
-communication: a chunk on layout X is predicted at ``T_s(h, l) + T_X − T_ring``.
+communication *on the links the profile ran on* (``fit_links``, ``[sp_layout] fit_*_gbps``),
+not the deployment's: a chunk on layout X (the ring included) is predicted at
+``T_s(h, l) − T_ring(fit) + T_X(deployment)``, the ring's hiding behind attention the same on
+both sides. ``T_s − T_ring(fit)`` is the chunk's compute, which no link changes, so a slower
+link never makes a chunk faster (before, ``T_ring`` was priced at the deployment's links, and
+a NIC slower than the profile's made non-ring chunks faster, even negative).
 
 Pipelined layouts (``pipelined_time``, opt-in ``LayoutChooser(micro_partitions)``): ``a2a/M``,
 CSPS's three-phase pipeline (actors/prefill/alltoall_pipeline.py), and ``ring/M``, the ring's
@@ -122,10 +127,12 @@ class CommLinks(NamedTuple):
     bytes_per_element: int = 2
 
     @classmethod
-    def from_config(cls, cfg) -> CommLinks:
-        """From a ``SpLayoutConfig`` (GB/s)."""
-        return cls(cfg.intra_node_gbps * 1e9, cfg.inter_node_gbps * 1e9,
-                   cfg.message_latency_s, cfg.bytes_per_element)
+    def from_config(cls, cfg, fitted: bool = False) -> CommLinks:
+        """From a ``SpLayoutConfig`` (GB/s): the deployment's links, or with ``fitted`` those
+        its latency profile was fitted on."""
+        intra, inter = ((cfg.fit_intra_node_gbps, cfg.fit_inter_node_gbps) if fitted
+                        else (cfg.intra_node_gbps, cfg.inter_node_gbps))
+        return cls(intra * 1e9, inter * 1e9, cfg.message_latency_s, cfg.bytes_per_element)
 
 
 def layout_volume(layout: str, g: ModelGeometry, sp: int, history: int, tokens: int) -> float:
@@ -247,9 +254,11 @@ def pipelined_time(layout: str, g: ModelGeometry, links: CommLinks, node_counts:
 class LayoutChoice(NamedTuple):
     layout: str
     reason: str
-    delta_s: float              # T_layout − T_ring, added to Eq. 1's prediction
+    delta_s: float              # T_layout − T_ring(fit), added to Eq. 1's prediction
     times: dict                 # layout (or "layout/M") -> communication seconds, as considered
     micro_partitions: int = 1   # pieces the chosen layout is pipelined over (sp_pipeline.py)
+    comm_s: float = 0.0         # T_layout: the chosen layout's exposed seconds, deployment links
+    ring_fit_s: float = 0.0     # T_ring(fit): the ring's exposed seconds inside Eq. 1
 
 
 class LayoutChooser:
@@ -257,10 +266,13 @@ class LayoutChooser:
 
     def __init__(self, layouts: Sequence[str], geometry: ModelGeometry, links: CommLinks,
                  ring_overlap: bool = True, ntp_gathers_weights: bool = False,
-                 micro_partitions: Sequence[int] = (1,), piece_overhead_s: float | None = None):
+                 micro_partitions: Sequence[int] = (1,), piece_overhead_s: float | None = None,
+                 fit_links: CommLinks | None = None):
         self.layouts = tuple(layouts)
         self.geometry = geometry
         self.links = links
+        # the links Eq. 1 was fitted on; None: the deployment's (no correction of the ring)
+        self.fit_links = links if fit_links is None else fit_links
         self.ring_overlap = ring_overlap   # False: attention hides no ring transfer
         # True: members hold 1/N of the attention weights (a TP deployment, Appendix A), so
         # SP-NTP all-gathers them every layer; our TP-1 members hold them whole
@@ -275,11 +287,21 @@ class LayoutChooser:
     def from_config(cls, cfg, geometry: ModelGeometry) -> LayoutChooser:
         """From a ``SpLayoutConfig``."""
         return cls(cfg.layouts, geometry, CommLinks.from_config(cfg), cfg.ring_overlap,
-                   micro_partitions=cfg.micro_partitions)
+                   micro_partitions=cfg.micro_partitions,
+                   fit_links=CommLinks.from_config(cfg, fitted=True))
 
     @property
     def ring_only(self) -> bool:
-        return self.layouts == ("ring",) and self.micro_partitions == (1,)
+        """Every chunk is Eq. 1's own ring: nothing to choose, no link to correct for."""
+        return (self.layouts == ("ring",) and self.micro_partitions == (1,)
+                and self.fit_links == self.links)
+
+    def ring_fit(self, counts: Sequence[int], history: int, tokens: int,
+                 attention_s: float) -> float:
+        """The ring's exposed seconds on the links Eq. 1 was fitted on, hidden behind
+        attention as the deployment's ring is (``ring_overlap``)."""
+        hiding = attention_s if self.ring_overlap else 0.0
+        return layout_time("ring", self.geometry, self.fit_links, counts, history, tokens, hiding)
 
     def feasible(self, layout: str, sp: int) -> str:
         """Why ``layout`` cannot run on ``sp`` instances ("" when it can)."""
@@ -307,10 +329,11 @@ class LayoutChooser:
                 best = x
         ranked = ", ".join(f"{x} {times[x] * 1e3:.3f} ms" for x in self.layouts)
         reason = f"comm {ranked}" + (f"; {'; '.join(notes)}" if notes else "")
+        fit = self.ring_fit(counts, history, tokens, attention_s)
         if self.micro_partitions == (1,):
-            return LayoutChoice(best, reason, times[best] - times["ring"], times)
-        return self._pieces(LayoutChoice(best, reason, 0.0, times), counts, len(members),
-                            history, tokens, attention_s)
+            return LayoutChoice(best, reason, times[best] - fit, times, 1, times[best], fit)
+        return self._pieces(LayoutChoice(best, reason, 0.0, times, 1, times[best], fit), counts,
+                            len(members), history, tokens, attention_s)
 
     def _pieces(self, whole: LayoutChoice, counts: list[int], sp: int, history: int,
                 tokens: int, attention_s: float) -> LayoutChoice:
@@ -337,7 +360,8 @@ class LayoutChooser:
         chosen = best if best_m == 1 else f"{best}/{best_m}"
         reason = (f"{whole.reason}; pieces {pieces or 'none'}; "
                   f"{chosen} cheapest (piece overhead {self.piece_overhead_s * 1e6:.1f} us)")
-        return LayoutChoice(best, reason, times[chosen] - times["ring"], times, best_m)
+        return LayoutChoice(best, reason, times[chosen] - whole.ring_fit_s, times, best_m,
+                            times[chosen], whole.ring_fit_s)
 
 
 def node_counts(members: Sequence[int], node_of: Sequence[int]) -> list[int]:

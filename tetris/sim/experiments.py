@@ -23,6 +23,7 @@ import numpy as np
 from tetris.config import SpLayoutConfig
 from tetris.scheduler.execution import LatencyFn, execution_latency
 from tetris.scheduler.latency import PrefillLatencyModel, load_profile
+from tetris.scheduler.layout_policy import needs_layout_choice
 from tetris.scheduler.policies import make_policy
 from tetris.control import ControlPlane, PrefillQueue
 from tetris.scheduler.decode_latency import DecodeLatencyModel
@@ -142,7 +143,7 @@ def run_one(spec: RunSpec, requests: list[SimRequest] | None = None,
         return run_loongserve(spec, cluster, requests, execution_fn(spec.model, spec.execution))
     lat = _profile(cluster)
     policy, monitor = prefill_policy(spec, cluster, lat)
-    if spec.sp_layout.layouts != ("ring",) or spec.sp_layout.micro_partitions != (1,):
+    if needs_layout_choice(spec.sp_layout):   # another layout, pieces or links
         policy = _layout_policy(policy, spec.sp_layout, cluster, lat)
     step, router = _decode_side(cluster) if spec.decode else (None, None)
     control = ControlPlane(policy, PrefillQueue(cluster.node_of()), router,

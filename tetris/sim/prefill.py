@@ -71,8 +71,9 @@ class PrefillPoolSim:
         for k, c in enumerate(plan.chunks):
             start = max(prev_end, max(free_at[i] for i in c.instances))
             dur = self.latency(len(c.instances), c.start, c.end - c.start)
-            # the layout's communication (or its pieces') against the whole-block ring's
-            if c.sp_layout != "ring" or c.sp_micro_partitions > 1:
+            # the layout's communication (or its pieces') against the whole-block ring's; a
+            # ring's too on links other than those Eq. 1 was fitted on (layout_policy.py)
+            if c.sp_layout != "ring" or c.sp_micro_partitions > 1 or c.sp_layout_delta_s:
                 dur += c.sp_layout_delta_s
             end = start + dur
             for i in c.instances:
