@@ -22,6 +22,8 @@ def test_an_a2a_chunk_waits_eq1_plus_its_delta_a_ring_chunk_eq1():
     waits = []
     ex = EmulatedExecutor(profile, sleep=waits.append, clock=lambda: 0.0)
     ex.execute(task)
-    ex.execute(msgspec.structs.replace(task, sp_layout="ring"))
+    ex.execute(msgspec.structs.replace(task, sp_layout="ring", sp_layout_delta_s=0.0))
+    # a ring on links other than Eq. 1's fitted ones carries its correction (layout_policy.py)
+    ex.execute(msgspec.structs.replace(task, sp_layout="ring", sp_layout_delta_s=0.003))
     eq1 = profile.predict(2, 1000, 2000)
-    assert waits == [pytest.approx(eq1 - 0.004), pytest.approx(eq1)]
+    assert waits == [pytest.approx(eq1 - 0.004), pytest.approx(eq1), pytest.approx(eq1 + 0.003)]
