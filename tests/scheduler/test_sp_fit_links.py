@@ -41,7 +41,7 @@ def _predicted(cfg: SpLayoutConfig, group, history, tokens):
     pick = chooser.choose(group, NODE_OF, history, tokens,
                           attention_seconds(PROFILE, sp, history, tokens))
     eq1 = PROFILE.predict(sp, history, tokens)
-    compute, delta = chunk_seconds(eq1, pick.comm_s, pick.ring_fit_s)
+    compute, delta = chunk_seconds(eq1, pick)
     each = {x: compute + t for x, t in pick.times.items()}
     return compute, eq1 + delta, each
 
@@ -99,7 +99,7 @@ def test_on_the_fitted_links_deltas_are_the_old_ones_bit_for_bit():
                         assert pick.delta_s == old and pick.ring_fit_s == pick.times["ring"]
                         eq1 = PROFILE.predict(sp, h, l)
                         if pick.ring_fit_s <= eq1:
-                            assert chunk_seconds(eq1, pick.comm_s, pick.ring_fit_s)[1] == old
+                            assert chunk_seconds(eq1, pick)[1] == old
                             same += 1
     assert same > 0
     assert not needs_layout_choice(SpLayoutConfig())
@@ -120,7 +120,7 @@ def test_eq1_holds_at_most_its_own_time_of_ring():
     eq1 = PROFILE.predict(2, 131072, 64)
     assert pick.ring_fit_s > eq1 and pick.layout == "a2a"
     assert eq1 + pick.delta_s < 0   # the unheld delta: what the plan used to say
-    compute, delta = chunk_seconds(eq1, pick.comm_s, pick.ring_fit_s)
+    compute, delta = chunk_seconds(eq1, pick)
     assert compute == 0.0 and eq1 + delta == pytest.approx(pick.comm_s) and pick.comm_s > 0
 
 

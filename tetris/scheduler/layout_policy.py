@@ -24,7 +24,7 @@ import msgspec
 from tetris.plan import PrefillPlan
 from tetris.scheduler.latency import PrefillLatencyModel
 from tetris.scheduler.pool import PoolState
-from tetris.scheduler.sp_comm import LayoutChooser, ModelGeometry
+from tetris.scheduler.sp_comm import LayoutChoice, LayoutChooser, ModelGeometry
 
 __all__ = ["LayoutPolicy", "assign_layouts", "attention_seconds", "chunk_seconds",
            "needs_layout_choice", "with_layout_choice"]
@@ -40,7 +40,7 @@ def assign_layouts(plan: PrefillPlan, chooser: LayoutChooser, pool: PoolState, n
         pick = chooser.choose(c.instances, pool.node_of, c.start, c.tokens,
                               attention_seconds(profile, c.sp_size, c.start, c.tokens))
         t_s = profile.predict(c.sp_size, c.start, c.tokens)
-        _, delta = chunk_seconds(t_s, pick.comm_s, pick.ring_fit_s)
+        _, delta = chunk_seconds(t_s, pick)
         if (pick.layout == "ring" and pick.micro_partitions == 1 and delta == 0.0
                 and not changed):
             chunks.append(msgspec.structs.replace(c, sp_layout_reason=pick.reason))
@@ -59,16 +59,17 @@ def assign_layouts(plan: PrefillPlan, chooser: LayoutChooser, pool: PoolState, n
     return msgspec.structs.replace(plan, chunks=tuple(chunks), ttft_estimate=ttft)
 
 
-def chunk_seconds(eq1_s: float, comm_s: float, ring_fit_s: float) -> tuple[float, float]:
+def chunk_seconds(eq1_s: float, pick: LayoutChoice) -> tuple[float, float]:
     """The chunk's compute-only seconds and its delta over Eq. 1 (sp_comm.py's module
     docstring): Eq. 1 (``eq1_s``) holds the ring's exposed communication on the fitted links
-    (``ring_fit_s``); the chunk runs its compute plus its own layout's ``comm_s`` on the
-    deployment's links. Eq. 1 cannot hold more ring than its whole time: where the cost
+    (``pick.ring_fit_s``); the chunk runs its compute plus its own layout's ``pick.comm_s`` on
+    the deployment's links. Eq. 1 cannot hold more ring than its whole time: where the cost
     model's fitted ring exceeds it (long history, short chunk: Eq. 1's history term is
     attention only, SPEC §2), the profile's ring was faster than modelled and the compute is
     taken as 0, so the prediction is never below the compute and never negative."""
-    held = min(ring_fit_s, eq1_s)
-    return eq1_s - held, comm_s - held
+    if pick.ring_fit_s <= eq1_s:   # the chooser's own delta, bit for bit
+        return eq1_s - pick.ring_fit_s, pick.delta_s
+    return 0.0, pick.comm_s - eq1_s
 
 
 def attention_seconds(profile: PrefillLatencyModel, sp: int, history: int, tokens: int) -> float:
