@@ -10,9 +10,10 @@ each probe's P50/P99 on both sides with its verdict, and the live capacity brack
 
     OMP_NUM_THREADS=1 python benchmarks/bench_sp_layouts_live_capacity.py --requests 120 \\
         --rates 4.25,4.9,5.5 --time-scale 3 [--json out.json]
-    # the 1M-token tail: one 1M prompt (request 12 of 20) at 0.2 req/s
+    # the 1M-token tail: one 1M prompt (request 12 of 20) at 0.2 req/s (the model's position
+    # limit is raised to fit it: emulated workers have none)
     OMP_NUM_THREADS=1 python benchmarks/bench_sp_layouts_live_capacity.py --requests 20 \\
-        --rates 0.2 --tail 1000000 --tail-every 12 --time-scale 1.5 --sim-lo 0.05
+        --rates 0.2 --tail 1000000 --tail-every 12 --time-scale 1 --sim-lo 0.05
 
 EMULATION (live) and SIMULATION are labelled in the output; the load average is printed beside
 each setting (a loaded machine slows the live control plane, not the emulated chunk times).
@@ -102,6 +103,10 @@ def main() -> None:
           f"(P50 {light[0]:.3f} s, P99 {light[1]:.3f} s); EMULATION TTFT to prefill end")
     out = {"label": "EMULATION beside SIMULATION", "args": vars(args), "light_load_s": light,
            "slo_factor": SLO_FACTOR, "settings": {}}
+    if args.tail + args.max_output > base.model.max_position_embeddings:
+        # emulated workers have no positional limit; the ingress would refuse the tail prompt
+        base = msgspec.structs.replace(base, model=msgspec.structs.replace(
+            base.model, max_position_embeddings=args.tail + args.max_output))
     for name in args.settings.split(";"):
         cfg = msgspec.structs.replace(base, sp_layout=SETTINGS[name])
         out["settings"][name] = one_setting(name, cfg, args, light, rates)
