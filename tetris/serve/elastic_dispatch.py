@@ -14,6 +14,12 @@ room of several does: LoongServe's memory-triggered scale-up) is driven on the d
    run id, each held one as ``<id>@<start>``);
 3. ``elastic_commit``: the master starts once every held range is on every rank of its holder;
    its stream is read as any request's;
+   When the KV has arrived (``arrived``) the ranges' virtual usage goes, as a whole request's
+   does, but the master's output room (``max_tokens``) stays booked on the master until the
+   run ends: a whole request whose instance runs out of blocks is preempted and recomputed
+   there, a split master cannot be (its earlier KV is elsewhere: the batcher raises), so its
+   room must not be given to other requests (tests/serve/test_elastic_output_booking.py,
+   tests/engine/test_elastic_output_room.py);
 4. ``free``: the placer's usage of every member goes when the run ends, however it ends;
    ``elastic_release`` frees the ranges on every member (after the master's abort unless the
    run completed).
@@ -69,6 +75,9 @@ class ElasticRouting:
     def __init__(self, placer: ElasticPlacer) -> None:
         self.placer = placer
         self.groups: dict[str, list[tuple[int, int, int]]] = {}   # sharded runs only
+        # (master, output tokens) of split runs: booked from ``arrived`` until ``free``
+        self._output: dict[str, tuple[int, int]] = {}
+        self._output_booked: set[str] = set()
 
     def route(self, run_id: str, prompt_tokens: int, max_tokens: int,
               avoid: frozenset[int] = frozenset()) -> DecodeGroup:
@@ -79,6 +88,7 @@ class ElasticRouting:
             raise Overloaded(f"{e}: restarting, retry shortly", retry_after_s=2.0) from None
         if group.sharded:
             self.groups[run_id] = world_ranges(group, prompt_tokens)
+            self._output[run_id] = (group.master, max_tokens)
         return group
 
     def ranges(self, run_id: str) -> list[tuple[int, int, int]] | None:
@@ -110,12 +120,22 @@ class ElasticRouting:
         return group.master
 
     def arrived(self, run_id: str) -> None:
+        """The KV is on every holder: the ranges' virtual usage goes, except a split master's
+        output room, which stays booked until the run ends (it cannot be preempted)."""
         self.placer.arrived(run_id)
+        if run_id in self._output and run_id not in self._output_booked:
+            master, tokens = self._output[run_id]
+            self.placer.router.reserve(master, tokens)
+            self._output_booked.add(run_id)
 
     async def free(self, decode, run_id: str, *, completed: bool) -> None:
         """The run ended: the placer's usage of every member goes, and a group's ranges are
         released on every member (the master's request aborted first unless it completed)."""
         self.placer.finished(run_id)
+        master, tokens = self._output.pop(run_id, (0, 0))
+        if run_id in self._output_booked:
+            self._output_booked.discard(run_id)
+            self.placer.router.release(master, tokens)
         ranges = self.groups.pop(run_id, None)
         if ranges is None:
             return
