@@ -14,7 +14,11 @@ its blocks out of reach of preemption. So:
   whole request is preempted (recomputed later) and the step goes on;
 - room kept (what the router now allows): b gets only the blocks beyond a's output, and a
   (over the two instances, an ``ElasticRows`` on each, joined by a ``SocketWorld``) and b decode
-  in the same rounds; both equal the single engine's tokens and logprobs.
+  in the same rounds; both equal the single engine's tokens and logprobs;
+- room kept, but a whole request w admitted before a grows into it (whole requests' output is
+  not booked): a is the newest running sequence, so the batcher's victim would be a itself;
+  ``ElasticRows.round`` preempts w instead (engine/master_room.py), w is recomputed once the
+  in-flight request is gone, and a's and w's tokens equal the engine's.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ A_BLOCKS = (16 - SPLIT + PARAMS.max_tokens) // BS
 def _prompts():
     gen = torch.Generator().manual_seed(25)
     return {rid: torch.randint(0, TINY.vocab_size, (n,), generator=gen).tolist()
-            for rid, n in (("a", 16), ("b", 4))}
+            for rid, n in (("a", 16), ("b", 4), ("w", 7))}
 
 
 def _hand_off(engine, model, rid, prompt, kv_start=0, params=PARAMS):
@@ -86,9 +90,10 @@ def test_a_decode_whose_blocks_were_given_away(kv_start):
     assert seq.num_preemptions == 1 and engine.batcher.waiting[0] is seq
 
 
-def _member(index: int, store, out: dict) -> None:
+def _member(index: int, store, out: dict, grow: bool = False) -> None:
     model, tok = load_model(TINY)
-    engine = LLMEngine(model, tok, num_blocks=BLOCKS, block_size=BS)
+    blocks = BLOCKS_GROW if grow and index == 0 else BLOCKS
+    engine = LLMEngine(model, tok, num_blocks=blocks, block_size=BS)
     elastic = ElasticRows(engine, index, 2, SocketWorld(store, index, 2))
     prompts = _prompts()
     a = prompts["a"]
@@ -97,6 +102,8 @@ def _member(index: int, store, out: dict) -> None:
         shard = elastic.hold("a", KEY, 0, 0, SPLIT)
         for layer, (k, v) in enumerate(kv):
             elastic.holder.write(layer, shard, 0, k[:SPLIT], v[:SPLIT])
+    elif grow:       # w first, then a's master, then a request in flight on the router's room
+        return _grow(engine, elastic, model, prompts, out)
     else:            # master of [SPLIT, 16), then b on the blocks beyond a's output room
         _hand_off(engine, model, "a", a, SPLIT)
         elastic.master("a", KEY, [1])
@@ -104,17 +111,51 @@ def _member(index: int, store, out: dict) -> None:
         # output (a whole request is booked prompt + max_tokens)
         out["room"] = (BLOCKS - A_BLOCKS) * BS
         _hand_off(engine, model, "b", prompts["b"], params=B_PARAMS)
+    runs = _run(elastic, GROW_ROUNDS if grow else PARAMS.max_tokens)
+    elastic.release("a")
+    out[index] = {"runs": runs, "free": engine.num_free_blocks,
+                  "unfinished": engine.has_unfinished()}
+
+
+W_PARAMS = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=TOP)
+GROW_ROUNDS, FREED_AT, BLOCKS_GROW = 30, 6, 12
+
+
+def _run(elastic, rounds, at=None):
     runs = {}
-    for _ in range(PARAMS.max_tokens):
+    for r in range(rounds):
+        if at is not None:
+            at(r)
         outputs, failed = elastic.round()
-        assert not failed, (index, failed)
+        assert not failed, (elastic.index, failed)
         for o in outputs:
             tokens, lps = runs.setdefault(o.request_id, ([], []))
             tokens += o.new_token_ids
             lps += o.new_logprobs
+    return runs
+
+
+def _grow(engine, elastic, model, prompts, out):
+    engine.add_request("w", prompts["w"], W_PARAMS)
+    first = _run(elastic, 1)                     # w prefills (round 0), a not there yet
+    _hand_off(engine, model, "a", prompts["a"], SPLIT)
+    elastic.master("a", KEY, [1])
+    free = engine.num_free_blocks
+    # the router's room: free slots less a's booked output; x takes all of it, in flight
+    room = free * BS - PARAMS.max_tokens
+    engine.reserve_blocks("x", [1] * (room - 1), SamplingParams(max_tokens=1))
+    w = engine._seqs["w"]
+
+    def at(r):   # x's run is aborted after a few rounds (its client left): blocks free again
+        if r == FREED_AT:
+            assert w.num_preemptions == 1 and engine._seqs["a"].num_preemptions == 0
+            engine.abort_request("x")
+
+    runs = _run(elastic, GROW_ROUNDS - 1, at)
+    runs["w"] = (first["w"][0] + runs["w"][0], first["w"][1] + runs["w"][1])
+    runs.pop("x", None)
     elastic.release("a")
-    out[index] = {"runs": runs, "free": engine.num_free_blocks,
-                  "unfinished": engine.has_unfinished()}
+    out[0] = {"runs": runs, "free": engine.num_free_blocks, "unfinished": engine.has_unfinished()}
 
 
 def _reference(prompts):
@@ -122,7 +163,7 @@ def _reference(prompts):
     engine = LLMEngine(model, tok, num_blocks=64, block_size=BS)
     runs = {rid: ([], []) for rid in prompts}
     for rid, prompt in prompts.items():
-        engine.add_request(rid, prompt, B_PARAMS if rid == "b" else PARAMS)
+        engine.add_request(rid, prompt, {"b": B_PARAMS, "w": W_PARAMS}.get(rid, PARAMS))
     while engine.has_unfinished():
         for o in engine.step():
             runs[o.request_id][0].extend(o.new_token_ids)
@@ -130,12 +171,12 @@ def _reference(prompts):
     return runs
 
 
-def test_with_its_output_room_kept_the_master_decodes_the_engines_tokens():
+def _world(grow: bool) -> dict:
     store, out, errors = dist.HashStore(), {}, []
 
     def run(index):
         try:
-            _member(index, store, out)
+            _member(index, store, out, grow)
         except Exception as e:  # noqa: BLE001 - reported below with its instance
             errors.append((index, e))
 
@@ -145,6 +186,11 @@ def test_with_its_output_room_kept_the_master_decodes_the_engines_tokens():
     for t in threads:
         t.join(120.0)
     assert not errors and 0 in out and 1 in out, errors
+    return out
+
+
+def test_with_its_output_room_kept_the_master_decodes_the_engines_tokens():
+    out = _world(grow=False)
     want = _reference(_prompts())
     assert out["room"] == len(_prompts()["b"]) + B_PARAMS.max_tokens   # b fits what is left
     master = out[0]
@@ -152,4 +198,15 @@ def test_with_its_output_room_kept_the_master_decodes_the_engines_tokens():
     for rid in ("a", "b"):
         assert_same_run(*master["runs"][rid], want[rid], rid)
     assert master["free"] == BLOCKS and not master["unfinished"]
+    assert out[1]["free"] == BLOCKS
+
+
+def test_a_whole_request_grown_into_the_masters_room_is_preempted_not_the_master():
+    out = _world(grow=True)
+    want = _reference(_prompts())
+    master = out[0]
+    assert sorted(master["runs"]) == ["a", "w"] and out[1]["runs"] == {}
+    for rid in ("a", "w"):
+        assert_same_run(*master["runs"][rid], want[rid], rid)
+    assert master["free"] == BLOCKS_GROW and not master["unfinished"]
     assert out[1]["free"] == BLOCKS

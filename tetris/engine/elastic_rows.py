@@ -35,6 +35,7 @@ import torch
 from tetris.engine import elastic_handover as handover
 from tetris.engine.block_manager import OutOfBlocksError
 from tetris.engine.kv_shards import KVShard, ShardHolder
+from tetris.engine.master_room import preempt_for_masters
 from tetris.kernels import dispatch
 from tetris.kernels.merge import merge_attention
 from tetris.kernels.paged_decode import paged_decode_attention_with_lse
@@ -150,6 +151,7 @@ class ElasticRows:
         merge missed a range): the caller sends it down the resume path."""
         self._adopt_pending()
         self._hand_over_full()
+        preempt_for_masters(self.engine)   # whole requests yield first (engine/master_room.py)
         outputs = self.engine.step() if self.engine.has_unfinished() else []
         self.end_step()
         failed, self.failed = self.failed, []
