@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Contracts: the plain types every layer shares (they import only stdlib, msgspec, numpy and
 # each other).
 CONTRACTS = ("tetris.config", "tetris.plan", "tetris.sampling_params", "tetris.token_ids",
-             "tetris.errors", "tetris.model_files", "tetris.device", "tetris.transfer_config")
+             "tetris.errors", "tetris.model_files", "tetris.device", "tetris.transfer_config",
+             "tetris.feature_config")
 CONTRACT_DEPS = ("msgspec", "numpy", *CONTRACTS)
 
 # (rule, modules it binds, prefixes they may not import). A rule binds a package whether or not
