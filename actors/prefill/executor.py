@@ -17,34 +17,21 @@ import msgspec
 import torch
 
 from tetris.actors.decode.emulated import PLACEHOLDER_TOKEN, WIRE_HEAD_DIM, torch_dtype
-from tetris.actors.prefill.alltoall import AllToAllAttention
-from tetris.actors.prefill.alltoall_pipeline import PipelinedAllToAll
 from tetris.actors.prefill.balance import BALANCE_TAG_KIND, LayerBalancer
-from tetris.actors.prefill.csa_ring import CsaRingAttention
 from tetris.actors.prefill.emulated_kv import EmulatedHoldings
+from tetris.actors.prefill.group_attention import group_attention, message_tag
 from tetris.actors.prefill.head_shards import head_split_problem
 from tetris.actors.prefill.kv_store import PagedKVStore, ranges_tensor
 from tetris.actors.prefill.messages import ChunkResult, ChunkTask
 from tetris.actors.prefill.range_stream import (check_ranges, open_range_shards,
                                                 stream_range_layer)
-from tetris.actors.prefill.ring import RING_TAG_KIND, RingAttention
-from tetris.actors.prefill.ring_pipeline import PipelinedRing
 from tetris.actors.prefill.sptp import SpTpAttention
-from tetris.actors.prefill.sptp_hier import hierarchical_sptp
 from tetris.actors.prefill.world import PeerLink
 from tetris.actors.prefill.zigzag import normalize_ranges, ranges_len
 from tetris.engine.logprobs import token_logprob
 from tetris.sampling_params import SamplingParams
 
 __all__ = ["Executor", "ModelExecutor", "EmulatedExecutor", "sample_first_token", "message_tag"]
-
-_TAG_SPACE = 1 << 30
-
-
-def message_tag(seq: int, kind: int) -> int:
-    """Gloo tag of one chunk's traffic of one kind (ring or balancing)."""
-    return (seq * 2 + kind) % _TAG_SPACE
-
 
 class FaultInjected(RuntimeError):
     """Raised by a test hook to simulate a worker failing in the middle of a chunk."""
@@ -124,7 +111,7 @@ class ModelExecutor:
         q_pos = ranges_tensor(mine)
         blocks = [normalize_ranges(list(h) + list(c))
                   for h, c in zip(task.history, task.chunk_positions)]
-        ring = _group_attention(task, blocks, link, model.num_layers)
+        ring = group_attention(task, blocks, link, model.num_layers)
         moves = task.moves if task.balance != "off" else ()
         balancer = LayerBalancer(store, req, task.instance, moves,
                                  message_tag(task.seq, BALANCE_TAG_KIND), task.timeout_s, link)
@@ -348,37 +335,6 @@ def stream_first_token(pump, task: ChunkTask, token: int, logprob) -> bool:
     with pump.locked() as mgr:
         mgr.first_token(task.request_id, task.kv_receivers, int(token), data)
     return True
-
-
-def _group_attention(task: ChunkTask, blocks, link: PeerLink | None, num_layers: int = 0):
-    """The chunk's attention across its group, by the plan's layout: the zigzag ring, or SP-NTP
-    all-to-all (one chunk's traffic is one kind or the other, so both use the ring's tag)."""
-    tag = message_tag(task.seq, RING_TAG_KIND)
-    block_pos = [ranges_tensor(b) for b in blocks]
-    if task.sp_layout == "a2a" and task.sp_micro_partitions > 1:
-        return PipelinedAllToAll(task.group, task.rank,
-                                 [ranges_tensor(c) for c in task.chunk_positions], block_pos,
-                                 tag, task.timeout_s, link,
-                                 micro_partitions=task.sp_micro_partitions)
-    if task.sp_layout == "sptp":
-        args = (task.group, task.rank, [ranges_tensor(c) for c in task.chunk_positions],
-                block_pos, task.chunk_start, tag, task.timeout_s, link)
-        if len(set(task.sp_member_nodes)) > 1:   # intra-node first (sptp_hier.py)
-            return hierarchical_sptp(*args, member_nodes=task.sp_member_nodes)
-        return SpTpAttention(*args)
-    if task.csa_drop_ratios:   # LOSSY, opt-in; ring chunks only (chunks.chunk_task)
-        return CsaRingAttention(task.group, task.rank, block_pos, tag, task.timeout_s, link,
-                                member_nodes=task.sp_member_nodes or (0,) * len(task.group),
-                                drop_ratios=task.csa_drop_ratios, num_layers=num_layers,
-                                drop_queries=task.csa_drop_queries)
-    if task.sp_layout == "a2a":
-        return AllToAllAttention(task.group, task.rank,
-                                 [ranges_tensor(c) for c in task.chunk_positions], block_pos,
-                                 tag, task.timeout_s, link)
-    if task.sp_micro_partitions > 1:   # the ring's blocks in pieces (ring_pipeline.py)
-        return PipelinedRing(task.group, task.rank, block_pos, tag, task.timeout_s, link,
-                             micro_partitions=task.sp_micro_partitions)
-    return RingAttention(task.group, task.rank, block_pos, tag, task.timeout_s, link)
 
 
 def _token_tensor(token_ids) -> torch.Tensor:

@@ -152,7 +152,7 @@ def test_a_plan_with_pieces_runs_in_the_executors_and_in_the_simulator(layouts, 
     forced-plan parser and the executor's dispatch take the chunk as planned, and the
     simulator executes the plan to its predicted times (Eq. 1 + the pipelined delta)."""
     from tetris.actors.prefill.chunks import RunOptions, chunk_task
-    from tetris.actors.prefill.executor import _group_attention
+    from tetris.actors.prefill.group_attention import group_attention
     from tetris.actors.prefill.layout import (
         forced_plan,
         parse_plan_layouts,
@@ -179,7 +179,7 @@ def test_a_plan_with_pieces_runs_in_the_executors_and_in_the_simulator(layouts, 
                       RunOptions("overlap", None, False, (), None, None), 0, timeout_s=5.0,
                       emulated=False)
     blocks = [normalize_ranges(list(h) + list(c)) for h, c in zip(lay.history, lay.chunk_positions)]
-    kind = type(_group_attention(task, blocks, PeerLink())).__name__
+    kind = type(group_attention(task, blocks, PeerLink())).__name__
     assert kind == {"ring": "PipelinedRing", "a2a": "PipelinedAllToAll"}[want[1][0]]
     # the simulator charges the pipelined chunk its delta: it ends where the plan said
     sim = PrefillPoolSim(16, prof.predict)

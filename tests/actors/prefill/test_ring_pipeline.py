@@ -14,7 +14,7 @@ from gloo_threads import run_ranks
 from tetris.actors.prefill import ring_pipeline
 from tetris.actors.prefill.balance import plan_balance
 from tetris.actors.prefill.chunks import RunOptions, chunk_task
-from tetris.actors.prefill.executor import _group_attention
+from tetris.actors.prefill.group_attention import group_attention
 from tetris.actors.prefill.kv_store import ranges_tensor
 from tetris.actors.prefill.layout import forced_plan, parse_plan_layouts, plan_layout
 from tetris.actors.prefill.ring import RingAttention
@@ -144,7 +144,7 @@ def test_plan_spec_and_forced_plan_select_the_pipelined_ring_per_chunk():
                           emulated=False)
         blocks = [normalize_ranges(list(h) + list(c))
                   for h, c in zip(lay.history, lay.chunk_positions)]
-        kinds.append(type(_group_attention(task, blocks, PeerLink())).__name__)
+        kinds.append(type(group_attention(task, blocks, PeerLink())).__name__)
     assert kinds == ["RingAttention", "PipelinedRing", "RingAttention"]
 
 
