@@ -34,12 +34,12 @@ from collections import deque
 from collections.abc import Sequence
 
 import msgspec
-import numpy as np
 
 from tetris.control.kunserve import KunServeController
 from tetris.control.kunserve_memory import InstanceLoad, InstanceMemory
 from tetris.sim.kunserve_exchange import ExchangeQueue
 from tetris.sim.kunserve_pipeline import group_round
+from tetris.sim.kunserve_result import policy_result
 
 __all__ = ["POLICIES", "ROUND_MODELS", "KunRequest", "KunServeSim", "PoolProfile",
            "iteration_time", "policy_result", "unit_time"]
@@ -376,27 +376,3 @@ class KunServeSim:
         return policy_result(self.policy, self.reqs, self.preemptions, self.control,
                              self.exchange_bytes, [t for t, _ in self.kv_capacity_log],
                              self.preempted_at)
-
-
-def policy_result(policy: str, reqs, preemptions: int, control, exchange_bytes: float,
-                  regroups: Sequence[float] = (), preempted_at: Sequence[float] = ()) -> dict:
-    """One policy's run as the benchmarks report it (SIMULATION here; the EMULATION of
-    ``tetris/bench/kunserve_emulated.py`` reports the same fields): TTFT and TPOT percentiles
-    over the requests, preemptions, drops, restores, refusals and the KV exchanged; when the
-    regroupings were decided and how many preemptions came before the first (trace s)."""
-    first = regroups[0] if regroups else math.inf
-    ttft = np.array([r.first_token - r.arrival for r in reqs])
-    tpot = np.array([(r.finish - r.first_token) / (r.output - 1) for r in reqs if r.output > 1])
-    return {"policy": policy, "requests": len(reqs),
-            "unfinished": int(sum(math.isnan(r.finish) for r in reqs)),
-            "p50_ttft": float(np.nanpercentile(ttft, 50)),
-            "p99_ttft": float(np.nanpercentile(ttft, 99)),
-            "p50_tpot": float(np.nanpercentile(tpot, 50)),
-            "p99_tpot": float(np.nanpercentile(tpot, 99)),
-            "preemptions": preemptions,
-            "drops": control.drops if control else 0,
-            "restores": control.restores if control else 0,
-            "refusals": len(control.refusals) if control else 0,
-            "exchange_gb": exchange_bytes / 1e9,
-            "regroup_s": [round(t, 3) for t in regroups],
-            "preemptions_before_first_regroup": sum(t < first for t in preempted_at)}
