@@ -7,18 +7,15 @@ from __future__ import annotations
 
 import itertools
 import time
-from types import SimpleNamespace
 
 import msgspec
 import torch
-from exactness import TOP, assert_same_run, engine_runs, logprobs_of_logits
+from exactness import TOP, assert_same_run, engine_runs
+from ranks import Direct, Sender, link, prefill, wait_received
 from tetris.actors.decode.messages import Abort, Commit, Reserve
 from tetris.actors.decode.rank import DecodeRank
-from tetris.actors.transfer_pump import TransferPump
-from tetris.kernels.attention import attention_with_lse
 from tetris.transfer.backends import make_agent
 from tetris.transfer.send_manager import SendManager
-from tetris.transfer.states import ShardSent, TransferFailed
 
 from tetris.config import DecodeConfig, DeploymentConfig, ModelConfig, TransferConfig
 from tetris.engine.engine import LLMEngine
@@ -38,57 +35,6 @@ LENGTHS = {"a": 23, "b": 9, "c": 31}
 _names = itertools.count()
 
 
-class _Direct:
-    """A peer in this process: its ``deliver_transfer.remote`` is a direct call."""
-
-    def __init__(self, obj) -> None:
-        self.deliver_transfer = SimpleNamespace(remote=obj.deliver_transfer)
-
-
-class _Sender:
-    def __init__(self) -> None:
-        self.agent = make_agent(f"direct-rank-send-{next(_names)}", backend="inproc")
-        self.pump = TransferPump(SendManager(0, self.agent, STAGED), name="sender",
-                                 on_events=self._done).start()
-
-    def _done(self, events) -> None:
-        with self.pump.locked() as mgr:
-            for e in events:
-                assert not isinstance(e, TransferFailed), e
-                if isinstance(e, ShardSent):
-                    mgr.forget(e.request_id)
-
-    def deliver_transfer(self, msgs) -> None:
-        self.pump.deliver(msgs)
-
-    def send(self, rid: str, receiver: int, kv: list[torch.Tensor]) -> None:
-        n = kv[0].shape[0]
-        with self.pump.locked() as mgr:
-            # two members' worth of shards: the prompt's halves as two chunks
-            for chunk, (a, b) in enumerate(((0, n // 2), (n // 2, n))):
-                mgr.add_shard(request_id=rid, chunk_index=chunk, receiver_id=receiver,
-                              prompt_tokens=n, chunk=(a, b), ranges=[(a, b)],
-                              num_layers=len(kv), kv_heads=kv[0].shape[2],
-                              head_dim=kv[0].shape[3], dtype=kv[0].dtype, now=time.monotonic())
-                for layer, layer_kv in enumerate(kv):
-                    mgr.layer_ready(rid, chunk, layer, layer_kv[a:b].clone())
-
-
-@torch.inference_mode()
-def _prefill(model, prompt):
-    """Per layer [T, 2, Hkv, D] of the prompt's KV, the first token and its logprob."""
-    kv = []
-
-    def attention(i, q, k, v):
-        kv.append(torch.stack([k, v], dim=1))
-        return attention_with_lse(q, k, v, causal=True)[0]
-
-    hidden = model(torch.tensor(prompt), torch.arange(len(prompt)), attention)
-    row = model.logits(hidden[-1:], upcast=True)[0]
-    first = int(row.argmax())
-    return kv, first, logprobs_of_logits([row], [first])[0]
-
-
 def _prompts():
     g = torch.Generator().manual_seed(11)
     return {rid: torch.randint(0, MODEL.vocab_size, (n,), generator=g).tolist()
@@ -99,18 +45,15 @@ def _decode(config: TransferConfig, prefills, prompts):
     """Every request's (tokens, logprobs) and the rank's KV cache after its KV arrived."""
     rank = DecodeRank(0, 0, 1, DEPLOYMENT)
     rank.init_group("127.0.0.1", 0, 30.0)
-    sender = _Sender()
+    sender = Sender(f"direct-rank-send-{next(_names)}", STAGED)
     try:
-        sender.agent.add_peer(rank.enable_transfer(config))
-        rank.connect_senders({0: _Direct(sender)})
-        sender.pump.connect({rank.receiver_id: _Direct(rank)})
+        link(rank, sender, config)
         replies = [rank.step([Reserve(rid, tuple(p), PARAMS) for rid, p in prompts.items()])]
-        for rid in prompts:
-            sender.send(rid, rank.receiver_id, prefills[rid][0])
-        deadline = time.monotonic() + 30.0
-        while rank.held().receiving:   # the pump thread places the pieces
-            assert time.monotonic() < deadline, rank.held()
-            time.sleep(0.01)
+        for rid, p in prompts.items():
+            # two members' worth of shards: the prompt's halves as two chunks
+            n = len(p)
+            sender.send(rid, rank.receiver_id, prefills[rid][0], [(0, n // 2), (n // 2, n)])
+        wait_received(rank)
         cache = rank.engine.cache.buffer.clone()
         with rank.pump.locked() as manager:   # bytes left in the receive staging buffers
             staged_bytes = sum(int(b.buffer.count_nonzero()) for b in manager.backends)
@@ -134,7 +77,7 @@ def _decode(config: TransferConfig, prefills, prompts):
 def test_direct_writes_into_the_rank_s_blocks_decode_the_engine_s_tokens():
     model, tok = load_model(MODEL)
     prompts = _prompts()
-    prefills = {rid: _prefill(model, p) for rid, p in prompts.items()}
+    prefills = {rid: prefill(model, p) for rid, p in prompts.items()}
     engine = LLMEngine(model, tok, num_blocks=64, block_size=BS)
     want = dict(zip(prompts, engine_runs(engine, list(prompts.values()), PARAMS), strict=True))
     staged, staged_cache, through_staging = _decode(STAGED, prefills, prompts)
@@ -186,10 +129,10 @@ def _abort_with_a_write_in_flight(config: TransferConfig):
     rank.init_group("127.0.0.1", 0, 30.0)
     sender = _HeldSender(config)
     sender.agent.add_peer(rank.enable_transfer(config))
-    rank.connect_senders({0: _Direct(sender)})
+    rank.connect_senders({0: Direct(sender)})
     model, _ = load_model(MODEL)
     prompt = _prompts()["a"]
-    kv = _prefill(model, prompt)[0]
+    kv = prefill(model, prompt)[0]
     rank.step([Reserve("x", tuple(prompt), PARAMS)])
     sender.mgr.add_shard(request_id="x", chunk_index=0, receiver_id=rank.receiver_id,
                          prompt_tokens=len(prompt), chunk=(0, len(prompt)),

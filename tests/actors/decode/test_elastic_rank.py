@@ -11,22 +11,16 @@ from __future__ import annotations
 
 import json
 import os
-import time
-from types import SimpleNamespace
 
 import msgspec
 import torch
 import torch.multiprocessing as mp
-from exactness import TOP, assert_same_run, engine_runs, logprobs_of_logits
+from exactness import TOP, assert_same_run, engine_runs
+from ranks import Sender, link, prefill, wait_received
 from tetris.actors.decode.elastic import Hold, Lead, Release, range_transfer_id
 from tetris.actors.decode.messages import Commit, Reserve
 from tetris.actors.decode.rank import DecodeRank
 from tetris.actors.prefill.world import free_port
-from tetris.actors.transfer_pump import TransferPump
-from tetris.kernels.attention import attention_with_lse
-from tetris.transfer.backends import make_agent
-from tetris.transfer.send_manager import SendManager
-from tetris.transfer.states import ShardSent, TransferFailed
 
 from tetris.config import DecodeConfig, DeploymentConfig, ModelConfig, TransferConfig
 from tetris.engine.engine import LLMEngine
@@ -56,54 +50,11 @@ def _prompts():
             for rid, ranges in PLACEMENTS.items()}
 
 
-class _Direct:
-    """A peer in this process: its ``deliver_transfer.remote`` is a direct call."""
-
-    def __init__(self, obj) -> None:
-        self.deliver_transfer = SimpleNamespace(remote=obj.deliver_transfer)
-
-
-class _Sender:
-    """A prefill instance's transfer side: a SendManager on a pump, in range-local positions."""
-
-    def __init__(self, sender_id: int) -> None:
-        self.agent = make_agent(f"prefill-{sender_id}", backend="inproc")
-        self.pump = TransferPump(SendManager(sender_id, self.agent, TRANSFER),
-                                 name=f"sender-{sender_id}", on_events=self._done).start()
-
-    def _done(self, events) -> None:
-        with self.pump.locked() as mgr:
-            for e in events:
-                if isinstance(e, (ShardSent, TransferFailed)):
-                    mgr.forget(e.request_id)
-
-    def deliver_transfer(self, msgs) -> None:
-        self.pump.deliver(msgs)
-
-    def send(self, transfer_id: str, receiver: int, kv: list[torch.Tensor]) -> None:
-        n = kv[0].shape[0]
-        with self.pump.locked() as mgr:
-            mgr.add_shard(request_id=transfer_id, chunk_index=0, receiver_id=receiver,
-                          prompt_tokens=n, chunk=(0, n), ranges=[(0, n)], num_layers=len(kv),
-                          kv_heads=kv[0].shape[2], head_dim=kv[0].shape[3], dtype=kv[0].dtype,
-                          now=time.monotonic())
-            for layer, layer_kv in enumerate(kv):
-                mgr.layer_ready(transfer_id, 0, layer, layer_kv.clone())
-
-
-@torch.inference_mode()
-def _prefill(model, prompt):
-    """Per layer [T, 2, Hkv, D] of the prompt's KV, the first token and its logprob."""
-    kv = []
-
-    def attention(i, q, k, v):
-        kv.append(torch.stack([k, v], dim=1))
-        return attention_with_lse(q, k, v, causal=True)[0]
-
-    hidden = model(torch.tensor(prompt), torch.arange(len(prompt)), attention)
-    row = model.logits(hidden[-1:], upcast=True)[0]
-    first = int(row.argmax())
-    return kv, first, logprobs_of_logits([row], [first])[0]
+def transfer_sender(sender_id: int) -> Sender:
+    """A prefill instance's transfer side, in range-local positions; a failed transfer is
+    forgotten like a sent shard."""
+    return Sender(f"prefill-{sender_id}", TRANSFER, sender_id, f"sender-{sender_id}",
+                  strict=False)
 
 
 def _commands(me: int, prompts):
@@ -128,24 +79,18 @@ def _worker(me: int, port: int, tmp: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     rank = DecodeRank(me, 0, 1, DEPLOYMENT)
     rank.init_group("127.0.0.1", 0, 30.0)
-    info = rank.enable_transfer(TRANSFER)
-    sender = _Sender(me)
+    sender = transfer_sender(me)
     try:
-        sender.agent.add_peer(info)
-        rank.connect_senders({me: _Direct(sender)})
-        sender.pump.connect({rank.receiver_id: _Direct(rank)})
+        link(rank, sender, TRANSFER, me)
         rank.join_elastic(me, 2, "127.0.0.1", port, 30.0, listen_host="127.0.0.1")
         model, _ = load_model(MODEL)
         prompts = _prompts()
         reserve, sends, commits = _commands(me, prompts)
-        prefills = {rid: _prefill(model, prompts[rid]) for rid in PLACEMENTS}
+        prefills = {rid: prefill(model, prompts[rid]) for rid in PLACEMENTS}
         replies = [rank.step(reserve)]
         for tid, s, e in sends:
             sender.send(tid, rank.receiver_id, [kv[s:e] for kv in prefills[tid.split("@")[0]][0]])
-        deadline = time.monotonic() + 30.0
-        while rank.held().receiving:   # the pump thread places the pieces; no round needed
-            assert time.monotonic() < deadline, rank.held()
-            time.sleep(0.01)
+        wait_received(rank)   # the pump thread places the pieces; no round needed
         # the first exchange of round 1 waits for the peer, whose KV has arrived too
         replies.append(rank.step([Commit(rid, prefills[rid][1], prefills[rid][2])
                                   for rid in commits]))

@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from exactness import TOP, assert_same_run, engine_runs
-from test_elastic_rank import MODEL, TRANSFER, _Direct, _prefill, _Sender
+from ranks import link, prefill
+from test_elastic_rank import MODEL, TRANSFER, transfer_sender
 from tetris.actors.decode.elastic import Hold, Lead, Release, range_transfer_id
 from tetris.actors.decode.messages import Commit, Reserve
 from tetris.actors.decode.rank import DecodeRank
@@ -158,17 +159,14 @@ def _worker(proc: int, tp_ports: list[int], world_ports: list[int], tmp: str) ->
     me, tp_rank = divmod(proc, TP)
     rank = DecodeRank(me, tp_rank, TP, DEPLOYMENT)
     rank.init_group("127.0.0.1", tp_ports[me], 60.0)
-    info = rank.enable_transfer(TRANSFER)
-    sender = _Sender(tp_rank)   # a sender id within the transfer config's prefill pool
+    sender = transfer_sender(tp_rank)   # a sender id within the transfer config's prefill pool
     try:
-        sender.agent.add_peer(info)
-        rank.connect_senders({tp_rank: _Direct(sender)})
-        sender.pump.connect({rank.receiver_id: _Direct(rank)})
+        link(rank, sender, TRANSFER, tp_rank)
         rank.join_elastic(me, INSTANCES, "127.0.0.1", world_ports[tp_rank], 60.0,
                           listen_host="127.0.0.1")
         model, _ = load_model(MODEL)
         prompts = _prompts()
-        prefills = {rid: _prefill(model, prompt) for rid, prompt in prompts.items()}
+        prefills = {rid: prefill(model, prompt) for rid, prompt in prompts.items()}
         replies = _phase(rank, sender, prefills, _commands(me, prompts), KEYS, 0)
         data = rank.elastic.rows.counts.data
         replies2 = _phase(rank, sender, prefills, _phase2_commands(me, prompts), ("h", "f"),

@@ -9,20 +9,14 @@ shared block); every block is free once the kept runs are dropped."""
 from __future__ import annotations
 
 import itertools
-import time
-from types import SimpleNamespace
 
 import msgspec
 import pytest
 import torch
-from exactness import TOP, assert_same_run, engine_runs, logprobs_of_logits
+from exactness import TOP, assert_same_run, engine_runs
+from ranks import Sender, link, prefill, wait_received
 from tetris.actors.decode.messages import Abort, Commit, Reserve
 from tetris.actors.decode.rank import DecodeRank
-from tetris.actors.transfer_pump import TransferPump
-from tetris.kernels.attention import attention_with_lse
-from tetris.transfer.backends import make_agent
-from tetris.transfer.send_manager import SendManager
-from tetris.transfer.states import ShardSent, TransferFailed
 
 from tetris.config import DecodeConfig, DeploymentConfig, ModelConfig, TransferConfig
 from tetris.engine.engine import LLMEngine
@@ -43,68 +37,15 @@ P1 = torch.randint(0, MODEL.vocab_size, (22,), generator=torch.Generator().manua
 _names = itertools.count()
 
 
-class _Direct:
-    """A peer in this process: its ``deliver_transfer.remote`` is a direct call."""
-
-    def __init__(self, obj) -> None:
-        self.deliver_transfer = SimpleNamespace(remote=obj.deliver_transfer)
-
-
-class _Sender:
-    def __init__(self) -> None:
-        self.agent = make_agent(f"shared-prefix-send-{next(_names)}", backend="inproc")
-        self.pump = TransferPump(SendManager(0, self.agent, STAGED), name="sender",
-                                 on_events=self._done).start()
-
-    def _done(self, events) -> None:
-        with self.pump.locked() as mgr:
-            for e in events:
-                assert not isinstance(e, TransferFailed), e
-                if isinstance(e, ShardSent):
-                    mgr.forget(e.request_id)
-
-    def deliver_transfer(self, msgs) -> None:
-        self.pump.deliver(msgs)
-
-    def send(self, rid: str, receiver: int, kv: list[torch.Tensor], start: int) -> None:
-        """Positions ``[start, n)`` of every layer as one chunk (what the prefill computed)."""
-        n = kv[0].shape[0]
-        with self.pump.locked() as mgr:
-            mgr.add_shard(request_id=rid, chunk_index=0, receiver_id=receiver, prompt_tokens=n,
-                          chunk=(start, n), ranges=[(start, n)], num_layers=len(kv),
-                          kv_heads=kv[0].shape[2], head_dim=kv[0].shape[3], dtype=kv[0].dtype,
-                          now=time.monotonic())
-            for layer, layer_kv in enumerate(kv):
-                mgr.layer_ready(rid, 0, layer, layer_kv[start:n].clone())
-
-
-@torch.inference_mode()
-def _prefill(model, prompt):
-    """Per layer [T, 2, Hkv, D] of the prompt's KV, the first token and its logprob."""
-    kv = []
-
-    def attention(i, q, k, v):
-        kv.append(torch.stack([k, v], dim=1))
-        return attention_with_lse(q, k, v, causal=True)[0]
-
-    hidden = model(torch.tensor(prompt), torch.arange(len(prompt)), attention)
-    row = model.logits(hidden[-1:], upcast=True)[0]
-    first = int(row.argmax())
-    return kv, first, logprobs_of_logits([row], [first])[0]
-
-
 def _turn(rank, sender, model, rid, prompt, start=0, **reserve):
     """Reserve, stream ``[start, n)``, commit and decode: (tokens, logprobs, free blocks
     right after the reservation)."""
     reply = rank.step([Reserve(rid, tuple(prompt), PARAMS, **reserve)])
     assert not reply.rejected, reply.rejected
     free_after_reserve = rank.held().free_blocks
-    kv, first, logprob = _prefill(model, prompt)
-    sender.send(rid, rank.receiver_id, kv, start)
-    deadline = time.monotonic() + 30.0
-    while rank.held().receiving:   # the pump thread places the pieces
-        assert time.monotonic() < deadline, rank.held()
-        time.sleep(0.01)
+    kv, first, logprob = prefill(model, prompt)
+    sender.send(rid, rank.receiver_id, kv, [(start, len(prompt))])
+    wait_received(rank)
     replies = [rank.step([Commit(rid, first, logprob)])]
     replies += [rank.step([]) for _ in range(PARAMS.max_tokens)]
     tokens, lps = [], []
@@ -122,11 +63,9 @@ def test_turn_two_reads_turn_one_s_shared_blocks_and_equals_the_engine(direct):
     config = msgspec.structs.replace(STAGED, direct_writes=direct)
     rank = DecodeRank(0, 0, 1, DEPLOYMENT)
     rank.init_group("127.0.0.1", 0, 30.0)
-    sender = _Sender()
+    sender = Sender(f"shared-prefix-send-{next(_names)}", STAGED)
     try:
-        sender.agent.add_peer(rank.enable_transfer(config))
-        rank.connect_senders({0: _Direct(sender)})
-        sender.pump.connect({rank.receiver_id: _Direct(rank)})
+        link(rank, sender, config)
         out1, _, _ = _turn(rank, sender, model, "t1", P1, keep=True)
         kept_table = list(rank.kept.runs["t1"][0])   # 22 + 5 positions: 7 blocks
         assert len(kept_table) == 7 and rank.held().kept == ["t1"]
