@@ -26,10 +26,12 @@ import torch
 from tetris.transfer.priority_link import HEADER, PriorityLink
 from tetris.transfer.traffic import TrafficClass
 
-__all__ = ["LinkHop"]
+__all__ = ["LinkHop", "read_exact"]
 
 
-def _read_exact(sock: socket.socket, n: int) -> bytearray | None:
+def read_exact(sock: socket.socket, n: int) -> bytearray | None:
+    """The next ``n`` bytes off the socket, or None once the peer has closed it (a link's
+    reader thread: the chunk header, then its payload)."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
@@ -93,9 +95,9 @@ class LinkHop:
         return done
 
     def _receive(self) -> None:
-        while (head := _read_exact(self._recv, HEADER.size)) is not None:
+        while (head := read_exact(self._recv, HEADER.size)) is not None:
             item, offset, nbytes, cls, last = HEADER.unpack(head)
-            body = _read_exact(self._recv, nbytes)
+            body = read_exact(self._recv, nbytes)
             if body is None:
                 return
             self.order.append((item, TrafficClass(cls)))

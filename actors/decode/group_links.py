@@ -23,23 +23,13 @@ import struct
 import threading
 from collections.abc import Callable
 
+from tetris.transfer.activation_hop import read_exact
 from tetris.transfer.priority_link import HEADER, PriorityLink
 from tetris.transfer.traffic import TrafficClass
 
 __all__ = ["GroupLinks"]
 
 _INDEX = struct.Struct("<Q")
-
-
-def _read_exact(sock: socket.socket, n: int) -> bytearray | None:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            return None
-        got += k
-    return buf
 
 
 class GroupLinks:
@@ -71,7 +61,7 @@ class GroupLinks:
         for _ in range(len(addresses) - self.member - 1):
             sock, _ = self._server.accept()
             sock.settimeout(None)
-            head = _read_exact(sock, _INDEX.size)
+            head = read_exact(sock, _INDEX.size)
             if head is None:
                 raise ConnectionError(f"member {self.member}: a peer closed before its index")
             self._add(_INDEX.unpack(head)[0], sock)
@@ -109,9 +99,9 @@ class GroupLinks:
         """Reader thread: whole messages to ``on_message``; ``None`` once the link broke."""
         parts: dict[int, list[bytearray]] = {}
         try:
-            while (head := _read_exact(sock, HEADER.size)) is not None:
+            while (head := read_exact(sock, HEADER.size)) is not None:
                 item, _offset, nbytes, _cls, last = HEADER.unpack(head)
-                body = _read_exact(sock, nbytes)
+                body = read_exact(sock, nbytes)
                 if body is None:
                     break
                 parts.setdefault(item, []).append(body)
