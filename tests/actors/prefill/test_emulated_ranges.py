@@ -8,22 +8,20 @@ the senders end holding nothing; a plan whose ranges do not tile the prompt is r
 
 from __future__ import annotations
 
-import threading
 import time
-from types import SimpleNamespace
 
 import msgspec
 import pytest
+from range_ends import End, close, wait_ready, wire
 from tetris.actors.decode.emulated import PLACEHOLDER_TOKEN, EmulatedCache, torch_dtype
 from tetris.actors.prefill.emulated_ranges import EmulatedRangeExecutor
 from tetris.actors.prefill.layout import forced_plan, plan_layout
 from tetris.actors.prefill.messages import ChunkTask, KVRange
-from tetris.actors.transfer_pump import TransferPump
 from tetris.transfer.backends.emulated import EmulatedAgent
 from tetris.transfer.block_allocator import SimpleBlockAllocator
 from tetris.transfer.receive_manager import ReceiveManager
 from tetris.transfer.send_manager import SendManager
-from tetris.transfer.states import FirstTokenIn, RequestReady, ShardSent, TransferFailed
+from tetris.transfer.states import FirstTokenIn, RequestReady
 
 from tetris.config import TransferConfig, load_deployment
 from tetris.scheduler.latency import load_profile
@@ -33,25 +31,6 @@ MODEL = DEPLOYMENT.model
 TRANSFER = msgspec.structs.replace(DEPLOYMENT.transfer, timeout_s=20.0)
 N, SPLIT, BS, BLOCKS = 4000, 1500, 16, 512
 RANGES = (KVRange(0, SPLIT, "a@0", (1,)), KVRange(SPLIT, N, "a", (0,)))
-
-
-class _End:
-    def __init__(self, name: str, manager, agent) -> None:
-        self.agent, self.events, self._lock = agent, [], threading.Lock()
-        self.pump = TransferPump(manager, name=name, on_events=self._record).start()
-
-    def _record(self, events) -> None:
-        with self._lock:
-            self.events.extend(events)
-        done = [e.request_id for e in events if isinstance(e, (ShardSent, TransferFailed))]
-        if done and isinstance(self.pump.manager, SendManager):
-            with self.pump.locked() as mgr:
-                for rid in done:
-                    mgr.forget(rid)
-
-    @property
-    def deliver_handle(self):
-        return SimpleNamespace(deliver_transfer=SimpleNamespace(remote=self.pump.deliver))
 
 
 def _agent(name: str, cfg: TransferConfig) -> EmulatedAgent:
@@ -68,21 +47,14 @@ def ends():
                               torch_dtype(MODEL.dtype))
         caches = [(cache.k[i], cache.v[i]) for i in range(MODEL.num_layers)]
         mgr = ReceiveManager(r, caches, SimpleBlockAllocator(BLOCKS), agent, TRANSFER)
-        receivers.append(_End(f"emu-range-recv-{r}", mgr, agent))
+        receivers.append(End(f"emu-range-recv-{r}", mgr, agent))
     senders = []
     for s in range(2):
         agent = _agent(f"emu-range-prefill-{s}", TRANSFER)
-        senders.append(_End(f"emu-range-send-{s}", SendManager(s, agent, TRANSFER), agent))
-    for s in senders:
-        for recv in receivers:
-            s.agent.add_peer(recv.agent.info())
-        s.pump.connect({r: recv.deliver_handle for r, recv in enumerate(receivers)})
-    for recv in receivers:
-        recv.pump.connect({i: s.deliver_handle for i, s in enumerate(senders)})
+        senders.append(End(f"emu-range-send-{s}", SendManager(s, agent, TRANSFER), agent))
+    wire(senders, receivers)
     yield senders, receivers
-    for e in senders + receivers:
-        e.pump.stop()
-        e.agent.close()
+    close(senders + receivers)
 
 
 def _tasks(ranges):
@@ -94,20 +66,6 @@ def _tasks(ranges):
                       moves=lay.moves, kv_ranges=ranges)
             for c, (chunk, lay) in enumerate(zip(plan.chunks, layouts, strict=True))
             for rank in range(len(lay.group))]
-
-
-def _ready(receivers, deadline_s: float) -> dict:
-    outcomes, deadline = {}, time.monotonic() + deadline_s
-    while len(outcomes) < len(RANGES) and time.monotonic() < deadline:
-        for rng in RANGES:
-            recv = receivers[rng.receivers[0]]
-            with recv._lock:
-                got = [e for e in recv.events if isinstance(e, (RequestReady, TransferFailed))
-                       and e.request_id == rng.transfer_id]
-            if got:
-                outcomes[rng.transfer_id] = got[0]
-        time.sleep(0.01)
-    return outcomes
 
 
 def test_emulated_members_stream_each_range_to_its_holder(ends):
@@ -129,7 +87,7 @@ def test_emulated_members_stream_each_range_to_its_holder(ends):
     # each chunk waited Eq. 1 of the profile for its share
     assert results[0].elapsed_s >= profile.predict(1, 0, 2000)
     assert all(r.elapsed_s >= profile.predict(2, 2000, 2000) for r in results[1:])
-    outcomes = _ready(receivers, 20.0)
+    outcomes = wait_ready(receivers, RANGES, 20.0)
     assert sorted(outcomes) == ["a", "a@0"]
     assert all(isinstance(e, RequestReady) for e in outcomes.values())
     for rng in RANGES:   # ready means every position [0, n) of the range, range-local, came

@@ -8,22 +8,20 @@ every holder has its range); both senders end holding nothing."""
 
 from __future__ import annotations
 
-import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
+from range_ends import End, close, wait_ready, wire
 from tetris.actors.prefill.layout import forced_plan
 from tetris.actors.prefill.messages import KVRange
 from tetris.actors.prefill.threaded import ThreadedPool
-from tetris.actors.transfer_pump import TransferPump
 from tetris.kernels.attention import attention_with_lse
 from tetris.transfer.backends import make_agent
 from tetris.transfer.block_allocator import SimpleBlockAllocator
 from tetris.transfer.receive_manager import ReceiveManager
 from tetris.transfer.send_manager import SendManager
-from tetris.transfer.states import FirstTokenIn, RequestReady, ShardSent, TransferFailed
+from tetris.transfer.states import FirstTokenIn, RequestReady
 
 from tetris.config import TransferConfig
 
@@ -31,28 +29,6 @@ TRANSFER = TransferConfig(backend="inproc", num_backends=2, pool_size=2, backend
                           send_buffer_bytes=8192, bulk_chunk_bytes=8192, timeout_s=20.0)
 N, SPLIT, BS, BLOCKS = 56, 15, 4, 32
 RANGES = (KVRange(0, SPLIT, "a@0", (1,)), KVRange(SPLIT, N, "a", (0,)))
-
-
-class _End:
-    """A sender's or receiver's transfer side on a pump; ``deliver_transfer`` is its inbox."""
-
-    def __init__(self, name: str, manager, agent) -> None:
-        self.agent, self.events, self._lock = agent, [], threading.Lock()
-        self.pump = TransferPump(manager, name=name, on_events=self._record).start()
-
-    def _record(self, events) -> None:
-        with self._lock:
-            self.events.extend(events)
-        done = [e.request_id for e in events if isinstance(e, (ShardSent, TransferFailed))]
-        if done and isinstance(self.pump.manager, SendManager):
-            with self.pump.locked() as mgr:
-                for rid in done:
-                    mgr.forget(rid)
-
-    @property
-    def deliver_handle(self):
-        """What a pump sends to: ``handle.deliver_transfer.remote(msgs)``, a direct call here."""
-        return SimpleNamespace(deliver_transfer=SimpleNamespace(remote=self.pump.deliver))
 
 
 @pytest.fixture
@@ -64,21 +40,14 @@ def ends(model):
         cache = [(torch.zeros(BLOCKS, BS, hkv, d), torch.zeros(BLOCKS, BS, hkv, d))
                  for _ in range(model.num_layers)]
         mgr = ReceiveManager(r, cache, SimpleBlockAllocator(BLOCKS), agent, TRANSFER)
-        receivers.append((_End(f"range-recv-{r}", mgr, agent), cache))
+        receivers.append((End(f"range-recv-{r}", mgr, agent), cache))
     senders = []
     for s in range(2):
         agent = make_agent(f"range-prefill-{s}", backend="inproc")
-        senders.append(_End(f"range-send-{s}", SendManager(s, agent, TRANSFER), agent))
-    for s in senders:
-        for recv, _ in receivers:
-            s.agent.add_peer(recv.agent.info())
-        s.pump.connect({r: recv.deliver_handle for r, (recv, _) in enumerate(receivers)})
-    for recv, _ in receivers:
-        recv.pump.connect({i: s.deliver_handle for i, s in enumerate(senders)})
+        senders.append(End(f"range-send-{s}", SendManager(s, agent, TRANSFER), agent))
+    wire(senders, [recv for recv, _ in receivers])
     yield senders, receivers
-    for e in senders + [r for r, _ in receivers]:
-        e.pump.stop()
-        e.agent.close()
+    close(senders + [r for r, _ in receivers])
 
 
 def _reference_kv(model, prompt):
@@ -107,17 +76,7 @@ def test_each_range_streams_to_its_holder_in_range_local_positions(model, ends):
     plan = forced_plan("a", N, "20x1,restx2", (0, 0))
     assert [len(c.instances) for c in plan.chunks] == [1, 2]
     result = pool.run(plan, prompt, kv_ranges=RANGES)
-    deadline = time.monotonic() + 20.0
-    outcomes = {}
-    while len(outcomes) < 2 and time.monotonic() < deadline:
-        for rng in RANGES:
-            recv, _ = receivers[rng.receivers[0]]
-            with recv._lock:
-                got = [e for e in recv.events if isinstance(e, (RequestReady, TransferFailed))
-                       and e.request_id == rng.transfer_id]
-            if got:
-                outcomes[rng.transfer_id] = got[0]
-        time.sleep(0.01)
+    outcomes = wait_ready([recv for recv, _ in receivers], RANGES, 20.0)
     assert all(isinstance(e, RequestReady) for e in outcomes.values()) and len(outcomes) == 2
     ref = _reference_kv(model, prompt)
     for rng in RANGES:
