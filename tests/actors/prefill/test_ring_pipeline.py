@@ -9,8 +9,9 @@ import threading
 
 import pytest
 import torch
-from cdsp_check import check_plan, prompt, reference
+from cdsp_check import check_plan, prompt
 from gloo_threads import run_ranks
+from stored_kv import assert_stored_kv_within_fp32
 from tetris.actors.prefill import ring_pipeline
 from tetris.actors.prefill.balance import plan_balance
 from tetris.actors.prefill.chunks import RunOptions, chunk_task
@@ -177,10 +178,5 @@ def test_pipelined_ring_plans_match_single_instance(local_pool, model, monkeypat
     want = sorted(m for c in plan.chunks if c.sp_layout == "ring" and c.sp_micro_partitions > 1
                   for m in [c.sp_micro_partitions] * (c.sp_size * model.num_layers))
     assert sorted(calls) == want
-    # tighter than check_plan's KV tolerance: the stored KV within fp32 rounding
-    _, ref_k, ref_v = reference(model, ids)
-    for inst in plan.instances:
-        p, k, v = local_pool.kv(plan.request_id, inst)
-        torch.testing.assert_close(k, ref_k[:, p], rtol=1e-4, atol=2e-5)
-        torch.testing.assert_close(v, ref_v[:, p], rtol=1e-4, atol=2e-5)
+    assert_stored_kv_within_fp32(local_pool, model, plan, ids)
     local_pool.release(plan.request_id)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cdsp_check import check_plan, prompt, reference
+from cdsp_check import check_plan, prompt
 from gloo_threads import run_ranks
+from stored_kv import assert_stored_kv_within_fp32
 from tetris.actors.prefill.balance import plan_balance
 from tetris.actors.prefill.head_shards import head_shard_slices, head_split_problem
 from tetris.actors.prefill.kv_store import ranges_tensor
@@ -80,12 +81,7 @@ def test_sptp_and_mixed_plans_match_single_instance(local_pool, model, n, spec, 
     assert [c.sp_layout for c in plan.chunks] == layouts
     ids = prompt(n, n)
     check_plan(local_pool, model, plan, ids)
-    # tighter than check_plan's KV tolerance: the chunk's KV within fp32 rounding
-    _, ref_k, ref_v = reference(model, ids)
-    for inst in plan.instances:
-        p, k, v = local_pool.kv(plan.request_id, inst)
-        torch.testing.assert_close(k, ref_k[:, p], rtol=1e-4, atol=2e-5)
-        torch.testing.assert_close(v, ref_v[:, p], rtol=1e-4, atol=2e-5)
+    assert_stored_kv_within_fp32(local_pool, model, plan, ids)
     local_pool.release(plan.request_id)
 
 
