@@ -9,6 +9,8 @@ from types import SimpleNamespace
 
 import torch
 from exactness import logprobs_of_logits
+from tetris.actors.decode.elastic import Hold, Lead, range_transfer_id
+from tetris.actors.decode.messages import Reserve
 from tetris.actors.transfer_pump import TransferPump
 from tetris.kernels.attention import attention_with_lse
 from tetris.transfer.backends import make_agent
@@ -89,3 +91,23 @@ def prefill(model, prompt):
     row = model.logits(hidden[-1:], upcast=True)[0]
     first = int(row.argmax())
     return kv, first, logprobs_of_logits([row], [first])[0]
+
+
+def placement_commands(me: int, prompts, placements, keys, params):
+    """Round 0's reservations on instance ``me`` for ``placements`` (request -> [(instance,
+    start, end)], the last range's instance masters it), the ranges it is sent as
+    (transfer id, request, start, end), and round 1's commits."""
+    reserve, sends, commits = [], [], []
+    for rid, ranges in placements.items():
+        master, kv_start, _ = ranges[-1]
+        for inst, s, e in ranges[:-1]:
+            if inst == me:
+                reserve.append(Hold(rid, keys[rid], master, s, e))
+                sends.append((range_transfer_id(rid, s), rid, s, e))
+        if master == me:
+            reserve.append(Reserve(rid, tuple(prompts[rid]), params, kv_start=kv_start))
+            if kv_start:
+                reserve.append(Lead(rid, keys[rid], tuple(i for i, _, _ in ranges[:-1])))
+            sends.append((rid, rid, kv_start, len(prompts[rid])))
+            commits.append(rid)
+    return reserve, sends, commits

@@ -16,9 +16,9 @@ import msgspec
 import torch
 import torch.multiprocessing as mp
 from exactness import TOP, assert_same_run, engine_runs
-from ranks import Sender, link, prefill, wait_received
-from tetris.actors.decode.elastic import Hold, Lead, Release, range_transfer_id
-from tetris.actors.decode.messages import Commit, Reserve
+from ranks import Sender, link, placement_commands, prefill, wait_received
+from tetris.actors.decode.elastic import Release
+from tetris.actors.decode.messages import Commit
 from tetris.actors.decode.rank import DecodeRank
 from tetris.actors.prefill.world import free_port
 
@@ -58,21 +58,8 @@ def transfer_sender(sender_id: int) -> Sender:
 
 
 def _commands(me: int, prompts):
-    """Round 0's reservations on instance ``me``, the KV it is sent, and round 1's commits."""
-    reserve, sends, commits = [], [], []
-    for rid, ranges in PLACEMENTS.items():
-        master, kv_start, _ = ranges[-1]
-        for inst, s, e in ranges[:-1]:
-            if inst == me:
-                reserve.append(Hold(rid, KEYS[rid], master, s, e))
-                sends.append((range_transfer_id(rid, s), s, e))
-        if master == me:
-            reserve.append(Reserve(rid, tuple(prompts[rid]), PARAMS, kv_start=kv_start))
-            if kv_start:
-                reserve.append(Lead(rid, KEYS[rid], tuple(i for i, _, _ in ranges[:-1])))
-            sends.append((rid, kv_start, len(prompts[rid])))
-            commits.append(rid)
-    return reserve, sends, commits
+    """Round 0's reservations on instance ``me``, the ranges it is sent, round 1's commits."""
+    return placement_commands(me, prompts, PLACEMENTS, KEYS, PARAMS)
 
 
 def _worker(me: int, port: int, tmp: str) -> None:
@@ -88,8 +75,8 @@ def _worker(me: int, port: int, tmp: str) -> None:
         reserve, sends, commits = _commands(me, prompts)
         prefills = {rid: prefill(model, prompts[rid]) for rid in PLACEMENTS}
         replies = [rank.step(reserve)]
-        for tid, s, e in sends:
-            sender.send(tid, rank.receiver_id, [kv[s:e] for kv in prefills[tid.split("@")[0]][0]])
+        for tid, rid, s, e in sends:
+            sender.send(tid, rank.receiver_id, [kv[s:e] for kv in prefills[rid][0]])
         wait_received(rank)   # the pump thread places the pieces; no round needed
         # the first exchange of round 1 waits for the peer, whose KV has arrived too
         replies.append(rank.step([Commit(rid, prefills[rid][1], prefills[rid][2])

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from exactness import TOP, assert_same_run, engine_runs
-from ranks import link, prefill
+from ranks import link, placement_commands, prefill
 from test_elastic_rank import MODEL, TRANSFER, transfer_sender
 from tetris.actors.decode.elastic import Hold, Lead, Release, range_transfer_id
 from tetris.actors.decode.messages import Commit, Reserve
@@ -70,20 +70,7 @@ def _prompts():
 
 def _commands(me: int, prompts):
     """Round 0's reservations on instance ``me``, the ranges it is sent, round 1's commits."""
-    reserve, sends, commits = [], [], []
-    for rid, ranges in PLACEMENTS.items():
-        master, kv_start, _ = ranges[-1]
-        for inst, s, e in ranges[:-1]:
-            if inst == me:
-                reserve.append(Hold(rid, KEYS[rid], master, s, e))
-                sends.append((range_transfer_id(rid, s), rid, s, e))
-        if master == me:
-            reserve.append(Reserve(rid, tuple(prompts[rid]), PARAMS, kv_start=kv_start))
-            if kv_start:
-                reserve.append(Lead(rid, KEYS[rid], tuple(i for i, _, _ in ranges[:-1])))
-            sends.append((rid, rid, kv_start, len(prompts[rid])))
-            commits.append(rid)
-    return reserve, sends, commits
+    return placement_commands(me, prompts, PLACEMENTS, KEYS, PARAMS)
 
 
 def _store_ports(n: int) -> list[int]:
