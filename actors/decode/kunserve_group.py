@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+from collections.abc import Callable
 
 from tetris.control.drop_plan import DropRefused, Group
 from tetris.control.kunserve import Decision, KunServeController
@@ -125,16 +126,18 @@ class ServedKunServe:
         """``DropRefused`` (nothing changed) for a plan losing a layer's last copy, naming an
         unknown or grouped instance, or one the members cannot hold."""
         async with self.lock:
-            return await self._force_drop(groups)
+            return await self._force(lambda: self.controller.force_drop(groups), "drops")
 
-    async def _force_drop(self, groups: list[Group]) -> Decision:
+    async def _force(self, decide: Callable[[], Decision], counter: str) -> Decision:
+        """Apply the controller's forced decision; if applying fails, the groups and the
+        controller's ``counter`` (``drops`` or ``restores``) are as they were before."""
         before = list(self.controller.groups)
-        decision = self.controller.force_drop(groups)
+        decision = decide()
         try:
             await self._apply(before, decision)
         except BaseException as e:
             self.controller.groups = before
-            self.controller.drops -= 1
+            setattr(self.controller, counter, getattr(self.controller, counter) - 1)
             if isinstance(e, ValueError):
                 raise DropRefused(str(e)) from e
             raise
@@ -143,20 +146,8 @@ class ServedKunServe:
     async def force_restore(self, leader: int) -> Decision:
         """``DropRefused`` (nothing changed) for no such group or requests that would not fit."""
         async with self.lock:
-            return await self._force_restore(leader)
-
-    async def _force_restore(self, leader: int) -> Decision:
-        before = list(self.controller.groups)
-        decision = self.controller.force_restore(leader)
-        try:
-            await self._apply(before, decision)
-        except BaseException as e:
-            self.controller.groups = before
-            self.controller.restores -= 1
-            if isinstance(e, ValueError):
-                raise DropRefused(str(e)) from e
-            raise
-        return decision
+            return await self._force(lambda: self.controller.force_restore(leader),
+                                     "restores")
 
     def unit_blocks(self) -> dict[int, int]:
         """KV blocks each serving unit (an instance, or a group by its first member) has."""
