@@ -41,13 +41,6 @@ RANGES = [(1, 0, 15), (0, 15, 33)]   # (instance, start, end); the last one mast
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def reference():
     return Reference()
 

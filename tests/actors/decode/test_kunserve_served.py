@@ -51,13 +51,6 @@ PROMPTS = [_prompt(n, s) for n, s in ((3, 1), (26, 2), (11, 3), (17, 4))]
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def pool(ray_session, loop):
     # KV transfer on (NIXL) where it can be: the landing test streams a prefilled prompt
     transfer = TRANSFER if nixl_unavailable_reason() is None else None

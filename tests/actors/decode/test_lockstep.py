@@ -37,13 +37,6 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def reference():
     model, tok = load_model(MODEL)
     engine = LLMEngine(model, tok, num_blocks=64, block_size=4, max_num_seqs=4)
