@@ -28,6 +28,20 @@ def causal_op(layer, q, k, v):
 
 
 @torch.inference_mode()
+def prefill_kv(model, prompt):
+    """The prompt's per-layer K/V as one prefill outside any engine computes them, and the
+    logits row of its last position (what a prefill instance streams and samples from)."""
+    kv = []
+
+    def capture(layer, q, k, v):
+        kv.append((k.clone(), v.clone()))
+        return causal_op(layer, q, k, v)
+
+    hidden = model.forward(torch.tensor(prompt), torch.arange(len(prompt)), capture)
+    return kv, model.logits(hidden[-1:])
+
+
+@torch.inference_mode()
 def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
     """Greedy tokens by recomputing the whole sequence each step: no cache, no batching."""
     tokens = list(prompt)

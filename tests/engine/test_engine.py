@@ -11,7 +11,7 @@ from tetris.engine.engine import LLMEngine
 from tetris.kernels.paged_decode import write_kv
 from tetris.sampling_params import SamplingParams
 
-from engine_helpers import TINY, causal_op, greedy_reference, reference_logprobs
+from engine_helpers import TINY, greedy_reference, prefill_kv, reference_logprobs
 from exactness import TOP, assert_same_run
 from engine_helpers import tiny_model as _load_tiny
 
@@ -191,16 +191,8 @@ def test_generation_stops_at_the_context_limit(tiny_model):
 
 def _prefill_kv(model, prompt):
     """The prompt's per-layer K/V and greedy first token, computed outside any engine."""
-    kv = []
-
-    def capture(layer, q, k, v):
-        kv.append((k.clone(), v.clone()))
-        return causal_op(layer, q, k, v)
-
-    with torch.inference_mode():
-        hidden = model.forward(torch.tensor(prompt), torch.arange(len(prompt)), capture)
-        logits = model.logits(hidden[-1:])[0]
-    return kv, int(logits.argmax(-1)), logits
+    kv, row = prefill_kv(model, prompt)
+    return kv, int(row[0].argmax(-1)), row[0]
 
 
 def test_prefilled_request_joins_and_continues_like_a_local_one(tiny_model, reference):

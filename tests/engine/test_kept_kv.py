@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import causal_op, greedy_reference, tiny_model
+from engine_helpers import greedy_reference, prefill_kv, tiny_model
 from tetris.kernels.paged_decode import write_kv
 
 from tetris.engine.engine import LLMEngine
@@ -17,15 +17,8 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def _prefill_kv(model, prompt):
-    kv = []
-
-    def capture(layer, q, k, v):
-        kv.append((k.clone(), v.clone()))
-        return causal_op(layer, q, k, v)
-
-    with torch.inference_mode():
-        hidden = model.forward(torch.tensor(prompt), torch.arange(len(prompt)), capture)
-        return kv, int(model.logits(hidden[-1:])[0].argmax(-1))
+    kv, row = prefill_kv(model, prompt)
+    return kv, int(row[0].argmax(-1))
 
 
 def _run(engine, rid):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import causal_op, greedy_reference, tiny_model
+from engine_helpers import greedy_reference, prefill_kv, tiny_model
 from tetris.kernels.paged_decode import write_kv
 
 from tetris.engine.block_manager import BlockManager
@@ -38,14 +38,7 @@ def _run(engine, rid):
 def _prefill(model, prompt):
     """Every layer's K/V of ``prompt`` as one prefill computes them, and the first token with
     its logprob (what a prefill instance streams and sends)."""
-    kv = []
-
-    def capture(layer, q, k, v):
-        kv.append((k.clone(), v.clone()))
-        return causal_op(layer, q, k, v)
-
-    hidden = model.forward(torch.tensor(prompt), torch.arange(len(prompt)), capture)
-    row = model.logits(hidden[-1:])
+    kv, row = prefill_kv(model, prompt)
     first = int(row[0].argmax(-1))
     return kv, first, logprobs_of_rows(row, [first], TURN.logprobs)[0]
 
