@@ -8,7 +8,8 @@ replays it against the latency model. Times in a plan are seconds on the caller'
 Invariants (checked by ``PrefillPlan.validate``):
 
 - chunks cover ``[cached_tokens, prompt_tokens)`` in order, without gaps or overlap (a
-  cached prefix counts as a chunk already run on ``cached_instances``);
+  cached prefix counts as a chunk already run on ``cached_instances``, unless it is moved to
+  the first group: ``cached_moved``);
 - each chunk's group contains every instance of the previous chunk's group (groups only grow,
   paper §4.1), and the previous group's members come first in the same order, so ring
   position ``r`` of an old member never changes;
@@ -79,9 +80,13 @@ class PrefillPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Prefix caching: ``[0, cached_tokens)`` is not computed; its KV is the run
     # ``cached_source``'s, on ``cached_instances`` (ring order) as that run's ring left it, and
     # counts as a chunk already run: the first chunk's group starts with those instances.
+    # ``cached_moved``: the prefix's KV is moved instead, from ``cached_instances`` to the
+    # first chunk's group (spread evenly over it, in ring order) before that chunk runs, so
+    # that group need not contain them (a cheaper group than the holders', issue #23 item 2).
     cached_tokens: int = 0
     cached_instances: tuple[int, ...] = ()
     cached_source: str = ""
+    cached_moved: bool = False
 
     @property
     def instances(self) -> tuple[int, ...]:
@@ -97,8 +102,11 @@ class PrefillPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 bool(self.cached_tokens) != bool(self.cached_instances):
             raise PlanError(f"plan {self.request_id}: {self.cached_tokens} cached tokens on "
                             f"{self.cached_instances} for a {self.prompt_tokens}-token prompt")
+        if self.cached_moved and not self.cached_tokens:
+            raise PlanError(f"plan {self.request_id}: a moved prefix needs cached tokens")
         pos = self.cached_tokens
-        prev: tuple[int, ...] = self.cached_instances
+        # A moved prefix lies on the first group when it starts: nothing to grow from.
+        prev: tuple[int, ...] = () if self.cached_moved else self.cached_instances
         for k, c in enumerate(self.chunks):
             if c.start != pos or c.end <= c.start:
                 raise PlanError(
