@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["CsaConfig", "KunServeConfig", "PrefixCacheConfig", "SpLayoutConfig"]
+__all__ = ["CsaConfig", "KunServeConfig", "PREFIX_PLACEMENTS", "PrefixCacheConfig",
+           "SpLayoutConfig"]
+
+PREFIX_PLACEMENTS = ("auto", "extend", "move", "recompute")
+
 
 class PrefixCacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Prefix caching (docs/prefix_cache.md): the control plane's index of cached prompt
@@ -26,8 +30,16 @@ class PrefixCacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # finished runs each decode instance keeps the KV of, for a conversation's next turn
     # (tetris/control/decode_kept.py); 0: no decode-side reuse
     decode_runs: int = 0
+    # Where a hit's first chunk runs (tetris/scheduler/prefix_plan.py): "auto", the latency
+    # model's choice between growing the holders' group ("extend"), moving the prefix's KV to
+    # a cheaper group without them ("move") and computing it again ("recompute"); the other
+    # values force one option where it is possible (operators pinning a choice, and tests).
+    placement: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.placement not in PREFIX_PLACEMENTS:
+            raise ValueError(f"prefix_cache.placement must be one of {PREFIX_PLACEMENTS}, "
+                             f"got {self.placement!r}")
         if self.decode_runs < 0:
             raise ValueError(f"prefix_cache.decode_runs must be >= 0, got {self.decode_runs}")
         if self.block_tokens <= 0 or self.capacity_blocks < 0:
