@@ -20,9 +20,13 @@ class KeepingPrefill(Prefill):
     def __init__(self) -> None:
         super().__init__()
         self.run_kw: dict[str, dict] = {}
+        self.virtual: dict[str, int] = {}   # the router's virtual usage while each run prefills
+        self.dispatcher = None
 
     async def run(self, plan, token_ids, sampling, kv_receivers, **kw):
         self.run_kw[plan.request_id] = kw
+        if self.dispatcher is not None:
+            self.virtual[plan.request_id] = sum(self.dispatcher.control.router.virtual)
         return await super().run(plan, token_ids, sampling, kv_receivers)
 
 
@@ -60,10 +64,13 @@ def _turn2(first_outputs):
 def test_a_second_turn_copies_its_prefix_on_decode_and_is_not_streamed():
     prefill, decode = KeepingPrefill(), KeepingDecode()
     d = _dispatcher(prefill, decode)
+    prefill.dispatcher = d
+    turn2 = []
 
     async def scenario():
         out1 = await _run(d, _req("t1", Q1))
-        await _run(d, _req("t2", _turn2(t for o in out1 for t in o.new_token_ids)))
+        turn2.extend(_turn2(t for o in out1 for t in o.new_token_ids))
+        await _run(d, _req("t2", turn2))
         await _run(d, _req("other", list(range(2000, 2100))))   # lets t1 go (2 an instance)
         return await d.prefix_cache(), await d.prefix_cache(clear=True)
 
@@ -75,6 +82,10 @@ def test_a_second_turn_copies_its_prefix_on_decode_and_is_not_streamed():
     assert prefill.plans["t2"].cached_tokens == 592
     assert prefill.run_kw == {"t1": {}, "t2": {"prefix_streamed": False}, "other": {}}
     assert (before["decode_reuses"], before["decode_reused_tokens"]) == (1, 592)
+    # the router books a run's prompt and output (max_tokens 2); t2's 37 blocks shared with
+    # t1 (592 tokens, whole 16-token blocks) are counted used on the instance already
+    assert prefill.virtual["t1"] == len(Q1) + 2
+    assert prefill.virtual["t2"] == len(turn2) + 2 - 592
     assert before["decode_kept"] == {0: ["other", "t2"]}
     # t1 let go when "other" completed, the rest when the cache was cleared
     assert decode.dropped == [(0, "t1"), (0, "t2"), (0, "other")]
@@ -90,8 +101,11 @@ def test_a_refused_copy_falls_back_to_streaming_the_prefix():
         outs = await _run(d, _req("t2", _turn2(t for o in out1 for t in o.new_token_ids)))
         return outs, await d.prefix_cache()
 
+    prefill.dispatcher = d
     outs, cache = asyncio.run(scenario())
     assert outs[-1].finished
+    # the copy was refused: t2 streams its prefix and books its whole prompt
+    assert prefill.virtual["t2"] == prefill.plans["t2"].prompt_tokens + 2
     assert [kw for rid, kw in decode.reserves if rid == "t2"] == [
         {"keep": True, "prefix_from": "t1", "prefix_tokens": 592}, {"keep": True}]
     assert prefill.run_kw["t2"] == {} and prefill.plans["t2"].cached_tokens == 592

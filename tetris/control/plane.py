@@ -90,6 +90,17 @@ class ControlPlane:
         self._virtual[run_id] = (instance, kv_tokens)
         return instance
 
+    def book_shared(self, run_id: str, shared_tokens: int) -> None:
+        """``shared_tokens`` of a routed run's booked slots are held on its instance already
+        (a prefix shared with a run kept there, whose blocks the instance reports as used):
+        its virtual usage drops by them."""
+        instance, booked = self._virtual[run_id]
+        if not 0 <= shared_tokens <= booked:
+            raise ValueError(f"run {run_id!r} booked {booked} slots, {shared_tokens} cannot "
+                             "be shared")
+        self.router.release(instance, shared_tokens)
+        self._virtual[run_id] = (instance, booked - shared_tokens)
+
     def plan(self, run_id: str, prompt_tokens: int, now: float, *,
              arrival: bool = True, block_hashes: Sequence[int] | None = None) -> PrefillPlan:
         """The policy's plan against the queue now; ``arrival`` runs θ's update first (a run

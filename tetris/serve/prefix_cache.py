@@ -129,6 +129,10 @@ async def route_to_kept(d, req, aid: str, tl):
             await d.decode.reserve(instance, aid, prompt, req.sampling, keep=True,
                                    prefix_from=run, prefix_tokens=plan.cached_tokens)
             kept.reused(plan.cached_tokens)
+            # The kept run's whole blocks below the prefix are shared, counted as used by the
+            # instance already (the boundary block is copied): book only the rest.
+            block = d.deployment.decode.block_size
+            d.control.book_shared(aid, plan.cached_tokens // block * block)
             return instance, plan, {"prefix_streamed": False}
         except Exception as e:
             if carried(e, ValueError) is None:
