@@ -39,6 +39,7 @@ import msgspec
 from tetris.control.prefix_index import KvLocation, PrefixIndex
 from tetris.control.queue import PrefillQueue
 from tetris.plan import PrefillPlan
+from tetris.scheduler.prefix_move import PrefixMove
 from tetris.scheduler.prefix_plan import PrefixOption, plan_from_prefix
 from tetris.scheduler.rate import RateMonitor
 from tetris.scheduler.router import DecodeRouter
@@ -62,7 +63,8 @@ class ControlPlane:
 
     def __init__(self, policy: Any, queue: PrefillQueue, router: DecodeRouter | None, *,
                  improvement_rate: float | None, monitor: RateMonitor | None = None,
-                 prefix_index: PrefixIndex | None = None) -> None:
+                 prefix_index: PrefixIndex | None = None, prefix_placement: str = "auto",
+                 prefix_move: PrefixMove | None = None) -> None:
         self.policy = policy
         self.queue = queue
         self.router = router
@@ -75,6 +77,10 @@ class ControlPlane:
         self._prefix_runs: dict[str, tuple[Sequence[int], tuple[int, ...], int | None]] = {}
         self.last_prefix: PrefixOption | None = None
         self._prefix_cached: set[str] = set()   # runs whose prefill succeeded
+        # [prefix_cache] placement, and the link model a hit's "move" option is priced on
+        # (None: not offered); tetris/scheduler/prefix_plan.py
+        self.prefix_placement = prefix_placement
+        self.prefix_move = prefix_move
 
     # -- decisions --------------------------------------------------------------------------
     def route(self, run_id: str, kv_tokens: int,
@@ -121,7 +127,9 @@ class ControlPlane:
         option = plan_from_prefix(self.policy, run_id, prompt_tokens, now,
                                   self.queue.pool_state(now), cached_tokens=hit.tokens,
                                   holders=hit.location.prefill_instances, source=hit.source,
-                                  improvement_rate=self.improvement_rate)
+                                  improvement_rate=self.improvement_rate,
+                                  placement=self.prefix_placement, move=self.prefix_move,
+                                  source_ready=self._prefix_ready(hit.source))
         if option.plan.cached_tokens:
             index.acquire(run_id, hit)
         self.last_prefix = option
@@ -195,6 +203,12 @@ class ControlPlane:
         # Its own KV now holds the prefix it read: the source it planned from may go.
         self.prefix_index.release(run_id)
         return n
+
+    def _prefix_ready(self, source: str) -> bool:
+        """Whether ``source``'s KV is all computed (its prefill succeeded): a run indexed at
+        commit and not prefilled yet is still running; one gone from ``_prefix_runs`` while
+        still in the index had finished its prefill (else ``finished`` forgot it)."""
+        return source in self._prefix_cached or source not in self._prefix_runs
 
     def prefix_released(self) -> list[str]:
         """Runs whose cached KV no block and no run needs any more (free it where it lies)."""
