@@ -105,6 +105,21 @@ class ChunkTickets:
                                        f"without progress behind requests {ahead}")
                 self._cond.wait(left)
 
+    def wait_gone(self, request_id: str, instances, stall_s: float) -> None:
+        """Block until ``request_id`` has no ticket left on ``instances`` (a moved prefix's
+        source is done with its holders). Committed earlier, its chunks never wait for the
+        caller's; raises ``PrefillError`` if no ticket of the pool finishes for ``stall_s``."""
+        with self._cond:
+            seen, deadline = self._progress, time.monotonic() + stall_s
+            while any(t[0] == request_id for i in instances for t in self._queues[i]):
+                if self._progress != seen:
+                    seen, deadline = self._progress, time.monotonic() + stall_s
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PrefillError(f"request {request_id} held instances {list(instances)} "
+                                       f"for {stall_s:g}s without progress")
+                self._cond.wait(left)
+
     def chunk_done(self, request_id: str, k: int) -> None:
         with self._cond:
             self._current.pop(request_id, None)

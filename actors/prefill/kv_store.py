@@ -7,9 +7,18 @@ an arbitrary sorted set, not a prefix. Each request owns whole blocks of
 ``block * block_size + offset``. Slots are reserved for a set of positions before a chunk runs,
 written layer by layer as layers finish, and released when positions move to another worker,
 when the request's KV has been handed off, or when the request is aborted.
+
+Thread safety: a worker runs one chunk at a time, but a cached prefix is exported from its
+transfer thread while the default thread runs another request's chunk (``export_below``,
+actors/prefill/prefix_move.py). Block bookkeeping (reserve, release, free, copy) and that export
+hold ``lock``, so the exported run's blocks cannot be freed and given to another request in the
+middle of the read; reads and writes of a request's own slots need no lock.
 """
 
 from __future__ import annotations
+
+import functools
+import threading
 
 import torch
 
@@ -27,6 +36,15 @@ def ranges_tensor(ranges: Ranges) -> torch.Tensor:
     if not ranges:
         return torch.empty(0, dtype=torch.int64)
     return torch.cat([torch.arange(lo, hi, dtype=torch.int64) for lo, hi in ranges])
+
+
+def _locked(method):
+    """Run ``method`` holding the store's ``lock`` (see the module's thread safety)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 class _RequestKV:
@@ -53,6 +71,7 @@ class PagedKVStore:
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._free_blocks = list(range(num_blocks - 1, -1, -1))   # pop() gives block 0 first
         self._reqs: dict[str, _RequestKV] = {}
+        self.lock = threading.RLock()   # block bookkeeping vs. an export from another thread
 
     # -- bookkeeping --------------------------------------------------------------------------
     @property
@@ -75,6 +94,7 @@ class PagedKVStore:
     def can_reserve(self, request_id: str, num_tokens: int) -> bool:
         return self.blocks_needed(request_id, num_tokens) <= len(self._free_blocks)
 
+    @_locked
     def reserve(self, request_id: str, positions: Ranges) -> None:
         """Reserve slots for new positions of a request (all or nothing)."""
         pos = ranges_tensor(positions)
@@ -100,6 +120,7 @@ class PagedKVStore:
         order = torch.argsort(all_pos)
         entry.pos, entry.slot = all_pos[order], all_slot[order]
 
+    @_locked
     def release(self, request_id: str, positions: Ranges) -> None:
         """Free the slots of some positions (moved elsewhere); emptied blocks return to the pool."""
         entry = self._reqs.get(request_id)
@@ -114,6 +135,7 @@ class PagedKVStore:
         if entry.pos.numel() == 0:
             self.free(request_id)
 
+    @_locked
     def free(self, request_id: str) -> int:
         """Free everything the request holds; returns the number of blocks freed."""
         entry = self._reqs.pop(request_id, None)
@@ -161,6 +183,7 @@ class PagedKVStore:
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         return kc.view(-1, *kc.shape[2:])[slots], vc.view(-1, *vc.shape[2:])[slots]
 
+    @_locked
     def copy_prefix(self, source: str, request_id: str, upto: int) -> Ranges:
         """Prefix caching: give ``request_id`` its own copy of ``source``'s KV at positions
         below ``upto`` held here (all layers); returns those positions as ranges."""
@@ -184,6 +207,22 @@ class PagedKVStore:
             flat = cache.view(-1, *cache.shape[2:])   # [num_blocks * block_size, Hkv, D]
             flat[dst] = flat[src]
         return ranges
+
+    @_locked
+    def export_below(self, source: str, upto: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(positions [n], k [L, n, Hkv, D], v [L, n, Hkv, D]) of ``source``'s KV held here
+        below ``upto``, read under ``lock`` (safe beside another request's chunk)."""
+        entry = self._reqs.get(source)
+        n = 0 if entry is None else int((entry.pos < upto).sum())   # pos is sorted: the first n
+        if n == 0:
+            kc = self.k_cache[0]
+            empty = torch.empty((self.num_layers, 0, *kc.shape[2:]), dtype=kc.dtype)
+            return torch.empty(0, dtype=torch.int64), empty, empty.clone()
+        slots = entry.slot[:n]
+        ks = torch.stack([c.view(-1, *c.shape[2:])[slots] for c in self.k_cache])
+        vs = torch.stack([c.view(-1, *c.shape[2:])[slots] for c in self.v_cache])
+        return entry.pos[:n].clone(), ks, vs
 
     def empty_rows(self, n: int, pairs: int = 2) -> torch.Tensor:
         """A receive buffer [n, pairs, Hkv, D] of the cache dtype."""

@@ -38,10 +38,12 @@ def plan_layout(plan: PrefillPlan, balance: BalanceMode = "overlap",
 
     Balancing runs only when a chunk's group is larger than the previous one (paper §4.1);
     with ``balance="off"`` history stays where the earlier chunks left it. ``cached``: a
-    cached prefix's positions on each of ``plan.cached_instances``, as a chunk already run.
+    cached prefix's positions on each of ``plan.cached_instances``, as a chunk already run; a
+    moved prefix's (``plan.cached_moved``) on chunk 0's group, which then starts balanced.
     """
     held: dict[int, Ranges] = dict(cached or {})
-    prev: tuple[int, ...] = plan.cached_instances if cached else ()
+    prev: tuple[int, ...] = () if not cached else (
+        plan.chunks[0].instances if plan.cached_moved else plan.cached_instances)
     layouts = []
     for c in plan.chunks:
         group = c.instances

@@ -52,6 +52,7 @@ from tetris.actors.prefill.layout import plan_layout
 from tetris.actors.prefill.messages import (BalanceMode, ChunkResult, PrefillPlanOutdated,
                                             PrefillResult)
 from tetris.actors.prefill.prefix import adopt_prefix
+from tetris.actors.prefill.prefix_move import move_prefix
 from tetris.actors.prefill.tp_groups import check_streaming
 from tetris.actors.prefill.wiring import TransferWiring
 from tetris.actors.prefill.worlds import WorldKeeper
@@ -195,7 +196,11 @@ class PrefillPool:
                 # The prefix's run may still be running on its holders (it is readable from
                 # its commit): its chunks there come first, so the copy waits for our turn.
                 self._turn(plan, 0, waits)
-                cached = adopt_prefix(self, plan, opts)
+                if plan.cached_moved:   # to chunk 0's group G, which frees it on failure
+                    touched = sorted(set(touched) | set(plan.chunks[0].instances))
+                    cached = move_prefix(self, plan, opts)
+                else:
+                    cached = adopt_prefix(self, plan, opts)
             layouts, final = plan_layout(plan, opts.balance, cached)
             for k, lay in enumerate(layouts):
                 if k or cached is None:

@@ -293,6 +293,29 @@ class PrefillWorker:
                     stream_prefix(mgr, self.store, request_id, ranges, prompt_tokens, upto, mine)
         return ranges
 
+    @ray.method(concurrency_group=TRANSFER_GROUP)   # beside the chunk the holder runs
+    def export_prefix(self, source: str, upto: int, shares: tuple) -> tuple:
+        """Prefix caching, a prefix moved to another group (``prefix_move.py``): ``source``'s
+        positions below ``upto`` held here, then its KV inside each share; reads only."""
+        from tetris.actors.prefill.prefix_move import export_parts
+
+        self._one_rank("export_prefix")
+        return export_parts(self, source, upto, shares)
+
+    def import_prefix(self, request_id: str, share: tuple, prompt_tokens: int, upto: int,
+                      kv_receivers: tuple[int, ...], *parts) -> tuple:
+        """Store this instance's ``share`` of a moved prefix from the holders' ``parts`` under
+        ``request_id`` and stream it to ``kv_receivers`` (``prefix_move.py``)."""
+        from tetris.actors.prefill.prefix_move import import_parts
+
+        self._one_rank("import_prefix")
+        return import_parts(self, request_id, share, prompt_tokens, upto, tuple(kv_receivers),
+                            parts)
+
+    def _one_rank(self, method: str) -> None:
+        if self.tp_size > 1:   # the pool refuses such plans first (PlanError)
+            raise RuntimeError(f"{method}: a moved prefix needs TP 1 prefill instances")
+
     def export_kv(self, request_id: str):
         """(positions [n], k [L, n, Hkv, D], v [L, n, Hkv, D]) held here, for hand-off or tests."""
         if self.store is None:
