@@ -23,7 +23,7 @@ from tetris.sim.decode import DecodeInstanceSim, DecodeRequest
 from tetris.sim.events import EventKind, EventQueue
 from tetris.sim.metrics import SimResult, summarise, weighted_percentiles, LatencySummary
 from tetris.sim.prefill import PrefillPoolSim
-from tetris.sim.prefix_transfer import with_prefix_shard
+from tetris.sim.prefix_transfer import move_landing, with_prefix_shard
 from tetris.sim.transfer import KVTransferModel
 from tetris.sim.workload import SimRequest
 
@@ -200,7 +200,9 @@ class Simulation:
     def _execute(self, now: float, i: int, plan: Any) -> tuple[float, list[Any]]:
         """Run a committed plan on the simulated pool; its end is the control plane's
         ``prefill_done`` event."""
-        end, runs = self.prefill.execute(plan, now)
+        # a moved cached prefix lands on chunk 0's group first (prefix_transfer.move_landing)
+        end, runs = self.prefill.execute(plan, move_landing(
+            plan, now, getattr(self.control, "prefix_move", None), self.control.queue.node_of))
         if self.plans is not None:
             self.plans.append(plan)
         self.ttft[i] = end - now

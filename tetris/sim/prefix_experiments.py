@@ -17,9 +17,12 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from tetris.config import SpLayoutConfig
 from tetris.control import ControlPlane, PrefillQueue
 from tetris.control.prefix_index import PrefixIndex
 from tetris.scheduler.policies import make_policy
+from tetris.scheduler.prefix_move import PrefixMove
+from tetris.scheduler.sp_comm import LLAMA3_8B, LLAMA3_70B, CommLinks
 from tetris.sim.cluster import Simulation, cluster_by_name
 from tetris.sim.experiments import SLO_FACTOR, _decode_side, _profile, execution_fn
 from tetris.sim.prefix_decode import PrefixDecodeSimulation
@@ -31,8 +34,8 @@ from tetris.sim.prefix_workload import (
 )
 from tetris.sim.workload import SimRequest
 
-__all__ = ["PrefixRun", "bisect_capacity", "default_capacity_blocks", "prefix_capacity",
-           "run_prefix", "slo_from_light_load"]
+__all__ = ["PrefixRun", "bisect_capacity", "cluster_prefix_move", "default_capacity_blocks",
+           "prefix_capacity", "run_prefix", "slo_from_light_load"]
 
 
 class PrefixRun(msgspec.Struct, frozen=True):
@@ -68,10 +71,12 @@ def run_prefix(requests: list[SimRequest], *, model: str = "8b", policy: str = "
                improvement_rate: float = 0.3, cache: bool, block_tokens: int = 512,
                capacity_blocks: int | None = None, decode: bool = False,
                decode_runs: int = 0, kept: dict | None = None,
-               rate: float = 0.0) -> tuple[PrefixRun, Simulation]:
+               rate: float = 0.0, placement: str = "auto",
+               move: bool = True) -> tuple[PrefixRun, Simulation]:
     """One run; ``decode_runs`` > 0 (with ``decode`` and ``cache``) keeps that many finished
     runs per decode instance for decode-side reuse, ``kept`` their block hashes
-    (``prefix_workload.decode_kept_hashes``)."""
+    (``prefix_workload.decode_kept_hashes``). ``placement`` is ``[prefix_cache] placement``;
+    ``move`` offers the "move" option on the cluster's links (``cluster_prefix_move``)."""
     cluster = cluster_by_name(model)
     lat = _profile(cluster)
     pol = make_policy(policy, lat, sp_candidates=cluster.sp_candidates,
@@ -83,7 +88,9 @@ def run_prefix(requests: list[SimRequest], *, model: str = "8b", policy: str = "
                   else capacity_blocks)
         index = PrefixIndex(block_tokens, blocks)
     control = ControlPlane(pol, PrefillQueue(cluster.node_of()), router,
-                           improvement_rate=improvement_rate, prefix_index=index)
+                           improvement_rate=improvement_rate, prefix_index=index,
+                           prefix_placement=placement,
+                           prefix_move=cluster_prefix_move(cluster) if move else None)
     common = {"cluster": cluster, "control": control, "latency": lat, "decode_step": step,
               "workload": "shared-prefix", "rate": rate, "record": True,
               "execution": execution_fn(model, "profile")}
@@ -104,6 +111,14 @@ def run_prefix(requests: list[SimRequest], *, model: str = "8b", policy: str = "
                      index.stats() if index is not None else {}, float(p50), float(p99),
                      kept_stats.get("decode_reuses", 0),
                      kept_stats.get("decode_reused_tokens", 0), tail), sim
+
+
+def cluster_prefix_move(cluster) -> PrefixMove:
+    """The link model a cached prefix's move is priced on: the cluster's model per prefill
+    instance (the paper's LLaMA3 geometry, ``experiments._layout_policy``'s) and the default
+    ``[sp_layout]`` links (the paper's NVSwitch and one 200 Gb/s NIC per GPU)."""
+    full = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}[cluster.model]
+    return PrefixMove(full.per_instance(cluster.prefill_tp), CommLinks.from_config(SpLayoutConfig()))
 
 
 def bisect_capacity(ok: Callable[[float], bool], *, lo: float, hi: float, tol: float,
