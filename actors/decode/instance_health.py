@@ -9,6 +9,7 @@ replaces every rank and reconnects the senders.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 
@@ -23,6 +24,8 @@ _ALIVE_FRESH_S = 1.0   # a round answered this recently proves every rank alive 
 
 class InstanceHealth:
     """Mixed into ``DecodeInstance``: why it stopped serving, and bringing it back."""
+
+    rebuilds = 0   # times it served again with its ranks rebuilt in place (``resume_rounds``)
 
     @property
     def broken(self) -> BaseException | None:
@@ -67,6 +70,23 @@ class InstanceHealth:
             raise
         finally:
             self._restarting = False
+
+    async def resume_rounds(self) -> None:
+        """Serve again with the same rank actors, rebuilt in place (a KunServe group's
+        survivor: ``rank_kunserve.kunserve_rebuild``), without a restart. The requests it held
+        have already failed (``DecodeInstanceLost``)."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        self._broken = None
+        self._answered_at = -math.inf
+        self._book.commands.clear()
+        self._stats = None
+        await self._read_kv_blocks()
+        self._book.wake = asyncio.Event()
+        self._loop_task = asyncio.create_task(self._run(), name=f"decode-{self.instance}-rounds")
+        self.rebuilds += 1
 
     def _break(self, exc: BaseException) -> None:
         """Stop serving: fail every request it holds; ``restart`` brings it back."""

@@ -17,10 +17,17 @@ paused (each instance's ``round_lock``; commands queue meanwhile):
    freed parameter bytes over the block bytes.
 
 A restore pauses the members again, checks that every member's requests fit its undropped
-cache, then pulls layers and KV back and closes the links. A member found broken (a rank
-died: its own and its peers' steps fail, their requests take the dispatcher's resume path)
-leaves the controller's grouping through ``forget_broken``; the supervisor restarts the
-instances as whole replicas.
+cache, then pulls layers and KV back and closes the links.
+
+A member that dies (its rank actor is gone: its own and its peers' steps fail on the broken
+links) takes the KV of its layers for every request of the group with it, so every request
+of the group fails with ``DecodeInstanceLost`` and takes the dispatcher's resume path
+(recomputed from its prompt and the tokens its client has); requests on instances outside
+the group go on untouched. ``rebuild_after_loss`` lets the group go: each member whose rank
+still answers is rebuilt in place (same actor: the layers from the model's checkpoint, a
+whole-model cache, ``rank_kunserve.kunserve_rebuild``) and serves again at once; the dead one
+stays broken and the supervisor restarts it. A later overload drops again with the new
+member (the controller's ordinary next decision).
 """
 
 from __future__ import annotations
@@ -76,6 +83,8 @@ class ServedKunServe:
         self.refused: list[str] = []
         self.freed_param_bytes: dict[int, int] = {}
         self.exchange_bytes = 0    # KV bytes sent between members by drops and restores
+        self.rebuilt: list[int] = []   # instances rebuilt in place after losing a member
+        self.lost_requests = 0     # requests dropped on survivors (resumed by the dispatcher)
         self.lock = asyncio.Lock()   # one decision applied at a time (monitor, admin)
 
     async def start(self) -> None:
@@ -165,7 +174,9 @@ class ServedKunServe:
                 "dropped_layers": {str(k): v for k, v in self.dropped_layers().items()},
                 "kv_blocks": [inst.kv_blocks for inst in self.instances],
                 "drops": self.controller.drops, "restores": self.controller.restores,
-                "refused": list(self.refused[-8:])}
+                "refused": list(self.refused[-8:]),
+                "rebuilt_in_place": list(self.rebuilt), "lost_requests": self.lost_requests,
+                "restarts": [inst.restarts for inst in self.instances]}
 
     # -- applying decisions ---------------------------------------------------------------
     async def _apply(self, before: list[Group], decision: Decision) -> None:
@@ -227,21 +238,57 @@ class ServedKunServe:
                 self.freed_param_bytes.pop(inst.instance, None)
         log.info("KunServe restore: instances %s are replicas again", list(group.members))
 
-    def forget_broken(self) -> list[int]:
-        """Groups with a broken member leave the grouping (their members restart whole);
-        returns the instances so released."""
-        released = []
-        for g in list(self.controller.groups):
-            if g.size > 1 and any(self.instances[m].broken is not None for m in g.members):
-                self.controller.groups = sorted(
-                    [x for x in self.controller.groups if x is not g]
-                    + [Group((m,), ((0, self.controller.mem.num_layers),)) for m in g.members],
-                    key=lambda x: x.members[0])
-                released += list(g.members)
-                for m in g.members:
-                    self.freed_param_bytes.pop(m, None)
-                    inst = self.instances[m]
-                    if inst.broken is None:   # a survivor holds only its layers: restart it
-                        inst._break(RuntimeError(f"KunServe group {list(g.members)} lost a "
-                                                 "member"))
-        return released
+    async def rebuild_after_loss(self, ping_timeout_s: float = 30.0) -> list[int]:
+        """Every group with a broken member is let go: members whose rank still answers are
+        rebuilt in place and serve again; the others stay broken for the supervisor to
+        restart. Returns the instances rebuilt in place."""
+        async with self.lock:
+            rebuilt = []
+            for g in [g for g in self.controller.groups if g.size > 1 and any(
+                    self.instances[m].broken is not None for m in g.members)]:
+                self._let_go(g)
+                insts = [self.instances[m] for m in g.members]
+                alive = await asyncio.gather(*[_answers(inst, ping_timeout_s) for inst in insts])
+                for inst, ok in zip(insts, alive, strict=True):
+                    # every request of the group lost its KV of the dead member's layers
+                    inst._break(RuntimeError(f"KunServe group {list(g.members)} lost a member"))
+                    if ok and await self._rebuild(inst):
+                        rebuilt.append(inst.instance)
+            self.rebuilt += rebuilt
+            return rebuilt
+
+    def _let_go(self, g: Group) -> None:
+        """The controller's grouping without ``g``: its members are single instances again."""
+        self.controller.groups = sorted(
+            [x for x in self.controller.groups if x is not g]
+            + [Group((m,), ((0, self.controller.mem.num_layers),)) for m in g.members],
+            key=lambda x: x.members[0])
+        for m in g.members:
+            self.freed_param_bytes.pop(m, None)
+
+    async def _rebuild(self, inst) -> bool:
+        """One survivor back to a whole replica in its own actor; False (left broken, so the
+        supervisor restarts it) if that failed."""
+        try:
+            async with inst.round_lock:
+                done = await asyncio.wait_for(inst.ranks[0].kunserve_rebuild.remote(),
+                                              self.timeout_s)
+            await inst.resume_rounds()
+        except Exception:
+            log.exception("KunServe: rebuilding instance %d in place failed; it restarts",
+                          inst.instance)
+            return False
+        self.lost_requests += len(done["lost_requests"])
+        log.warning("KunServe: instance %d rebuilt in place after its group lost a member "
+                    "(held %d layers; %d requests resumed by the dispatcher)", inst.instance,
+                    done["held_layers"], len(done["lost_requests"]))
+        return True
+
+
+async def _answers(inst, timeout_s: float) -> bool:
+    """Whether the instance's rank actor is alive and answers within ``timeout_s``."""
+    try:
+        await asyncio.wait_for(inst.ranks[0].__ray_ready__.remote(), timeout_s)
+    except Exception:  # noqa: BLE001 - dead (RayActorError) or hung: not rebuilt here
+        return False
+    return True

@@ -153,8 +153,7 @@ class DecodeRank(KunServeRank, RankCommands):
         connect the lockstep (``lockstep.py``; rank 0 waits ``lockstep_timeout_s`` for a
         follower's reply)."""
         from tetris.actors.collectives import form_tp_group, rank_device
-        from tetris.actors.device import actor_device, decode_kv_blocks, load_model_on_device
-        from tetris.engine.graph_mode import decode_graph_mode
+        from tetris.actors.device import actor_device
 
         if self.deployment.decode.executor == "emulated":
             return self._init_emulated()
@@ -166,15 +165,7 @@ class DecodeRank(KunServeRank, RankCommands):
             backend = form_tp_group(host, port, self.tp_rank, self.tp_size, timeout_s,
                                     rank_device(actor_device(self.deployment.model)[0]))
             group = dist.group.WORLD
-        # model.device: CUDA when Ray gave this rank a GPU (actors/device.py, docs/gpu.md)
-        model, tokenizer, device = load_model_on_device(self.deployment.model, tp_group=group)
-        dc = self.deployment.decode
-        mode = decode_graph_mode(device, self.tp_size, backend)   # engine/graph_mode.py
-        log.info("decode instance %d TP rank %d: %s", self.instance, self.tp_rank, mode.reason)
-        self.engine = LLMEngine(model, tokenizer, num_blocks=decode_kv_blocks(dc, model, device),
-                                block_size=dc.block_size,
-                                max_num_seqs=dc.max_batch_size, seed=self.seed,
-                                cuda_graphs=mode.cuda_graphs)
+        self.engine = self._new_engine(group, backend)
         if group is not None:
             dist.barrier()
             wait_s = lockstep_timeout_s or timeout_s
@@ -182,7 +173,23 @@ class DecodeRank(KunServeRank, RankCommands):
                 self._leader = Leader.open(host, self.tp_size, self.step, wait_s)
             else:
                 self._follower = Follower.open(self.tp_rank, self.step, wait_s)
-        return model.local_num_kv_heads
+        return self.engine.model.local_num_kv_heads
+
+    def _new_engine(self, group=None, backend: str | None = None) -> LLMEngine:
+        """The model loaded from its checkpoint (TP-sharded over ``group``) and an engine over
+        it; also how a KunServe survivor becomes a whole replica again (rank_kunserve.py)."""
+        from tetris.actors.device import decode_kv_blocks, load_model_on_device
+
+        from tetris.engine.graph_mode import decode_graph_mode
+
+        # model.device: CUDA when Ray gave this rank a GPU (actors/device.py, docs/gpu.md)
+        model, tokenizer, device = load_model_on_device(self.deployment.model, tp_group=group)
+        dc = self.deployment.decode
+        mode = decode_graph_mode(device, self.tp_size, backend)   # engine/graph_mode.py
+        log.info("decode instance %d TP rank %d: %s", self.instance, self.tp_rank, mode.reason)
+        return LLMEngine(model, tokenizer, num_blocks=decode_kv_blocks(dc, model, device),
+                         block_size=dc.block_size, max_num_seqs=dc.max_batch_size,
+                         seed=self.seed, cuda_graphs=mode.cuda_graphs)
 
     def _init_emulated(self) -> int:
         """EMULATION: no model, no group. The engine's latency is the deployment's TP size

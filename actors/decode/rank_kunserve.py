@@ -11,6 +11,8 @@ instance, and a member holds only its layers (docs/kunserve.md, "not built").
 
 from __future__ import annotations
 
+import time
+
 import ray
 from tetris.actors.decode.landing import LandingZone
 from tetris.actors.decode.messages import Rejected, Reserve
@@ -155,6 +157,39 @@ class KunServeRank:
             return 0
         member.close()
         return member.exchange_bytes - getattr(self, "_restore_sent", member.exchange_bytes)
+
+    def kunserve_rebuild(self) -> dict:
+        """This member's group lost a member: become a whole replica again in this actor.
+
+        The KV of the lost member's layers for every request of the group is gone with it, so
+        every request held here is dropped (the driver already failed them with
+        ``DecodeInstanceLost``: the dispatcher resumes each from its prompt and the tokens
+        its client has). The layers come back from the model's checkpoint (the same load as
+        at start: a seeded model, an HF directory or a GGUF file) into a fresh engine with a
+        whole-model cache; the actor, its transfer agent, its pump and its senders stay, so
+        nothing has to be placed, handshaken or reconnected. Returns the request ids dropped
+        and the layers this member held before."""
+        with self._step_lock:
+            member, self.group_member = self.group_member, None
+            if member is not None:
+                member.close()
+            old = self._engine()
+            lost = sorted(old._seqs)
+            held = sum(hasattr(layer, "self_attn") for layer in old.model.layers)
+            if self.pump is not None:   # landing transfers too: their blocks are the old engine's
+                with self.pump.locked() as manager:
+                    for rid in sorted(manager.requests):
+                        manager.abort(rid, "its KunServe group lost a member", time.monotonic())
+            self._landing = None
+            # the old engine (its stage cache, the pipeline) goes before the checkpoint loads:
+            # on a GPU its memory is what the whole model and cache take again
+            self.engine = member = old = None
+            self.engine = self._new_engine()
+            self._retarget_receiver(self.engine.cache)
+            with self._events_lock:   # events of the dropped requests
+                self._ready, self._failed, self._first = [], [], []
+            return {"lost_requests": lost, "held_layers": held,
+                    "total_blocks": self.engine.stats().total_blocks}
 
     def kunserve_state(self) -> dict:
         """What this member holds and did: layers, blocks, the pipeline's counters."""

@@ -4,7 +4,9 @@ admin routes on the ingress.
 ``KunServePool`` is mixed into ``DecodePoolServer``. With ``[kunserve] enabled``, ``start``
 builds a ``ServedKunServe`` (``actors/decode/kunserve_group.py``) over the pool's instances
 and a monitor task: every ``monitor_s`` one controller tick, so that a group is restored once
-demand fell (§4.4), and a group with a broken member is let go. When an instance refuses a
+demand fell (§4.4), and a group with a broken member is let go, its live members rebuilt in
+place (``ServedKunServe.rebuild_after_loss``; also before the pool reports its health and
+before the supervisor restarts the dead member). When an instance refuses a
 reservation for want of KV (``DecodeFull``, the dispatcher's 429), the controller first ticks
 with that request's blocks as queued demand: its overload decision drops layers on a group,
 whose running requests then grow into the freed memory instead of being preempted, and, with
@@ -58,7 +60,7 @@ class KunServePool:
         while True:
             await asyncio.sleep(period_s)   # the monitor's period, not a synchronisation
             try:
-                self.kunserve.forget_broken()
+                await self.kunserve.rebuild_after_loss()
                 if any(g.size > 1 for g in self.kunserve.controller.groups):
                     await self.kunserve.tick()
             except Exception:
@@ -87,15 +89,34 @@ class KunServePool:
                 raise
         await reserve()   # dropped now, with a landing zone: once more
 
-    def _kunserve_forget(self) -> None:
-        """Before a broken instance restarts: its group (if any) is let go."""
-        if self.kunserve is not None:
-            self.kunserve.forget_broken()
+    async def _kunserve_rebuild(self) -> list[int]:
+        """A group with a broken member is let go, its live members rebuilt in place (before
+        health is reported and before a broken instance restarts): the instances rebuilt."""
+        if self.kunserve is None:
+            return []
+        return await self.kunserve.rebuild_after_loss()
 
     async def kunserve_state(self) -> dict:
         if self.kunserve is None:
             return {"enabled": False}
-        return {"enabled": True} | kunserve_view(self.kunserve)
+        kun = self.kunserve
+        return {"enabled": True} | kunserve_view(kun) | {
+            "rebuilt_in_place": list(kun.rebuilt), "lost_requests": kun.lost_requests,
+            "restarts": [inst.restarts for inst in self.instances],
+            "members": await self._member_states()}
+
+    async def _member_states(self) -> list[dict | str]:
+        """Each instance's rank as a KunServe member: layers held, blocks and, while dropped,
+        the pipeline's counters (steps, stage runs, prompt tokens computed); why not, for an
+        instance that cannot answer (broken, restarting)."""
+        async def one(inst):
+            if inst.broken is not None or not inst.ranks:
+                return f"unavailable: {inst.broken}"
+            try:
+                return await asyncio.wait_for(inst.ranks[0].kunserve_state.remote(), 10.0)
+            except Exception as e:  # noqa: BLE001 - a view, not an action
+                return f"unavailable: {type(e).__name__}"
+        return list(await asyncio.gather(*[one(inst) for inst in self.instances]))
 
     async def kunserve_drop(self, body: dict) -> dict:
         """A forced drop; ``{"error": ...}`` (nothing changed) when refused."""

@@ -139,6 +139,8 @@ class DecodePoolServer(KunServePool):
         """Per instance: None when serving, else why it broke (a dead rank is found here even
         while the instance is idle)."""
         errors = await asyncio.gather(*[inst.check() for inst in self.instances])
+        if any(errors) and await self._kunserve_rebuild():   # survivors serve again in place
+            errors = [inst.broken for inst in self.instances]
         return [None if err is None else f"{type(err).__name__}: {err}" for err in errors]
 
     async def recover(self, instance: int, senders: dict) -> dict:
@@ -146,7 +148,7 @@ class DecodePoolServer(KunServePool):
         receivers' new (rank handle, agent info), which the prefill workers must be given
         before they can stream to it."""
         inst = self.instances[instance]
-        self._kunserve_forget()   # a KunServe group with a broken member is let go
+        await self._kunserve_rebuild()   # a KunServe group with a broken member is let go
         await inst.restart(senders)
         infos = await inst.agent_infos() if inst.transfer is not None else [None] * inst.tp_size
         return {rid: (rank, info) for rid, rank, info in zip(inst.receiver_ids, inst.ranks, infos)}

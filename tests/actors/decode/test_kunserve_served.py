@@ -4,14 +4,15 @@ restored when demand falls; every request's tokens and
 logprobs equal the single engine's, nothing is recomputed, the reported KV capacity grows by
 exactly the freed parameter bytes over the block bytes; a drop that would lose a layer's last
 copy is refused and changes nothing; a member killed mid-pipeline fails the group's requests
-with ``DecodeInstanceLost`` (the dispatcher's resume path) and the restarted instances serve
-whole again. The admin routes (mounted on the ingress) drive the same pool over HTTP."""
+with ``DecodeInstanceLost`` (the dispatcher's resume path), the survivor is rebuilt in place
+(same actor) and the dead one restarted, and the resumed requests go on exactly. The admin routes (mounted on the ingress) drive the same pool over HTTP."""
 
 from __future__ import annotations
 
 import asyncio
 import types
 
+import msgspec
 import pytest
 import ray
 import torch
@@ -97,9 +98,9 @@ class Streams:
         self.finished: set[int] = set()
         self.changed = asyncio.Event()
 
-    async def consume(self, inst, i: int) -> None:
+    async def consume(self, inst, i: int, params: SamplingParams = GREEDY_LP) -> None:
         rid = f"k{i}"
-        await inst.add(rid, self.prompts[i], GREEDY_LP)
+        await inst.add(rid, self.prompts[i], params)
         self.runs[i] = ([], [])
         async for out in inst.stream(rid):
             self.runs[i][0].extend(out.new_token_ids)
@@ -274,39 +275,70 @@ def test_a_reservation_refused_for_kv_drops_a_group_and_lands_instead_of_a_429(p
     assert kun.dropped_layers() == {0: 0, 1: 0}
 
 
-def test_a_member_killed_mid_pipeline_fails_the_group_and_restarts_whole(pool, loop,
-                                                                         reference):
+def test_a_member_killed_mid_pipeline_resumes_the_group_and_the_survivor_is_rebuilt_in_place(
+        pool, loop):
+    """Member 1 is killed mid-pipeline: the KV of its layers for every request of the group
+    is gone, so all four requests (two on each member) fail with ``DecodeInstanceLost``; the
+    group is let go, member 0 becomes a whole replica in its own actor (layers from the
+    checkpoint, no restart) and member 1 is restarted. Each request run again as the
+    dispatcher's resume path does (its prompt plus the tokens streamed so far, recomputed)
+    goes on with the single engine's tokens and logprobs."""
     insts, kun = pool
+    # long runs: every request is still generating when the member dies
+    long = msgspec.structs.replace(GREEDY_LP, max_tokens=64)   # 36 and 44 of 48 blocks
+    model, tok = load_model(MODEL)
+    reference = engine_runs(LLMEngine(model, tok, num_blocks=128, block_size=4, max_num_seqs=8),
+                            PROMPTS, long)
     streams = Streams()
+    survivor, restarts = insts[0].ranks[0], [inst.restarts for inst in insts]
 
     async def body():
-        tasks = [asyncio.ensure_future(streams.consume(insts[i % 2], i))
+        tasks = [asyncio.ensure_future(streams.consume(insts[i % 2], i, long))
                  for i in range(len(PROMPTS))]
         await streams.reached(2)
         await kun.force_drop([HALVES])
         await streams.reached(4)
         ray.kill(insts[1].ranks[0])
+        finished = set(streams.finished)   # no step of the group can finish one after this
         results = await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*[inst.check() for inst in insts])
-        return results
+        return finished, results, await kun.rebuild_after_loss()
 
-    results = loop.run_until_complete(body())
+    finished, results, rebuilt = loop.run_until_complete(body())
     lost = [i for i, r in enumerate(results) if isinstance(r, DecodeInstanceLost)]
-    assert lost == [0, 1, 2, 3], results
-    assert sorted(kun.forget_broken()) == [0, 1]
-    assert all(inst.broken is not None for inst in insts)
+    assert lost == [i for i in range(len(PROMPTS)) if i not in finished], results
+    assert {0, 2} & set(lost), "no request of the survivor was running at the kill"
+    assert rebuilt == [0] and kun.rebuilt == [0]
+    # the survivor serves again: same actor, not restarted, whole model, its own blocks
+    assert insts[0].broken is None and insts[0].ranks[0] is survivor
+    assert [inst.restarts for inst in insts] == restarts and insts[0].rebuilds == 1
+    assert insts[0].kv_blocks == BLOCKS
+    assert _states(insts[:1]) == [{"held_layers": 4, "dropped_layers": 0,
+                                   "total_blocks": BLOCKS, "in_group": False}]
+    assert insts[1].broken is not None   # the supervisor's to restart
+    assert [g.members for g in kun.controller.groups] == [(0,), (1,)]
     assert kun.dropped_layers() == {0: 0, 1: 0}
-    # whole replicas again: the resume path's run of a request gives the engine's tokens
-    streams = Streams()
+    # the resume path: each request from its prompt and the tokens its client has
+    streamed = {i: list(streams.runs[i][0]) for i in range(len(PROMPTS))}
+    resumed = [p + streamed[i] for i, p in enumerate(PROMPTS)]
+    params = [msgspec.structs.replace(long, max_tokens=long.max_tokens - len(streamed[i]))
+              for i in range(len(PROMPTS))]
+    again = Streams(resumed)
 
-    async def again():
-        await asyncio.gather(*[inst.restart() for inst in insts])
-        await asyncio.gather(*[streams.consume(insts[i % 2], i) for i in range(len(PROMPTS))])
+    async def resume():
+        await insts[1].restart()
+        await asyncio.gather(*[again.consume(insts[i % 2], i, params[i])
+                               for i in lost])
 
-    loop.run_until_complete(again())
-    for i, want in enumerate(reference):
-        assert_same_run(*streams.runs[i], want, f"k{i}")
+    loop.run_until_complete(resume())
+    assert insts[0].rebuilds == 1 and insts[1].restarts == restarts[1] + 1
+    for i, (tokens, logprobs) in enumerate(reference):
+        k = len(streamed[i])
+        assert_same_run(streamed[i], streams.runs[i][1], (tokens[:k], logprobs[:k]), f"k{i}")
+        if i in lost:
+            assert_same_run(*again.runs[i], (tokens[k:], logprobs[k:]), f"k{i} resumed")
     assert [s["dropped_layers"] for s in _states(insts)] == [0, 0]
+    assert all(h.empty for inst in insts for h in loop.run_until_complete(inst.held()))
 
 
 class _Pool(KunServePool):
