@@ -12,10 +12,12 @@ import json
 import sys
 
 from tetris.config import SpLayoutConfig
+from tetris.feature_config import PREFIX_PLACEMENTS
 from tetris.scheduler.latency import ProfileError, load_profile
 from tetris.scheduler.layout_policy import assign_layouts
 from tetris.scheduler.policies import DEFAULT_MIN_CHUNK_TOKENS, CdspPolicy, PolicyError, make_policy
 from tetris.scheduler.pool import PoolError, PoolState
+from tetris.scheduler.prefix_move import PrefixMove
 from tetris.scheduler.sp_comm import LLAMA3_8B, LayoutChooser
 
 
@@ -46,6 +48,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="prefix caching: tokens of the prompt whose KV is cached")
     p.add_argument("--cached-on", default=None,
                    help="comma-separated instances holding the cached prefix, in ring order")
+    p.add_argument("--cached-busy-s", type=float, default=None,
+                   help="prefix caching: seconds until the holders are free (other work; "
+                        "overrides their --queue-times)")
+    p.add_argument("--cached-source-running", action="store_true",
+                   help="prefix caching: the run that computed the prefix is still "
+                        "prefilling (its KV cannot be moved yet)")
+    p.add_argument("--placement", default="auto", choices=PREFIX_PLACEMENTS,
+                   help="prefix caching: auto (the latency model's choice) or force extend, "
+                        "move or recompute where possible")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -65,7 +76,8 @@ def _queues(text: str, n: int) -> list[float]:
 
 def build(args: argparse.Namespace) -> dict:
     prof = load_profile(args.profile)
-    pool = PoolState.uniform(args.pool, args.node_size, _queues(args.queue_times, args.pool))
+    pool = PoolState.uniform(args.pool, args.node_size, _holders_busy(args, _queues(
+        args.queue_times, args.pool)))
     cands = _ints(args.sp_candidates)
     policy = make_policy(args.policy, prof, sp_candidates=cands,
                          min_chunk_tokens=args.min_chunk_tokens,
@@ -74,7 +86,8 @@ def build(args: argparse.Namespace) -> dict:
     plan = (prefix.plan if prefix is not None else
             policy.plan("cli", args.prompt_tokens, 0.0, pool, args.improvement_rate)
             ).validate(pool.size)
-    plan = assign_layouts(plan, _chooser(args), pool, 0.0, prof).validate(pool.size)
+    plan = assign_layouts(plan, _chooser(args), _landed(pool, plan), 0.0,
+                          prof).validate(pool.size)
     # Algorithm 2's view, whatever the policy: each single chunk, and the one θ would pick.
     single = CdspPolicy("tetris-single-chunk", prof, chunked=False, sp_candidates=cands,
                         improvement_rate=args.improvement_rate)
@@ -95,7 +108,10 @@ def build(args: argparse.Namespace) -> dict:
         **({} if prefix is None else {"prefix": {
             "hit_tokens": args.cached_tokens, "holders": _ints(args.cached_on),
             "decision": prefix.decision, "cached_tokens": plan.cached_tokens,
-            "other_option_ttft": prefix.other_ttft}}),
+            "other_option_ttft": prefix.other_ttft, "placement": args.placement,
+            "ttfts": prefix.ttfts, "unavailable": prefix.unavailable, "reason": prefix.reason,
+            "moved": plan.cached_moved, "move_s": prefix.move_s,
+            "move_bytes": prefix.move_bytes}}),
     }
 
 
@@ -111,7 +127,30 @@ def _prefix(args: argparse.Namespace, policy, pool: PoolState):
 
     return plan_from_prefix(policy, "cli", args.prompt_tokens, 0.0, pool,
                             cached_tokens=args.cached_tokens, holders=holders, source="cli",
-                            improvement_rate=args.improvement_rate)
+                            improvement_rate=args.improvement_rate, placement=args.placement,
+                            source_ready=not args.cached_source_running,
+                            move=PrefixMove.from_chooser(_chooser(args)))
+
+
+def _holders_busy(args: argparse.Namespace, queue: list[float]) -> list[float]:
+    """``--cached-busy-s`` as the holders' queue times."""
+    holders = _ints(args.cached_on) or []
+    if args.cached_busy_s is None or args.cached_tokens <= 0:
+        return queue
+    if any(not 0 <= i < len(queue) for i in holders):
+        raise ValueError(f"--cached-on names an instance outside the pool of {len(queue)}")
+    return [args.cached_busy_s if i in holders else q for i, q in enumerate(queue)]
+
+
+def _landed(pool: PoolState, plan) -> PoolState:
+    """The pool the layouts re-time ``plan`` on: for a moved prefix its first group is not
+    free before the move has landed (the chunk's planned start)."""
+    if not plan.cached_moved:
+        return pool
+    first = set(plan.chunks[0].instances)
+    start = plan.chunks[0].expected_start
+    return PoolState([max(q, start) if i in first else q for i, q in enumerate(pool.queue_times)],
+                     pool.node_of)
 
 
 def _chooser(args: argparse.Namespace) -> LayoutChooser:
@@ -136,15 +175,27 @@ def _print_table(out: dict) -> None:
             print(f"      layout {c['sp_layout']}{pieces}: {c['sp_layout_reason']}")
     print(f"TTFT estimate {out['ttft_estimate']:.3f} s")
     if "prefix" in out:
-        pf = out["prefix"]
-        print(f"prefix cache: {pf['hit_tokens']} tokens cached on "
-              f"{','.join(map(str, pf['holders']))}: {pf['decision']} (history "
-              f"{pf['cached_tokens']} tokens); the other option's TTFT "
-              f"{pf['other_option_ttft']:.3f} s")
+        _print_prefix(out["prefix"])
     print("single-chunk alternatives (Algorithm 2):")
     for o in out["single_chunk_options"]:
         mark = " <- θ pick" if o["sp_size"] == out["single_chunk_choice"]["sp_size"] else ""
         print(f"  SP {o['sp_size']:>3}: start {o['expected_start']:.3f} s, TTFT {o['ttft']:.3f} s{mark}")
+
+
+def _print_prefix(pf: dict) -> None:
+    """The decision line, then every option's TTFT (or why it was not offered)."""
+    print(f"prefix cache: {pf['hit_tokens']} tokens cached on "
+          f"{','.join(map(str, pf['holders']))}: {pf['decision']} (placement "
+          f"{pf['placement']}; history {pf['cached_tokens']} tokens)"
+          + (f"; {pf['reason']}" if pf["reason"] else ""))
+    for x, t in pf["ttfts"].items():
+        if x in pf["unavailable"]:
+            print(f"  {x}: {pf['unavailable'][x]}")
+            continue
+        extra = (f" (move {pf['move_bytes'] / 1e9:.3f} GB in {pf['move_s'] * 1e3:.3f} ms)"
+                 if x == "move" else "")
+        mark = " <- chosen" if x == pf["decision"] else ""
+        print(f"  {x}: TTFT {t:.3f} s{extra}{mark}")
 
 
 def run(args: argparse.Namespace) -> int:

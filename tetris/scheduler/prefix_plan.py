@@ -167,7 +167,8 @@ def _choose(ttfts: dict[str, float], placement: str, theta: float,
         return placement, ""
     reason = ""
     if placement != "auto":
-        reason = f"{placement} not possible ({why.get(placement, 'unknown placement')}): auto"
+        reason = (f"{placement} not possible ({why.get(placement, 'unknown placement')}); "
+                  "the latency model's choice")
     # Between extend and move no θ: the same compute, earliest first (extend on ties).
     cached = [x for x in ("extend", "move") if x in ttfts]
     if not cached:
