@@ -71,19 +71,24 @@ def wait_idle(live: LiveCluster, timeout_s: float) -> dict:
 
 
 def _with_cache(cfg: DeploymentConfig, enabled: bool, block_tokens: int,
-                capacity_blocks: int) -> DeploymentConfig:
+                capacity_blocks: int, decode_runs: int = 0) -> DeploymentConfig:
     pc = msgspec.structs.replace(cfg.prefix_cache, enabled=enabled, block_tokens=block_tokens,
-                                 capacity_blocks=capacity_blocks)
+                                 capacity_blocks=capacity_blocks,
+                                 decode_runs=decode_runs if enabled else 0)
     return msgspec.structs.replace(cfg, prefix_cache=pc)
 
 
 def live_cluster(base: DeploymentConfig, segments: dict, *, cache: bool, block_tokens: int,
-                 capacity_blocks: int, time_scale: float, workdir: Path) -> PrefixLiveCluster:
-    """The emulated app of ``base`` with the cache ``cache``, slowed by ``time_scale`` (enter
+                 capacity_blocks: int, time_scale: float, workdir: Path,
+                 decode_runs: int = 0) -> PrefixLiveCluster:
+    """The emulated app of ``base`` with the cache ``cache`` (``decode_runs`` finished runs
+    kept per emulated decode instance for decode-side reuse), slowed by ``time_scale`` (enter
     it with ``with``; Ray already started)."""
-    cfg = scale_deployment(_with_cache(base, cache, block_tokens, capacity_blocks),
+    cfg = scale_deployment(_with_cache(base, cache, block_tokens, capacity_blocks, decode_runs),
                            time_scale, workdir)
-    return PrefixLiveCluster(cfg, segments, app_name=f"prefix-{'on' if cache else 'off'}")
+    name = "on" if cache else "off"
+    return PrefixLiveCluster(cfg, segments,
+                             app_name=f"prefix-{name}{'-decode' if cache and decode_runs else ''}")
 
 
 def live_probe(live, trace, time_scale: float) -> dict:
@@ -95,7 +100,8 @@ def live_probe(live, trace, time_scale: float) -> dict:
     wall = time.perf_counter() - t0
     stats = live.dispatcher.prefix_cache.remote(clear=True).result(timeout_s=120)
     left = wait_idle(live, 60.0 * max(1.0, time_scale))
-    hits = {k: stats.get(k, 0) - before.get(k, 0) for k in ("hits", "queries")}
+    hits = {k: stats.get(k, 0) - before.get(k, 0)
+            for k in ("hits", "queries", "decode_reuses", "decode_reused_tokens")}
     return {"ttft_s": got["ttft_s"], "prefill_ttft_s": got["prefill_ttft_s"],
             "failed": got["failed"], "errors": got["errors"], "wall_s": wall, "index": stats,
             "probe_hits": hits, "held_after_clear": left,
@@ -132,10 +138,11 @@ def live_capacity(live, trace_at: Callable[[float], list], slo: tuple[float, flo
 
 
 def run_live(base: DeploymentConfig, trace, segments: dict, *, cache: bool, block_tokens: int,
-             capacity_blocks: int, time_scale: float, workdir: Path) -> dict:
+             capacity_blocks: int, time_scale: float, workdir: Path,
+             decode_runs: int = 0) -> dict:
     """One live run of ``trace`` (Ray already started); TTFTs in paper seconds."""
     with live_cluster(base, segments, cache=cache, block_tokens=block_tokens,
                       capacity_blocks=capacity_blocks, time_scale=time_scale,
-                      workdir=workdir) as live:
+                      workdir=workdir, decode_runs=decode_runs) as live:
         got = live_probe(live, trace, time_scale)
     return {"cache": cache, **got, "startup_s": live.startup_s}
