@@ -3,7 +3,7 @@ and off, side by side in one run, on the paper's cluster.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_prefix_cache.py [--model 8b] [--seed 0]
         [--rates 0.5,1,1.5] [--documents 100] [--sessions 50] [--decode]
-        [--decode-runs 4] [--slo-factor 25] [--max-rate 64] [--json]
+        [--decode-runs 4] [--slo-factor 25] [--max-rate 64] [--no-move] [--json]
 
 The workload (tetris/sim/prefix_workload.py): documents of 32k-128k tokens with 4-8 questions
 each, multi-turn sessions of 3-6 turns, 8 streams active at once, 512-token blocks. Both runs
@@ -17,6 +17,10 @@ instance (a cached prefix streamed from its holders, ``tetris/sim/prefix_transfe
 "KV on decode" is arrival to the last of it there. ``--decode-runs N`` adds a third setting,
 the cache with decode-side reuse (N runs kept per decode instance, ``tetris/sim/prefix_decode.py``):
 a next turn routed to the instance that kept the previous one receives only its suffix.
+
+A hit is planned by extending the holders' group, moving the prefix's KV to a group without
+them, or recomputing (the latency model's choice, ``tetris/scheduler/prefix_plan.py``);
+``--no-move`` adds the setting without the move, side by side.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ def _settings(args) -> dict[str, dict]:
     out = {"off": {"cache": False}, "on": {"cache": True}}
     if args.decode and args.decode_runs:
         out["on+decode"] = {"cache": True, "decode_runs": args.decode_runs}
+    if args.no_move:   # the cache without issue #23's move option: extend or recompute
+        out["on-no-move"] = {"cache": True, "move": False}
     return out
 
 
@@ -59,6 +65,9 @@ def main() -> None:
     ap.add_argument("--slo-factor", type=float, default=25.0)
     ap.add_argument("--max-rate", type=float, default=64.0)
     ap.add_argument("--no-capacity", action="store_true")
+    ap.add_argument("--no-move", action="store_true",
+                    help="add the setting on-no-move: the cache whose hits only extend the "
+                         "holders' group or recompute (no move of the prefix's KV)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     spec = PrefixWorkload(documents=args.documents, sessions=args.sessions)
@@ -95,15 +104,15 @@ def _print(args, spec, settings, rows, cap) -> None:
     names = list(settings)
     print("| rate req/s | requests | setting | TTFT P50 (s) | TTFT P99 (s) | KV on decode P50 / "
           "P99 (s) | KV after prefill, mean (ms) | planned from cache | tokens not computed "
-          "| decode reuses |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| decode reuses | prefix moved |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         for name in names:
             x = r[name]
             print(f"| {r['rate']:g} | {r['requests']} | {name} | {x['ttft_p50']:.3f} "
                   f"| {x['ttft_p99']:.3f} | {x['kv_ready_p50']:.3f} / {x['kv_ready_p99']:.3f} "
                   f"| {1e3 * x['kv_tail_mean']:.1f} | {x['hit_rate']:.1%} | {x['cached_token_share']:.1%} "
-                  f"| {x['decode_reuses']} |")
+                  f"| {x['decode_reuses']} | {x['moved_rate']:.1%} |")
     if cap is not None:
         caps = ", ".join(f"{n} {cap[n]:.2f} req/s" for n in names)
         print(f"capacity (TTFT P50 <= {cap['slo_p50_s']:.2f} s and P99 <= {cap['slo_p99_s']:.2f} s, "

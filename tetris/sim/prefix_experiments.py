@@ -57,6 +57,7 @@ class PrefixRun(msgspec.Struct, frozen=True):
     decode_reuses: int = 0
     decode_reused_tokens: int = 0
     kv_tail_mean: float = float("nan")   # mean of KV on decode - prefill end (the hand-off)
+    moved_rate: float = 0.0   # requests whose cached prefix was moved to a first group / requests
 
 
 def default_capacity_blocks(model: str, block_tokens: int, share: float = 0.5) -> int:
@@ -110,7 +111,8 @@ def run_prefix(requests: list[SimRequest], *, model: str = "8b", policy: str = "
                      sum(p.cached_tokens for p in plans) / max(1, prompt),
                      index.stats() if index is not None else {}, float(p50), float(p99),
                      kept_stats.get("decode_reuses", 0),
-                     kept_stats.get("decode_reused_tokens", 0), tail), sim
+                     kept_stats.get("decode_reused_tokens", 0), tail,
+                     sum(1 for p in plans if p.cached_moved) / max(1, len(plans))), sim
 
 
 def cluster_prefix_move(cluster) -> PrefixMove:
