@@ -33,7 +33,7 @@ from tetris.actors.prefill.balance import even_targets
 from tetris.actors.prefill.chunks import ChunkFailed
 from tetris.actors.prefill.emulated_kv import subtract_ranges
 from tetris.actors.prefill.messages import PrefillError, PrefillWorkerLost, first_line
-from tetris.actors.prefill.prefix import PrefillPrefixMissing
+from tetris.actors.prefill.prefix import PREFIX_CHUNK, PrefillPrefixMissing, stream_prefix
 from tetris.actors.prefill.tp_groups import workers_per_instance
 from tetris.actors.prefill.zigzag import Ranges, normalize_ranges, ranges_len, ranges_to_list
 
@@ -102,10 +102,11 @@ def import_parts(worker, request_id: str, share: Ranges, prompt_tokens: int, upt
                          f"share {share} of prefill instance {worker.instance}")
     if not share:
         return ()
+    if receivers:
+        worker._streaming()   # before anything is reserved: transfer must be enabled
     if worker.store is None:   # EMULATION: positions only, zero KV streamed
         worker.executor.holdings.reserve(request_id, share)
         if receivers:
-            worker._streaming()
             worker.executor.stream_prefix(request_id, share, prompt_tokens, upto, receivers)
         return share
     store = worker.store
@@ -115,14 +116,22 @@ def import_parts(worker, request_id: str, share: Ranges, prompt_tokens: int, upt
     v = torch.cat([part[2] for part in parts], dim=1)[:, order]
     store.reserve(request_id, share)
     for layer in range(store.num_layers):
+        _maybe_fail(worker.executor, request_id, layer)
         store.write(request_id, layer, share, k[layer].to(store.k_cache[0].device),
                     v[layer].to(store.v_cache[0].device))
     if receivers:
-        from tetris.actors.prefill.prefix import stream_prefix
-
         with worker._streaming().pump.locked() as mgr:
             stream_prefix(mgr, store, request_id, share, prompt_tokens, upto, receivers)
     return share
+
+
+def _maybe_fail(executor, request_id: str, layer: int) -> None:
+    """Test hook (``set_fault(request_id, PREFIX_CHUNK, layer)``): fail once at ``layer``."""
+    if executor.fault == (request_id, PREFIX_CHUNK, layer):
+        from tetris.actors.prefill.executor import FaultInjected
+
+        executor.fault = None
+        raise FaultInjected(f"injected fault importing a moved prefix at layer {layer}")
 
 
 # -- the driver side ------------------------------------------------------------------------

@@ -117,3 +117,56 @@ def test_a_prefix_not_whole_on_its_holders_moves_nothing(pool, how):
     assert not any(plan.request_id in reqs for reqs in held.values())
     pool.release(source.request_id)
     assert not any(pool.held_requests().values())
+
+
+def test_a_failed_import_frees_the_group_and_the_pool_goes_on(pool, model):
+    """Instance 3 fails importing its share at layer 2 (after instance 2 imported its own and
+    3 wrote layers 0-1): the run fails, nothing of it is held anywhere, the source is
+    untouched, and the same move then succeeds."""
+    from tetris.actors.prefill.messages import PrefillError
+    from tetris.actors.prefill.prefix import PREFIX_CHUNK
+
+    src_ids = prompt(500, seed=36)
+    ids = src_ids[:448] + prompt(60, seed=37)
+    source = forced_plan("mv-fail-src", len(src_ids), "restx2", pool.node_of)
+    pool.run(source, src_ids)
+    before = pool.export_kv(source.request_id)
+    import ray
+
+    ray.get(pool.workers[3].set_fault.remote("mv-fail", PREFIX_CHUNK, 2))
+    with pytest.raises(PrefillError, match="FaultInjected"):
+        pool.run(_moved("mv-fail", ids, 448, source, [(2, 3)]), ids)
+    held = pool.held_requests()
+    assert not any("mv-fail" in reqs for reqs in held.values()), held
+    after = pool.export_kv(source.request_id)
+    assert all(torch.equal(a, b) for i in before for a, b in zip(before[i], after[i]))
+    res = pool.run(_moved("mv-fail-2", ids, 448, source, [(2, 3)]), ids, return_logits=True)
+    _assert_same_as_reference(pool, model, res, "mv-fail-2", ids)
+    for r in (source.request_id, "mv-fail-2"):
+        pool.release(r)
+    assert not any(pool.held_requests().values())
+
+
+def test_a_move_waits_for_its_source_still_running_on_the_holders(pool, model):
+    """The source is committed first and the moved run (on other instances, so its own turn
+    says nothing about the holders) is started before the source runs at all: the export
+    waits until the source's chunks left the holders, and the run equals the reference."""
+    import threading
+
+    src_ids = prompt(640, seed=38)
+    ids = src_ids[:600] + prompt(50, seed=39)
+    source = forced_plan("mv-pending-src", len(src_ids), "300x1,restx2", pool.node_of)
+    plan = _moved("mv-pending", ids, 600, source, [(2, 3)])
+    pool.commit(source)
+    pool.commit(plan)
+    got = {}
+    mover = threading.Thread(target=lambda: got.update(res=pool.run(plan, ids,
+                                                                    return_logits=True)))
+    mover.start()
+    pool.run(source, src_ids)
+    mover.join(timeout=120)
+    assert not mover.is_alive() and "res" in got
+    _assert_same_as_reference(pool, model, got["res"], plan.request_id, ids)
+    for r in (source.request_id, plan.request_id):
+        pool.release(r)
+    assert not any(pool.held_requests().values())
