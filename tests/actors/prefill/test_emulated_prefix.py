@@ -63,6 +63,17 @@ def test_an_emulated_run_from_a_cached_prefix_waits_for_its_suffix_only(ray_sess
         assert suffix_s <= res.chunk_elapsed_s[0] < uncached_s
         held = pool.held_requests()
         assert sorted(i for i, reqs in held.items() if "hit" in reqs) == sorted(group)
+        # A moved prefix (prefix_move.py): its positions go from the holders to {2, 3} alone,
+        # which then hold [0, prefix) whole (a plan extending from them finds it).
+        moved = PrefillPlan("moved", prompt, (Chunk(prefix, prompt, (2, 3)),),
+                            cached_tokens=prefix, cached_instances=holders, cached_source="src",
+                            cached_moved=True).validate(4)
+        assert pool.run(moved, [1] * prompt).emulated
+        held = pool.held_requests()
+        assert sorted(i for i, reqs in held.items() if "moved" in reqs) == [2, 3]
+        assert pool.run(PrefillPlan("moved2", prompt, (Chunk(prefix, prompt, (2, 3)),),
+                                    cached_tokens=prefix, cached_instances=(2, 3),
+                                    cached_source="moved").validate(4), [1] * prompt).emulated
         pool.release("src")                  # the run holds its own copy of the prefix
         second = PrefillPlan("hit2", prompt, (Chunk(prefix, prompt, group),),
                              cached_tokens=prefix, cached_instances=group,
@@ -72,7 +83,7 @@ def test_an_emulated_run_from_a_cached_prefix_waits_for_its_suffix_only(ray_sess
             pool.run(PrefillPlan("miss", prompt, (Chunk(prefix, prompt, group),),
                                  cached_tokens=prefix, cached_instances=holders,
                                  cached_source="src").validate(4), [1] * prompt)
-        for run in ("hit", "hit2"):
+        for run in ("hit", "hit2", "moved", "moved2"):
             pool.release(run)
         assert not any(pool.held_requests().values())
     finally:
