@@ -75,9 +75,14 @@ class PriorityLink:
                 view = self._payloads[chunk.tag]
                 item = self._ids[chunk.tag]
             body = view[chunk.offset:chunk.offset + chunk.nbytes]
-            self.sock.sendall(HEADER.pack(item, chunk.offset, chunk.nbytes,
-                                          int(chunk.traffic_class), chunk.last))
-            self.sock.sendall(body)
+            try:
+                self.sock.sendall(HEADER.pack(item, chunk.offset, chunk.nbytes,
+                                              int(chunk.traffic_class), chunk.last))
+                self.sock.sendall(body)
+            except OSError:   # the peer is gone: its reader's end tells the owner, not this
+                with self._cond:
+                    self._closing = True
+                return
             self.bytes_sent += chunk.nbytes
             with self._cond:
                 self.scheduler.finish(chunk)

@@ -5,12 +5,13 @@ and a ``StageCache`` of those layers over the group's ``group_blocks`` blocks. T
 are the group's: member j's engine allocates only from its *part* ``parts[j]`` (every other
 part is withheld in its block manager), so a request's blocks mean the same slots on every
 member and no id is ever translated. Each member keeps its own requests, scheduler, sampler
-and stop checks; its engine's runner is a ``PipelineRunner`` over the group's stages, its own
-layers run here (``Stage``), the others on their members (``RemoteStage``): the hidden states
-go there as an activation message through the pair's priority link (``group_links.py``),
-the member runs its layers on them (the *stage server*, on the link's reader thread) and
-sends them back. With every member driving its own batch, the group has one micro-batch in
-flight per member, which is what keeps a KunServe pipeline's stages busy.
+and stop checks; its engine's runner is a ``ChainRunner`` (``stage_chain.py``): its own
+layers run here (``Stage``), and its hidden states go from member to member in layer order
+as activation messages through the pairs' priority links (``group_links.py``), each member
+running its layers on its link's reader thread, the last sending them back to the owner.
+With every member driving its own batch, the group has at least one micro-batch in flight
+per member; with a ``MemberLookahead``, a member whose batch outweighs its peers' cuts it
+into cost-balanced micro-batches (§4.3) so that the stages do not idle on it.
 
 Lifecycle, driven by ``actors/decode/kunserve_group.py`` with every member's rounds paused:
 
@@ -23,8 +24,9 @@ Lifecycle, driven by ``actors/decode/kunserve_group.py`` with every member's rou
    requests get blocks of a whole-model cache again and each keeper sends back the KV of its
    layers for them; then ``close``.
 
-A peer whose link breaks (the member died) fails the step waiting for it, so the instance
-breaks and its requests take the dispatcher's resume path.
+A peer whose link breaks (the member died) fails every step waiting in the group (the
+member seeing the break tells the others), a member that hangs fails the owner's step after
+``step_timeout_s``; the instance breaks and its requests take the dispatcher's resume path.
 """
 
 from __future__ import annotations
@@ -33,28 +35,30 @@ import queue
 import threading
 from collections.abc import Callable
 
-import msgspec
 import torch
 from tetris.actors.decode.group_links import GroupLinks
-from tetris.kernels.paged_decode import decode_meta
+from tetris.actors.decode.stage_chain import ChainRunner, RemoteStage
 from tetris.transfer.traffic import TrafficClass
 
 from tetris.engine.block_manager import BlockManager
 from tetris.engine.engine import LLMEngine
 from tetris.engine.kv_cache import KVCache, kv_bytes_per_block
-from tetris.engine.model_runner import ModelRunner, _torch_decode_path
+from tetris.engine.model_runner import ModelRunner
 from tetris.engine.pipeline import (
-    PipelineRunner,
     Stage,
     StageCache,
     drop_layers,
     layer_bytes,
 )
+from tetris.scheduler.member_lookahead import MemberLookahead
 
 __all__ = ["GroupMember", "layer_block_bytes", "member_blocks"]
 
 _OTHER_PART = "<kunserve: another member's part>"
-_WAIT_S = 120.0   # a peer's answer; a dead peer closes the link long before this
+_WAIT_S = 120.0   # a peer's exchange message; a dead peer closes the link long before this
+# A step's answers: a dead member closes its links (failing the step at once), so this only
+# bounds a member that hangs with its sockets open; a loaded CPU step stays far below it.
+STEP_TIMEOUT_S = 30.0
 
 
 def layer_block_bytes(engine: LLMEngine) -> int:
@@ -74,42 +78,31 @@ def member_blocks(engine: LLMEngine, start: int, end: int, reserve_bytes: int = 
     return (kv + freed - reserve_bytes) // ((end - start) * layer_block_bytes(engine))
 
 
-class RemoteStage:
-    """Layers ``[start, end)`` run on member ``member``; quacks as ``Stage`` for the runner
-    (``model``, ``cache`` and ``runner`` are the local stage's: same block geometry)."""
-
-    def __init__(self, owner: GroupMember, member: int, start: int, end: int, local: Stage):
-        self.owner, self.member, self.start, self.end = owner, member, start, end
-        self.model, self.cache, self.runner = local.model, local.cache, local.runner
-
-    def run(self, hidden, positions, inputs, decode_only, meta):
-        return self.owner.remote_stage(self.member, hidden, positions, inputs, decode_only)
-
-
 class GroupMember:
-    def __init__(self, engine: LLMEngine, member: int, host: str) -> None:
+    def __init__(self, engine: LLMEngine, member: int, host: str, *,
+                 step_timeout_s: float = STEP_TIMEOUT_S,
+                 lookahead: MemberLookahead | None = None) -> None:
         self.engine = engine
+        self.step_timeout_s = step_timeout_s
+        self.lookahead = lookahead
         self.member = member
         self.links = GroupLinks(member, self._on_message)
         self.address = self.links.listen(host)
         self.ranges: list[tuple[int, int]] = []
         self.parts: list[tuple[int, int]] = []
         self.stage: Stage | None = None
-        self.runner: PipelineRunner | None = None
+        self.runner: ChainRunner | None = None
+        self.dropped = False             # between drop and restore: the chain is in use
         self.freed_param_bytes = 0
         self.base_blocks = 0             # the engine's blocks before the drop (restore's)
         self.exchange_bytes = 0          # KV bytes sent to other members (drop and restore)
-        self.stage_runs = 0              # other members' batches run here
         self._inbox: queue.Queue = queue.Queue()          # exchange messages for drop/restore
         self._early: list[tuple[int, dict]] = []          # arrived before their _await
         self._landing: dict[str, tuple[set[int], Callable[[str], None]]] = {}
-        self._results: dict[int, queue.Queue] = {}        # per peer: its stage's answers
-        self._steps = 0
         self._lock = threading.Lock()
         self.closing = False
 
     def connect(self, addresses: list[tuple[str, int]], timeout_s: float) -> None:
-        self._results = {k: queue.Queue() for k in range(len(addresses)) if k != self.member}
         self.links.connect([tuple(a) for a in addresses], timeout_s)
 
     # -- 2. drop --------------------------------------------------------------------------
@@ -152,14 +145,15 @@ class GroupMember:
             cache.buffer[:, :, msg["blocks"]] = msg["kv"].to(cache.buffer.device)
         self.freed_param_bytes = drop_layers(m, start, end)
         self.stage = Stage(me, m, cache)
-        stages = [self.stage if j == me else RemoteStage(self, j, s, t, self.stage)
+        stages = [self.stage if j == me else RemoteStage(j, s, t, self.stage)
                   for j, (s, t) in enumerate(self.ranges)]
-        self.runner = PipelineRunner(stages)
-        self.runner.hop = lambda hidden: hidden   # the remote stage carries it
+        self.runner = ChainRunner(me, stages, self.links, step_timeout_s=self.step_timeout_s,
+                                  lookahead=self.lookahead)
         e.cache = None
         e.runner = self.runner
         e.blocks = e.batcher.blocks = blocks
         e._usable_blocks = hi - lo
+        self.dropped = True
         return self.freed_param_bytes
 
     @staticmethod
@@ -172,49 +166,28 @@ class GroupMember:
             new += seq.block_table
         return torch.tensor(old, dtype=torch.int64), torch.tensor(new, dtype=torch.int64)
 
-    # -- while dropped: the pipeline ------------------------------------------------------
-    def remote_stage(self, peer: int, hidden, positions, inputs, decode_only):
-        """Run member ``peer``'s layers on this member's batch: an activation there and back."""
-        with self._lock:
-            self._steps += 1
-            step = self._steps
-        bare = msgspec.structs.replace(inputs, sample_seqs=[])   # no engine objects on the wire
-        self.links.send(peer, {"kind": "stage", "step": step, "hidden": hidden,
-                               "positions": positions, "inputs": bare,
-                               "decode_only": decode_only}, TrafficClass.ACTIVATION)
-        try:
-            answer = self._results[peer].get(timeout=_WAIT_S)
-        except queue.Empty:
-            raise RuntimeError(f"member {peer} did not answer stage step {step}") from None
-        if "error" in answer:
-            raise RuntimeError(f"member {peer}'s stage failed: {answer['error']}")
-        if answer["step"] != step:
-            raise RuntimeError(f"member {peer} answered step {answer['step']}, not {step}")
-        return answer["hidden"]
-
-    def _serve_stage(self, peer: int, msg: dict) -> None:
-        """The stage server: another member's batch through this member's layers."""
-        try:
-            inputs, hidden = msg["inputs"], msg["hidden"]
-            meta = None
-            if msg["decode_only"] and _torch_decode_path(self.stage.cache.buffer.device):
-                meta = decode_meta(inputs.block_tables, inputs.context_lens,
-                                   self.stage.cache.block_size, self.stage.cache.num_blocks,
-                                   int(inputs.context_lens.max()))
-            with torch.inference_mode():
-                out = self.stage.run(hidden, msg["positions"], inputs, msg["decode_only"], meta)
-            self.stage_runs += 1
-            answer = {"kind": "result", "step": msg["step"], "hidden": out}
-        except Exception as exc:  # noqa: BLE001 - the asking member fails its step with it
-            answer = {"kind": "result", "step": msg["step"], "error": repr(exc)}
-        self.links.send(peer, answer, TrafficClass.ACTIVATION)
+    # -- while dropped: the pipeline (stage_chain.py) ---------------------------------------
+    @property
+    def stage_runs(self) -> int:
+        """Other members' micro-batches run through this member's layers."""
+        return 0 if self.runner is None else self.runner.stage_runs
 
     def _on_message(self, peer: int, msg: dict | None) -> None:
         kind = None if msg is None else msg["kind"]
-        if kind == "stage":
-            self._serve_stage(peer, msg)
+        if kind == "chain":
+            if self.runner is None:   # not dropped (yet, or any more): the owner fails its step
+                self.links.send(msg["owner"], {"kind": "result", "step": msg["step"],
+                                               "mb": msg["mb"], "error": f"member {self.member}"
+                                               " is not in the group's pipeline"},
+                                TrafficClass.ACTIVATION)
+            else:
+                self.runner.on_chain(peer, msg)
         elif kind == "result":
-            self._results[peer].put(msg)
+            if self.runner is not None:
+                self.runner.on_result(msg)
+        elif kind == "member_lost":   # a peer saw a member's link break: the chain is broken
+            if self.runner is not None:
+                self.runner.fail(f"member {peer} lost member {msg['member']}")
         elif kind == "want":     # a restoring member asks for my layers' KV of its blocks
             kv = self.stage.cache.buffer[:, :, msg["blocks"]].clone()
             self.exchange_bytes += kv.numel() * kv.element_size()
@@ -228,11 +201,25 @@ class GroupMember:
             self._landed_at(peer, msg["rid"])
         elif kind is None:       # the link broke: a member died (or the group closed)
             if not self.closing:
-                for q in self._results.values():
-                    q.put({"step": -1, "error": f"the link to member {peer} broke"})
-                self._inbox.put((peer, {"kind": "lost"}))
+                self._lost(peer)
+            self._inbox.put((peer, {"kind": "lost"}))
         else:
             self._inbox.put((peer, msg))
+
+    def _lost(self, peer: int) -> None:
+        """Member ``peer``'s link broke: fail this member's steps and tell the others (a
+        chain may be waiting on ``peer`` for an owner that has not seen the break yet). Not
+        once restored: then the peers close their links one after the other."""
+        if not self.dropped:
+            return
+        self.runner.fail(f"the link to member {peer} broke")
+        for k in self.links.peers:
+            if k != peer:
+                try:
+                    self.links.send(k, {"kind": "member_lost", "member": peer},
+                                    TrafficClass.ACTIVATION)
+                except (KeyError, OSError):
+                    pass
 
     def _await(self, kind: str, peers: list[int]) -> list[dict]:
         """One ``kind`` message from every member of ``peers``, in member order. A message of
@@ -322,6 +309,7 @@ class GroupMember:
         e.runner = ModelRunner(m, cache, cuda_graphs=False)
         e.blocks = e.batcher.blocks = blocks
         e._usable_blocks = base_blocks
+        self.dropped = False
         return pulled
 
     def _load_layers(self, layers: dict[int, dict]) -> int:

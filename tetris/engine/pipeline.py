@@ -161,10 +161,7 @@ class PipelineRunner:
                                first.cache.num_blocks, int(inputs.context_lens.max()))
         positions = inputs.positions.to(first.model.device)
         hidden = first.model.embed(inputs.input_ids)
-        for k, stage in enumerate(self.stages):
-            if k:
-                hidden = self._hand_off(hidden)
-            hidden = stage.run(hidden, positions, inputs, decode_only, meta)
+        hidden = self.run_stages(hidden, positions, inputs, decode_only, meta)
         hidden = last.model.final_norm(hidden)
         if decode_only:
             logits = last.model.logits(hidden, upcast=False)
@@ -177,6 +174,16 @@ class PipelineRunner:
             return hidden.new_empty(0, 0, dtype=torch.float32), []
         rows = hidden.index_select(0, inputs.sample_rows)
         return last.model.logits(rows, upcast=upcast), inputs.sample_seqs
+
+    def run_stages(self, hidden: torch.Tensor, positions: torch.Tensor, inputs: BatchInputs,
+                   decode_only: bool, meta) -> torch.Tensor:
+        """hidden [T, H] after the embedding -> after the last layer, stage after stage (a
+        served member overrides it: ``actors/decode/stage_chain.py``)."""
+        for k, stage in enumerate(self.stages):
+            if k:
+                hidden = self._hand_off(hidden)
+            hidden = stage.run(hidden, positions, inputs, decode_only, meta)
+        return hidden
 
     def _hand_off(self, hidden: torch.Tensor) -> torch.Tensor:
         """The activation hop to the next member (``hop``, else a copy in process)."""
