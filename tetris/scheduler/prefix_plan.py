@@ -124,7 +124,7 @@ def plan_from_prefix(policy, request_id: str, prompt_tokens: int, now: float, po
     cached = usable_prefix(cached_tokens, prompt_tokens)
     if cached <= 0 or not holders or not hasattr(policy, "chunked"):
         return PrefixOption(plain, "recompute", {"recompute": plain.ttft_estimate},
-                            unavailable={x: "no usable cached prefix on a CDSP policy"
+                            unavailable={x: "no usable cached prefix, or not a CDSP policy"
                                          for x in ("extend", "move")})
     theta = policy._theta(improvement_rate)
     plans, why = {"recompute": plain}, {}
@@ -157,7 +157,9 @@ def _move_option(policy, prompt_tokens: int, cached: int, holders: Sequence[int]
     if not source_ready:
         return None, "the source run is still prefilling"
     found = move_search(policy, prompt_tokens, cached, holders, now, now, pool, theta, move)
-    return found, "" if found is not None else "no profile SP size fits the instances free of the holders"
+    if found is None:
+        return None, "no profile SP size fits the instances free of the holders"
+    return found, ""
 
 
 def _choose(ttfts: dict[str, float], placement: str, theta: float,
