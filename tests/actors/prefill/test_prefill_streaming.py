@@ -226,6 +226,43 @@ def test_streamed_kv_equals_head_slices_of_the_prefill_kv(setup):
     assert pool.transfer_state(rid) == {}
 
 
+def test_a_moved_prefix_streams_from_its_new_group(setup):
+    """A cached prefix moved from instance 0 to {1, 2} (``cached_moved``, prefix_move.py)
+    reaches both decode ranks from {1, 2}, as prefix pseudo-chunk shards beside the chunk's
+    own: the receivers admit the run with every position's KV equal to the run's stored KV,
+    whose prefix is the source's bitwise; holder 0 sends nothing; nothing is held after."""
+    pool, ranks = setup
+    n, cached, rid = 160, 100, "moved-stream"
+    ids = _prompt(n, 7)
+    source = PrefillPlan("moved-stream-src", 120, (Chunk(0, 120, (0,)),))
+    pool.run(source, ids[:120])
+    plan = PrefillPlan(rid, n, (Chunk(cached, n, (1, 2)),), cached_tokens=cached,
+                       cached_instances=(0,), cached_source=source.request_id, cached_moved=True)
+    assert all(ray.get([rk.reserve.remote(rid, n) for rk in ranks]))
+    pool.run(plan, ids, kv_receivers=tuple(range(TP)))
+    ready = _outcomes(ranks, rid)
+    assert all(isinstance(e, RequestReady) for e in ready), ready
+    ref_k, ref_v = _reference_kv(pool, rid, n)
+    src_k, src_v = _reference_kv(pool, source.request_id, 120)
+    assert torch.equal(ref_k[:, :cached], src_k[:, :cached])
+    assert torch.equal(ref_v[:, :cached], src_v[:, :cached])
+    for r, (rk, e) in enumerate(zip(ranks, ready)):
+        got = ray.get(rk.read_back.remote(e.block_table, n))
+        heads = slice(r * HKV // TP, (r + 1) * HKV // TP)
+        assert torch.equal(got[:, :, 0], ref_k[:, :, heads])
+        assert torch.equal(got[:, :, 1], ref_v[:, :, heads])
+        ray.get(rk.give_back.remote(e.block_table))
+    # per member of {1, 2}: its prefix share and its chunk share, to each of the 2 receivers
+    deadline = time.monotonic() + 10
+    while sum(st["sent"] for st in pool.transfer_state(rid).values()) < 8:
+        assert time.monotonic() < deadline, pool.transfer_state(rid)
+        time.sleep(0.05)
+    assert {i: st["sent"] for i, st in pool.transfer_state(rid).items()} == {1: 4, 2: 4}
+    for r in (rid, source.request_id):
+        pool.release(r)
+    _nothing_held(pool, ranks)
+
+
 def test_failure_mid_stream_leaves_nothing_held(setup):
     pool, ranks = setup
     n, rid = 120, "stream-fail"
