@@ -111,7 +111,9 @@ class Dispatcher(RunBookings, DispatcherAdmin):
                                     DecodeRouter(decode_capacities),
                                     improvement_rate=sc.improvement_rate,
                                     monitor=self._make_monitor(rate_table),
-                                    prefix_index=prefix_cache.make_index(deployment.prefix_cache))
+                                    prefix_index=prefix_cache.make_index(deployment.prefix_cache),
+                                    prefix_placement=deployment.prefix_cache.placement,
+                                    prefix_move=prefix_cache.make_move(deployment))
         self.decode_kept = prefix_cache.make_decode_kept(deployment.prefix_cache)
         # [decode] elastic: first runs placed by ElasticPlacer on the same router
         self.elastic = elastic_dispatch.make_routing(deployment, self.control.router,

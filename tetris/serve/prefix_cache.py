@@ -2,7 +2,8 @@
 ``PrefixIndex`` (docs/prefix_cache.md).
 
 1. ``make_index(config)``: the index when ``[prefix_cache] enabled``, else None (the dispatcher
-   then plans and frees exactly as without this module);
+   then plans and frees exactly as without this module); ``make_move`` the link model of a
+   hit's "move" placement (``[prefix_cache] placement``);
 2. ``block_hashes``: a run's prompt hashes go with its plan (``ControlPlane.plan``);
 3. ``index_run`` after a successful prefill: the run's blocks are indexed where its KV lies,
    and the runs the index lets go are released on the prefill pool;
@@ -31,15 +32,26 @@ from tetris.control import ControlPlane
 from tetris.control.decode_kept import DecodeKept
 from tetris.control.prefix_index import PrefixIndex
 from tetris.errors import PrefixMissing
+from tetris.scheduler.prefix_move import PrefixMove
 from tetris.serve.remote_errors import carried
 
 __all__ = ["block_hashes", "clear", "drop_kept", "finished_run", "forget_missing", "index_run",
-           "keep_kw", "make_decode_kept", "make_index", "retained", "route_to_kept", "told",
-           "view"]
+           "keep_kw", "make_decode_kept", "make_index", "make_move", "retained", "route_to_kept",
+           "told", "view"]
 
 
 def make_index(config: PrefixCacheConfig) -> PrefixIndex | None:
     return PrefixIndex(config.block_tokens, config.capacity_blocks) if config.enabled else None
+
+
+def make_move(deployment) -> PrefixMove | None:
+    """The link model a hit's "move" placement is priced on (``tetris.scheduler.prefix_move``):
+    the deployment's model per prefill instance and its ``[sp_layout]`` links; None (no move)
+    on TP > 1 prefill instances, where the pool refuses moved plans
+    (``actors/prefill/prefix_move.py``)."""
+    if deployment.prefill.tp_size > 1:
+        return None
+    return PrefixMove.from_deployment(deployment)
 
 
 def block_hashes(control: ControlPlane, prompt: Sequence[int] | None) -> dict:
