@@ -18,7 +18,12 @@ import msgspec
 
 from tetris.bench.kunserve_emulated import EMULATED_POLICIES, KunServeEmulation
 from tetris.sim.kunserve import POLICIES, KunServeSim
-from tetris.sim.kunserve_workload import burst_trace, load_profile, profile_path
+from tetris.sim.kunserve_workload import (
+    LENGTHS,
+    burst_trace,
+    load_profile,
+    profile_path,
+)
 
 __all__ = ["compare", "deployment"]
 
@@ -37,18 +42,21 @@ def deployment(profile: str, instances: int | None = None, kv_scale: float = 1.0
 BURST = (0.3, 0.7, 2.0)    # the issue's trace: the rate doubles for the middle 40% of requests
 
 
-def _trace(requests: int, rate: float, seed: int, burst=BURST):
+def _trace(requests: int, rate: float, seed: int, burst=BURST, lengths: str = "burstgpt"):
     """``burst``: (first, end) request of the burst as shares of the trace, and its rate
-    factor."""
+    factor; ``lengths``: the dataset whose request lengths it draws (``LENGTHS``)."""
     at, end, factor = burst
+    mean_in, mean_out, max_total = LENGTHS[lengths]
     return burst_trace(requests, rate, seed=seed, burst_at=at, burst_end=end,
-                       burst_factor=factor)
+                       burst_factor=factor, mean_in=mean_in, mean_out=mean_out,
+                       max_total=max_total)
 
 
 def _emulate(spec: dict) -> dict:
     mem, prof = deployment(spec["profile"], spec["instances"], spec["kv_scale"])
     t0 = time.perf_counter()
-    out = KunServeEmulation(_trace(spec["requests"], spec["rate"], spec["seed"], spec["burst"]),
+    out = KunServeEmulation(_trace(spec["requests"], spec["rate"], spec["seed"], spec["burst"],
+                                   spec["lengths"]),
                             mem, prof,
                             spec["policy"], time_scale=spec["time_scale"],
                             round_model=spec["round_model"]).run()
@@ -59,14 +67,14 @@ def _emulate(spec: dict) -> dict:
 def compare(*, profile: str = "qwen2.5-14b-tp1", requests: int = 10000, rate: float = 150.0,
             seed: int = 1, time_scale: float = 1.0, jobs: int = 3, instances: int | None = None,
             kv_scale: float = 1.0, emulate: bool = True, policies=POLICIES,
-            round_model: str = "lookahead", burst=BURST) -> dict:
+            round_model: str = "lookahead", burst=BURST, lengths: str = "burstgpt") -> dict:
     """``{"SIMULATION": {policy: result}, "EMULATION": {policy: result}}`` (EMULATION empty
     when ``emulate`` is off) for ``policies``; a group's iteration by ``round_model``."""
     mem, prof = deployment(profile, instances, kv_scale)
     sim = {}
     for policy in policies:
         t0 = time.perf_counter()
-        sim[policy] = KunServeSim(_trace(requests, rate, seed, burst), mem, prof, policy,
+        sim[policy] = KunServeSim(_trace(requests, rate, seed, burst, lengths), mem, prof, policy,
                                   round_model=round_model).run()
         sim[policy]["mode"] = "SIMULATION"
         sim[policy]["wall_s"] = time.perf_counter() - t0
@@ -74,7 +82,7 @@ def compare(*, profile: str = "qwen2.5-14b-tp1", requests: int = 10000, rate: fl
     if emulate:
         specs = [{"profile": profile, "instances": instances, "kv_scale": kv_scale,
                   "requests": requests, "rate": rate, "seed": seed, "time_scale": time_scale,
-                  "policy": p, "round_model": round_model, "burst": burst}
+                  "policy": p, "round_model": round_model, "burst": burst, "lengths": lengths}
                  for p in EMULATED_POLICIES if p in policies]
         with cf.ProcessPoolExecutor(max_workers=jobs,
                                     mp_context=mp.get_context("spawn")) as pool:
@@ -82,4 +90,5 @@ def compare(*, profile: str = "qwen2.5-14b-tp1", requests: int = 10000, rate: fl
                 emu[spec["policy"]] = out
     return {"profile": prof.name, "instances": prof.instances, "kv_blocks": mem.kv_blocks,
             "requests": requests, "rate": rate, "seed": seed, "time_scale": time_scale,
-            "round_model": round_model, "burst": list(burst), "SIMULATION": sim, "EMULATION": emu}
+            "round_model": round_model, "burst": list(burst), "lengths": lengths,
+            "SIMULATION": sim, "EMULATION": emu}

@@ -8,7 +8,7 @@ same profile: a group's pipelined round over its lookahead micro-batches), so an
 unit takes the simulator's time for its batch. Around them, as in the served system's P/D shape:
 
 - the dispatcher (the arrival loop): FCFS, head never skipped, Llumnix routing to the unit
-  with the most free blocks, ``reserve`` of the prompt's blocks, then ``commit_prefilled``
+  with room and the fewest used blocks per member (``route``), ``reserve`` of the prompt's blocks, then ``commit_prefilled``
   after the prompt's prefill time (the prefill pool is not the bottleneck here);
 - the monitor (``kunserve`` only): every ``tick_s`` each unit's KV report (``InstanceLoad``
   from its block manager) goes to ``KunServeController.decide``; a drop or restore waits for
@@ -41,6 +41,7 @@ from collections import deque
 from tetris.actors.decode.kunserve_emulated import PipelinedEmulatedEngine
 from tetris.bench.kunserve_regroup import KunServeRegrouping
 from tetris.control.kunserve import KunServeController
+from tetris.control.kunserve_dispatch import UnitRoom, route
 from tetris.control.kunserve_memory import InstanceMemory
 from tetris.sampling_params import SamplingParams
 from tetris.sim.kunserve import KunRequest, PoolProfile, policy_result, unit_time
@@ -282,8 +283,9 @@ class KunServeEmulation(KunServeRegrouping):
         return u.engine.blocks.num_free_blocks
 
     def _admit(self) -> None:
-        """FCFS with the head never skipped, to the open unit with the most free blocks; a unit
-        whose own preempted sequences wait is closed until they are back."""
+        """FCFS with the head never skipped, to the open unit with room and the fewest used
+        blocks per member (``route``, the simulator's); a unit whose own preempted sequences
+        wait is closed until they are back."""
         bs = self.mem.block_size
         for u in self.units:
             self._swap_in(u)
@@ -294,13 +296,16 @@ class KunServeEmulation(KunServeRegrouping):
                           and len(u.engine._seqs) < self.prof.max_batch * len(u.members)]
             if not open_units:
                 return
-            u = max(open_units, key=lambda x: (self._free(x), -x.members[0]))
             generated = self.generated.get(r.rid, [])
             tokens = (r.prompt + r.output if self.policy == "queue"
                       else r.prompt + len(generated) + 1)
             need = -(-tokens // bs)
-            if need > self._free(u):
+            pick = route(need, [UnitRoom(x.members[0], len(x.members),
+                                         x.engine.blocks.num_blocks - self._free(x),
+                                         self._free(x)) for x in open_units])
+            if pick is None:
                 return
+            u = open_units[pick]
             self.waiting.popleft()
             if len(u.members) == 1 and r.home < 0:
                 r.home = u.members[0]

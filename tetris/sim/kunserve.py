@@ -1,7 +1,8 @@
 """SIMULATION of decode KV-memory overload: KunServe and the KV-centric baselines.
 
 The served system's shape (P/D disaggregation): a request arrives, is routed Llumnix-style to
-the decode unit with the most free blocks, and starts its prefill only once that unit has
+the decode unit with room and the fewest used blocks per member
+(``tetris/control/kunserve_dispatch.py``), and starts its prefill only once that unit has
 reserved its KV blocks (the dispatcher's ``decode.reserve``); the prefill pool is not the
 bottleneck here (``prompt * prefill_s_per_token`` plus the KV stream), so the time a request
 waits for decode KV memory is TTFT. Decode units run iterations of every request whose KV is
@@ -36,6 +37,7 @@ from collections.abc import Sequence
 import msgspec
 
 from tetris.control.kunserve import KunServeController
+from tetris.control.kunserve_dispatch import UnitRoom, route
 from tetris.control.kunserve_memory import InstanceLoad, InstanceMemory
 from tetris.sim.kunserve_exchange import ExchangeQueue
 from tetris.sim.kunserve_pipeline import group_round
@@ -207,8 +209,9 @@ class KunServeSim:
 
     def _admit(self, now: float) -> None:
         """Reserve blocks for queued requests, FCFS with the head never skipped, on the unit
-        with the most free blocks (Llumnix freeness); each is prefilled (again, after a
-        preemption) and joins that unit's batch once its KV is in place."""
+        with room and the fewest used blocks per member (``route``: Llumnix balance across
+        units of different sizes); each is prefilled (again, after a preemption) and joins
+        that unit's batch once its KV is in place."""
         for u in self.units:
             self._swap_in(u)
         while self.waiting:
@@ -217,10 +220,12 @@ class KunServeSim:
                           if not u.swapped and len(u.running) < self.prof.max_batch * len(u.members)]
             if not open_units:
                 return
-            u = max(open_units, key=lambda x: (x.capacity - x.used, -x.members[0]))
             need = self._need(r)
-            if need > u.capacity - u.used:
+            pick = route(need, [UnitRoom(x.members[0], len(x.members), x.used,
+                                         x.capacity - x.used) for x in open_units])
+            if pick is None:
                 return
+            u = open_units[pick]
             self.waiting.popleft()
             if len(u.members) == 1 and r.home < 0:
                 r.home = u.members[0]

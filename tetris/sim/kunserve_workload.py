@@ -16,7 +16,13 @@ import numpy as np
 from tetris.control.kunserve_memory import InstanceMemory, instance_memory
 from tetris.sim.kunserve import KunRequest, PoolProfile
 
-__all__ = ["burst_trace", "load_profile", "profile_path"]
+__all__ = ["LENGTHS", "burst_trace", "load_profile", "profile_path"]
+
+# The paper's datasets (§6, Table 3) as (mean input, mean output, most tokens per request):
+# BurstGPT and ShareGPT truncated to 4K as the artifact's data scripts do; LongBench (the
+# paper's 72B runs) up to the artifact's max_model_len, 16K.
+LENGTHS = {"burstgpt": (642, 262, 4096), "sharegpt": (1660, 373, 4096),
+           "longbench": (5900, 499, 16384)}
 
 
 def profile_path(name: str) -> Path:
