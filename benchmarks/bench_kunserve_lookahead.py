@@ -1,0 +1,188 @@
+"""Lookahead micro-batches in a served KunServe group on CPU: an uneven batch with and without.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_kunserve_lookahead.py [--layers 8] [--hidden 256]
+        [--long 3] [--long-tokens 2048] [--short 9] [--steps 16] [--repeats 3]
+        [--overhead-seqs 1.0]
+
+Two engines of one seeded model dropped into a group of 2 (``GroupMember``, loopback TCP
+links, the chain of ``actors/decode/stage_chain.py``), each member stepping its own batch in
+its own thread as the served ranks do. The batch is uneven: member 0 holds ``long`` requests
+of ``long-tokens`` context and ``short`` of 32, member 1 one short request (it has little
+work). Modes, side by side in each repeat: ``one`` (each step one micro-batch, as without
+lookahead), ``count`` (micro-batches by the group's load, equal sequence counts: the
+token-budget baseline) and ``lookahead`` (the same number, cost-balanced by
+``decode_cost_model``, §4.3). Reported per mode: member 0's median step time, the bubble
+share ``1 - stage busy seconds / (2 * wall)`` over the measured window (busy: each member's
+own layers' runs), the micro-batches per step, and the ratio to ``one``; member 0's tokens
+are checked equal across modes. CPU timing on a shared machine: the ratios and the load
+average are the figures, not the absolute times (on CPU, the two members' stages overlap
+only as far as the cores are free).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import threading
+import time
+
+import torch
+from tetris.actors.decode.pipeline_stage import GroupMember, member_blocks
+
+from tetris.config import ModelConfig
+from tetris.engine.engine import LLMEngine
+from tetris.engine.pipeline import layer_bytes
+from tetris.model.loader import load_model
+from tetris.sampling_params import SamplingParams
+from tetris.scheduler.member_lookahead import MemberLookahead, decode_cost_model
+
+MODES = ["one", "count", "lookahead"]
+_MEMBER1_BLOCKS = 16   # member 1's part of the group's blocks: one short request at a time
+
+
+def _engines(cfg: ModelConfig, args) -> list[LLMEngine]:
+    total = args.steps + 8
+    lens = [[args.long_tokens] * args.long + [32] * args.short, [32]]
+    engines = []
+    for j, member_lens in enumerate(lens):
+        model, _ = load_model(cfg)
+        blocks = sum(n + total for n in lens[0]) // 16 + 2 * _MEMBER1_BLOCKS   # alike
+        e = LLMEngine(model, num_blocks=blocks, block_size=16, max_num_seqs=len(member_lens))
+        for i, n in enumerate(member_lens):
+            prompt = [(7 * i + 3 * j + k) % cfg.vocab_size for k in range(n)]
+            e.add_request(f"{j}-{i}", prompt, _params(total))
+        engines.append(e)
+    return engines
+
+
+def _params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _parallel(fns) -> list:
+    """Run each function in its own thread; re-raise the first error."""
+    out, errors = [None] * len(fns), []
+
+    def run(i, f):
+        try:
+            out[i] = f()
+        except Exception as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, f)) for i, f in enumerate(fns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+def _timed(stage, busy: list[float]):
+    run = stage.run
+
+    def timed(*a):
+        t0 = time.perf_counter()
+        try:
+            return run(*a)
+        finally:
+            busy.append(time.perf_counter() - t0)
+    return timed
+
+
+def run_mode(cfg: ModelConfig, args, mode: str) -> dict:
+    engines = _engines(cfg, args)
+    while any(s.num_computed < len(s.prompt_token_ids) for e in engines
+              for s in e._seqs.values()):
+        for e in engines:
+            e.step()                     # prefill, before the drop
+    layer = layer_bytes(engines[0].model.layers[0]) // engines[0].model.dtype.itemsize
+    cost = decode_cost_model(cfg.hidden_size, layer, args.overhead_seqs)
+    plan = None if mode == "one" else MemberLookahead(cost, min_tokens=1,
+                                                      balanced=mode == "lookahead")
+    half = args.layers // 2
+    ranges = [(0, half), (half, args.layers)]
+    g = min(member_blocks(e, *r) for e, r in zip(engines, ranges, strict=True))
+    members = [GroupMember(e, j, "127.0.0.1", lookahead=plan) for j, e in enumerate(engines)]
+    addrs = [m.address for m in members]
+    _parallel([lambda m=m: m.connect(addrs, 10.0) for m in members])
+    parts = [(0, g - _MEMBER1_BLOCKS), (g - _MEMBER1_BLOCKS, g)]
+    _parallel([lambda m=m: m.drop(ranges, g, parts) for m in members])
+    busy: list[list[float]] = [[], []]
+    for m, b in zip(members, busy, strict=True):
+        m.stage.run = _timed(m.stage, b)
+    tokens: dict = {}
+    times: list[float] = []
+    done = threading.Event()
+
+    def member0():
+        for k in range(args.steps + 2):
+            t0 = time.perf_counter()
+            for out in engines[0].step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if k >= 2:                   # two warm-up steps
+                times.append(time.perf_counter() - t0)
+            if k == 1:
+                window.append(time.perf_counter())
+                for b in busy:
+                    b.clear()
+        window.append(time.perf_counter())
+        done.set()
+
+    def member1():   # a little work all along: a new short request when one finishes
+        n = 0
+        while not done.is_set():
+            if not engines[1].has_unfinished():
+                n += 1
+                engines[1].add_request(f"1-more{n}", [5 + n] * 32, _params(48))
+            engines[1].step()
+
+    window: list[float] = []
+    _parallel([member0, member1])
+    micro = members[0].runner.micro_batches
+    for m in members:
+        m.closing = True
+    for m in members:
+        m.close()
+    wall = window[1] - window[0]
+    return {"step_s": statistics.median(times),
+            "bubble": 1.0 - sum(sum(b) for b in busy) / (2 * wall),
+            "micro_per_step": micro / (args.steps + 2), "tokens": tokens}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--long", type=int, default=3)
+    p.add_argument("--long-tokens", type=int, default=2048)
+    p.add_argument("--short", type=int, default=9)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--overhead-seqs", type=float, default=1.0)
+    args = p.parse_args()
+    torch.set_num_threads(1)             # one core per member thread, as two devices
+    cfg = ModelConfig(vocab_size=512, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
+                      num_layers=args.layers, num_heads=8, num_kv_heads=4,
+                      max_position_embeddings=args.long_tokens + 256, seed=3)
+    print(f"load average before: {os.getloadavg()}  (CPU, in process, loopback TCP)")
+    print("repeat  mode       step_ms  vs_one  bubble  micro/step  tokens_equal")
+    ratios: dict[str, list[float]] = {m: [] for m in MODES}
+    for r in range(args.repeats):
+        res = {mode: run_mode(cfg, args, mode) for mode in MODES}
+        for mode in MODES:
+            x = res[mode]
+            ratio = x["step_s"] / res["one"]["step_s"]
+            ratios[mode].append(ratio)
+            same = x["tokens"] == res["one"]["tokens"]
+            print(f"{r:6d}  {mode:9s}  {x['step_s'] * 1e3:7.1f}  {ratio:6.2f}  "
+                  f"{x['bubble']:6.1%}  {x['micro_per_step']:10.2f}  {same}")
+    print("median step time vs one: " + ", ".join(
+        f"{m} {statistics.median(v):.2f}" for m, v in ratios.items()))
+    print(f"load average after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
