@@ -189,3 +189,22 @@ def test_the_control_plane_moves_only_a_prefix_whose_prefill_has_finished(prof):
     assert late.cached_moved and late.cached_instances == first.instances
     assert not set(late.chunks[0].instances) & set(first.instances)
     assert late.chunks[0].expected_start >= 10.0 + cp.last_prefix.move_s
+
+
+def test_a_moved_plan_may_grow_its_group_in_later_chunks(prof):
+    # Holders busy, four free instances on their node, a second node free in 1 s: the moved
+    # prefix's group runs a chunk until the larger group is free (Algorithm 3), then grows.
+    pool = PoolState.uniform(16, 8, [60.0, 60.0] + [0.0] * 6 + [1.0] * 8)
+    opt = plan_from_prefix(make_policy("tetris", prof), "r", 131072, 0.0, pool,
+                           cached_tokens=16384, holders=H, source="doc",
+                           move=PrefixMove(LLAMA3_8B, FAST))
+    plan = opt.plan.validate(16)
+    assert opt.decision == "move" and len(plan.chunks) == 2
+    first, second = plan.chunks
+    assert second.instances[:first.sp_size] == first.instances   # groups only grow
+    assert not set(second.instances) & set(H)
+    # all of the move on node 0: each holder sends its half of 16K tokens' KV over NVSwitch
+    move_s = 16384 * 32 * 2 * 8 * 128 * 2 / 2 / 240e9 + 10e-6
+    assert first.expected_start == pytest.approx(move_s) == pytest.approx(opt.move_s)
+    assert plan.ttft_estimate == pytest.approx(_hand_ttft(prof, plan, move_s))
+    assert second.expected_start == 1.0   # the second node is free
