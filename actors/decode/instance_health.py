@@ -71,6 +71,12 @@ class InstanceHealth:
         finally:
             self._restarting = False
 
+    def note_stats(self, stats) -> None:
+        """Engine stats read outside a round: a KunServe drop or restore changed the engine's
+        blocks while no round ran, and the router reads free blocks from the last stats (an
+        idle instance runs no round to correct them)."""
+        self._stats = stats
+
     async def resume_rounds(self) -> None:
         """Serve again with the same rank actors, rebuilt in place (a KunServe group's
         survivor: ``rank_kunserve.kunserve_rebuild``), without a restart. The requests it held
@@ -82,8 +88,8 @@ class InstanceHealth:
         self._broken = None
         self._answered_at = -math.inf
         self._book.commands.clear()
-        self._stats = None
         await self._read_kv_blocks()
+        self._stats = await self.ranks[0].stats.remote()   # the rebuilt engine's, for routing
         self._book.wake = asyncio.Event()
         self._loop_task = asyncio.create_task(self._run(), name=f"decode-{self.instance}-rounds")
         self.rebuilds += 1

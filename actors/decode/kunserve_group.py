@@ -217,8 +217,10 @@ class ServedKunServe:
             done = await asyncio.gather(*[
                 r.kunserve_drop.remote(ranges, group_blocks, parts, self.landing_blocks)
                 for r in ranks])
-            for inst, (lo, hi), d in zip(insts, parts, done, strict=True):
+            states = await asyncio.gather(*[r.stats.remote() for r in ranks])
+            for inst, (lo, hi), d, s in zip(insts, parts, done, states, strict=True):
                 inst.kv_blocks = hi - lo
+                inst.note_stats(s)   # the router's free blocks: the member's part now
                 self.freed_param_bytes[inst.instance] = int(d["freed_param_bytes"])
                 self.exchange_bytes += int(d["exchange_bytes"])
         log.info("KunServe drop: instances %s keep layers %s, %d group blocks",
@@ -235,6 +237,7 @@ class ServedKunServe:
             states = await asyncio.gather(*[r.stats.remote() for r in ranks])
             for inst, s in zip(insts, states, strict=True):
                 inst.kv_blocks = s.total_blocks
+                inst.note_stats(s)   # else the router keeps the group part's free blocks
                 self.freed_param_bytes.pop(inst.instance, None)
         log.info("KunServe restore: instances %s are replicas again", list(group.members))
 
