@@ -208,3 +208,32 @@ def test_a_moved_plan_may_grow_its_group_in_later_chunks(prof):
     assert first.expected_start == pytest.approx(move_s) == pytest.approx(opt.move_s)
     assert plan.ttft_estimate == pytest.approx(_hand_ttft(prof, plan, move_s))
     assert second.expected_start == 1.0   # the second node is free
+
+
+def test_a_layout_policy_plans_hits_from_the_cache_with_each_chunk_on_its_layout(prof):
+    """With CSPS layouts on (the dispatcher's policy is then a ``LayoutPolicy``) a hit is
+    planned from the cache as with the ring alone, each chunk then given its cheapest layout
+    and re-timed (a moved plan's first group no earlier than the move lands); before, every
+    hit was recomputed."""
+    from tetris.config import SpLayoutConfig
+    from tetris.scheduler.layout_policy import LayoutPolicy, assign_layouts, landed_pool
+    from tetris.scheduler.sp_comm import LayoutChooser
+
+    # the ring's transfers charged in full, pieces allowed: a2a/M beats the ring here
+    cfg = SpLayoutConfig(layouts=("ring", "a2a", "sptp"), micro_partitions=(1, 2, 4),
+                         ring_overlap=False)
+    chooser = LayoutChooser.from_config(cfg, LLAMA3_8B)
+    wrapped = LayoutPolicy(make_policy("tetris", prof), chooser, prof)
+    for queue, decision in [([0.0] * 8, "extend"), ([30.0, 30.0] + [0.0] * 6, "move")]:
+        bare, pool = _option(prof, queue)
+        opt, _ = _option(prof, queue, policy=wrapped)
+        assert bare.decision == opt.decision == decision
+        assert opt.plan.cached_tokens == CACHED
+        # the same search, then the layouts: exactly assign_layouts over the bare plan
+        expect = assign_layouts(bare.plan, chooser, landed_pool(pool, bare.plan), 0.0, prof)
+        assert opt.plan == expect
+        assert opt.ttfts[decision] == expect.ttft_estimate
+        assert any(c.sp_layout == "a2a" for c in opt.plan.chunks)
+        assert opt.ttfts[decision] < bare.ttfts[decision]
+        if decision == "move":
+            assert opt.plan.chunks[0].expected_start >= bare.plan.chunks[0].expected_start

@@ -14,8 +14,13 @@ import sys
 from tetris.config import SpLayoutConfig
 from tetris.feature_config import PREFIX_PLACEMENTS
 from tetris.scheduler.latency import ProfileError, load_profile
-from tetris.scheduler.layout_policy import assign_layouts
-from tetris.scheduler.policies import DEFAULT_MIN_CHUNK_TOKENS, CdspPolicy, PolicyError, make_policy
+from tetris.scheduler.layout_policy import assign_layouts, landed_pool
+from tetris.scheduler.policies import (
+    DEFAULT_MIN_CHUNK_TOKENS,
+    CdspPolicy,
+    PolicyError,
+    make_policy,
+)
 from tetris.scheduler.pool import PoolError, PoolState
 from tetris.scheduler.prefix_move import PrefixMove
 from tetris.scheduler.sp_comm import LLAMA3_8B, LayoutChooser
@@ -86,7 +91,7 @@ def build(args: argparse.Namespace) -> dict:
     plan = (prefix.plan if prefix is not None else
             policy.plan("cli", args.prompt_tokens, 0.0, pool, args.improvement_rate)
             ).validate(pool.size)
-    plan = assign_layouts(plan, _chooser(args), _landed(pool, plan), 0.0,
+    plan = assign_layouts(plan, _chooser(args), landed_pool(pool, plan), 0.0,
                           prof).validate(pool.size)
     # Algorithm 2's view, whatever the policy: each single chunk, and the one θ would pick.
     single = CdspPolicy("tetris-single-chunk", prof, chunked=False, sp_candidates=cands,
@@ -140,17 +145,6 @@ def _holders_busy(args: argparse.Namespace, queue: list[float]) -> list[float]:
     if any(not 0 <= i < len(queue) for i in holders):
         raise ValueError(f"--cached-on names an instance outside the pool of {len(queue)}")
     return [args.cached_busy_s if i in holders else q for i, q in enumerate(queue)]
-
-
-def _landed(pool: PoolState, plan) -> PoolState:
-    """The pool the layouts re-time ``plan`` on: for a moved prefix its first group is not
-    free before the move has landed (the chunk's planned start)."""
-    if not plan.cached_moved:
-        return pool
-    first = set(plan.chunks[0].instances)
-    start = plan.chunks[0].expected_start
-    return PoolState([max(q, start) if i in first else q for i, q in enumerate(pool.queue_times)],
-                     pool.node_of)
 
 
 def _chooser(args: argparse.Namespace) -> LayoutChooser:

@@ -27,7 +27,7 @@ from tetris.scheduler.pool import PoolState
 from tetris.scheduler.sp_comm import LayoutChoice, LayoutChooser, ModelGeometry
 
 __all__ = ["LayoutPolicy", "assign_layouts", "attention_seconds", "chunk_seconds",
-           "needs_layout_choice", "with_layout_choice"]
+           "landed_pool", "needs_layout_choice", "with_layout_choice"]
 
 
 def assign_layouts(plan: PrefillPlan, chooser: LayoutChooser, pool: PoolState, now: float,
@@ -95,6 +95,18 @@ def needs_layout_choice(cfg) -> bool:
     return (cfg.layouts != ("ring",) or cfg.micro_partitions != (1,)
             or (cfg.intra_node_gbps, cfg.inter_node_gbps)
             != (cfg.fit_intra_node_gbps, cfg.fit_inter_node_gbps))
+
+
+def landed_pool(pool: PoolState, plan: PrefillPlan) -> PoolState:
+    """The pool ``assign_layouts`` re-times ``plan`` on: for a prefix moved to its first
+    group (``cached_moved``), that group is not free before the move has landed (the first
+    chunk's planned start)."""
+    if not plan.cached_moved:
+        return pool
+    first = set(plan.chunks[0].instances)
+    start = plan.chunks[0].expected_start
+    return PoolState([max(q, start) if i in first else q for i, q in enumerate(pool.queue_times)],
+                     pool.node_of)
 
 
 class LayoutPolicy:

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from tetris.plan import Chunk, PrefillPlan
 from tetris.scheduler.cdsp import CdspSearch, SearchResult
 from tetris.scheduler.extend import node_members
+from tetris.scheduler.layout_policy import LayoutPolicy, assign_layouts, landed_pool
 from tetris.scheduler.pool import PoolState
 from tetris.scheduler.prefix_move import MoveResult, PrefixMove, move_search
 
@@ -122,6 +123,11 @@ def plan_from_prefix(policy, request_id: str, prompt_tokens: int, now: float, po
     finished, so its KV can be sent from ``now`` on."""
     plain = policy.plan(request_id, prompt_tokens, now, pool, improvement_rate=improvement_rate)
     cached = usable_prefix(cached_tokens, prompt_tokens)
+    # A LayoutPolicy (CSPS layouts, layout_policy.py) wraps the CDSP search: the options are
+    # searched as the ring's and each chunk then gets its layout, as the plain plan did.
+    layouts = policy if isinstance(policy, LayoutPolicy) else None
+    if layouts is not None:
+        policy = layouts.inner
     if cached <= 0 or not holders or not hasattr(policy, "chunked"):
         return PrefixOption(plain, "recompute", {"recompute": plain.ttft_estimate},
                             unavailable={x: "no usable cached prefix, or not a CDSP policy"
@@ -141,6 +147,10 @@ def plan_from_prefix(policy, request_id: str, prompt_tokens: int, now: float, po
     else:
         plans["move"] = _cached_plan(policy, request_id, prompt_tokens, cached, holders,
                                      source, theta, moved.result, moved=True)
+    if layouts is not None:
+        plans.update({x: assign_layouts(p, layouts.chooser, landed_pool(pool, p), now,
+                                        layouts.profile)
+                      for x, p in plans.items() if x != "recompute"})
     ttfts = {x: p.ttft_estimate for x, p in plans.items()}
     decision, reason = _choose(ttfts, placement, theta, why)
     return PrefixOption(plans[decision], decision, ttfts, unavailable=why, reason=reason,
