@@ -10,13 +10,19 @@ its own thread as the served ranks do. The batch is uneven: member 0 holds ``lon
 of ``long-tokens`` context and ``short`` of 32, member 1 one short request (it has little
 work). Modes, side by side in each repeat: ``one`` (each step one micro-batch, as without
 lookahead), ``count`` (micro-batches by the group's load, equal sequence counts: the
-token-budget baseline) and ``lookahead`` (the same number, cost-balanced by
-``decode_cost_model``, §4.3). Reported per mode: member 0's median step time, the bubble
-share ``1 - stage busy seconds / (2 * wall)`` over the measured window (busy: each member's
-own layers' runs), the micro-batches per step, and the ratio to ``one``; member 0's tokens
-are checked equal across modes. CPU timing on a shared machine: the ratios and the load
-average are the figures, not the absolute times (on CPU, the two members' stages overlap
-only as far as the cores are free).
+token-budget baseline), ``lookahead`` (the same number, cost-balanced by
+``decode_cost_model``, §4.3) and ``lookahead-serial`` (lookahead's micro-batches, one in the
+chain at a time). Two effects are apart this way: ``lookahead-serial / one`` is what the
+micro-batches' composition alone gives (on CPU the torch decode path pads every row of a
+micro-batch to its longest context, so long and short rows apart cost less; a GPU paged
+kernel does not pad), ``lookahead / lookahead-serial`` is what their overlap across the two
+members gives (the pipeline's fill and drain: at best (k + g - 1) / (k g), 0.75 for k = g =
+2, as each step samples every row before the next starts). ``--long 0 --short 12``: equal
+contexts, no padding, so only the overlap remains. Reported per mode: member 0's median step
+time, its ratio to ``one``, the bubble share ``1 - stage busy seconds / (2 * wall)`` over the
+measured window (busy: each member's own layers' runs), micro-batches per step; member 0's
+tokens are checked equal across modes. CPU timing on a shared machine: the ratios and the
+load average are the figures, not the absolute times.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from tetris.model.loader import load_model
 from tetris.sampling_params import SamplingParams
 from tetris.scheduler.member_lookahead import MemberLookahead, decode_cost_model
 
-MODES = ["one", "count", "lookahead"]
+MODES = ["one", "count", "lookahead", "lookahead-serial"]
 _MEMBER1_BLOCKS = 16   # member 1's part of the group's blocks: one short request at a time
 
 
@@ -101,7 +107,7 @@ def run_mode(cfg: ModelConfig, args, mode: str) -> dict:
     layer = layer_bytes(engines[0].model.layers[0]) // engines[0].model.dtype.itemsize
     cost = decode_cost_model(cfg.hidden_size, layer, args.overhead_seqs)
     plan = None if mode == "one" else MemberLookahead(cost, min_tokens=1,
-                                                      balanced=mode == "lookahead")
+                                                      balanced=mode != "count")
     half = args.layers // 2
     ranges = [(0, half), (half, args.layers)]
     g = min(member_blocks(e, *r) for e, r in zip(engines, ranges, strict=True))
@@ -110,6 +116,7 @@ def run_mode(cfg: ModelConfig, args, mode: str) -> dict:
     _parallel([lambda m=m: m.connect(addrs, 10.0) for m in members])
     parts = [(0, g - _MEMBER1_BLOCKS), (g - _MEMBER1_BLOCKS, g)]
     _parallel([lambda m=m: m.drop(ranges, g, parts) for m in members])
+    members[0].runner.overlap = mode != "lookahead-serial"
     busy: list[list[float]] = [[], []]
     for m, b in zip(members, busy, strict=True):
         m.stage.run = _timed(m.stage, b)

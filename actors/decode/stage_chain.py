@@ -92,6 +92,9 @@ class ChainRunner(PipelineRunner):
         self.lookahead = lookahead
         self.stage_runs = 0           # other members' micro-batches run here
         self.micro_batches = 0        # micro-batches this member started
+        # False: one micro-batch in the chain at a time (the same micro-batches without their
+        # overlap: what benchmarks/bench_kunserve_lookahead.py compares the overlap against)
+        self.overlap = True
         self._ids = itertools.count(1)
         self._pending: dict[int, queue.Queue] = {}
         self._broken: str | None = None
@@ -110,14 +113,18 @@ class ChainRunner(PipelineRunner):
             self._pending[step] = answers
         try:
             parts = self._parts(inputs, decode_only)
+            self.micro_batches += len(parts)
+            out: list[torch.Tensor] = []
             for mb, (lo, hi) in enumerate(parts):
                 if len(parts) == 1:
                     h, pos, inp = hidden, positions, msgspec.structs.replace(inputs, sample_seqs=[])
                 else:
                     h, pos, inp = hidden[lo:hi].clone(), positions[lo:hi].clone(), _rows(inputs, lo, hi)
                 self._start(step, mb, h, pos, inp, decode_only)
-            self.micro_batches += len(parts)
-            out = self._collect(step, answers, len(parts))
+                if not self.overlap:
+                    out += self._collect(step, answers, [mb])
+            if self.overlap:
+                out = self._collect(step, answers, list(range(len(parts))))
         finally:
             with self._lock:
                 del self._pending[step]
@@ -143,9 +150,11 @@ class ChainRunner(PipelineRunner):
             msg["stage"] = 1
         self._hop(msg["stage"], msg)
 
-    def _collect(self, step: int, answers: queue.Queue, n: int) -> list[torch.Tensor]:
+    def _collect(self, step: int, answers: queue.Queue, mbs: list[int]) -> list[torch.Tensor]:
+        """The final hidden states of micro-batches ``mbs``, in order."""
         deadline = time.monotonic() + self.step_timeout_s
         got: dict[int, torch.Tensor] = {}
+        n = len(mbs)
         while len(got) < n:
             try:
                 answer = answers.get(timeout=max(0.0, deadline - time.monotonic()))
@@ -157,7 +166,7 @@ class ChainRunner(PipelineRunner):
                 raise RuntimeError(f"member {self.member}: step {step} failed: "
                                    f"{answer['error']}")
             got[answer["mb"]] = answer["hidden"]
-        return [got[i] for i in range(n)]
+        return [got[i] for i in mbs]
 
     def _hop(self, peer: int, msg: dict) -> None:
         self.activation_hops += 1

@@ -255,10 +255,11 @@ def _kill(member):
         sock.shutdown(socket.SHUT_RDWR)
 
 
-@pytest.mark.parametrize("ranges,owner,count,k", [([(0, 2), (2, 4)], 0, None, 2),
-                                                  (RANGES_3, 1, 3, 3)],
-                         ids=["group-of-2-by-load", "group-of-3-middle-fixed-3"])
-def test_lookahead_micro_batches_equal_the_single_engine(ranges, owner, count, k):
+@pytest.mark.parametrize("ranges,owner,count,k,overlap", [
+    ([(0, 2), (2, 4)], 0, None, 2, True), (RANGES_3, 1, 3, 3, True),
+    ([(0, 2), (2, 4)], 1, None, 2, False)],
+    ids=["group-of-2-by-load", "group-of-3-middle-fixed-3", "group-of-2-one-at-a-time"])
+def test_lookahead_micro_batches_equal_the_single_engine(ranges, owner, count, k, overlap):
     """Every request on one member, the others idle: that member cuts each decode step into
     k cost-balanced micro-batches (by the group's load: ceil(g * own / own) = g; or a fixed
     3), all in the chain at once, each taking the member's route; every token and logprob
@@ -272,6 +273,7 @@ def test_lookahead_micro_batches_equal_the_single_engine(ranges, owner, count, k
     got: dict = {}
     engines, members = _dropped(ranges, owner, got,
                                 lookahead=MemberLookahead(cost, min_tokens=1, count=count))
+    members[owner].runner.overlap = overlap
     try:
         sent = _record_hops(members)
         _step_all(engines, got)
@@ -284,6 +286,10 @@ def test_lookahead_micro_batches_equal_the_single_engine(ranges, owner, count, k
     assert per_step[0] == max(per_step) == k           # while enough requests run
     assert per_step == sorted(per_step, reverse=True) and per_step[-1] == 1  # one left: 1
     assert runner.micro_batches == sum(per_step)
+    if not overlap:   # each micro-batch's whole route before the next one starts
+        for st in {st for _, _, o, st, _ in sent if o == owner}:
+            order = [mb for _, _, o, s, mb in sent if o == owner and s == st]
+            assert order == sorted(order)
     hops = len(ranges) + (0 < owner < len(ranges) - 1)
     assert len([x for x in sent if x[2] == owner]) == hops * len(steps)
     assert sorted(got) == sorted(expected)
