@@ -58,10 +58,11 @@ def test_the_no_queue_pool_settles_at_the_weight_load_over_one_minus_the_load():
     assert no_queue_tpot(MEM, PROF, 1.2) == math.inf
 
 
-def test_a_group_and_single_instances_get_requests_by_used_blocks_per_member():
-    """After a drop into (0, 1) with 2 and 3 single, requests that all fit spread so that
-    every member holds about as many blocks as a single instance (within one request's),
-    not so that the roomy group takes them all."""
+def test_a_group_and_single_instances_fill_to_the_same_share_of_their_kv():
+    """After a drop into (0, 1) with 2 and 3 single, requests that all fit spread so that every
+    unit has the same share of its KV in use (within one request's blocks), not so that the
+    roomy group takes them all; its members then hold 1.44x a single's tokens, not several
+    times."""
     prof = msgspec.structs.replace(PROF, max_batch=1 << 20)
     reqs = [KunRequest(i, 0.0, 600, 200) for i in range(300)]
     sim = KunServeSim(reqs, MEM, prof, "kunserve")
@@ -71,9 +72,12 @@ def test_a_group_and_single_instances_get_requests_by_used_blocks_per_member():
     sim.waiting.extend(reqs)
     sim._admit(0.0)
     assert not sim.waiting
-    per_member = [u.used / len(u.members) for u in sim.units]
-    assert max(per_member) - min(per_member) <= sim._need(reqs[0])
-    assert sim.units[0].capacity - sim.units[0].used > 2 * (MEM.kv_blocks - sim.units[1].used)
+    need = sim._need(reqs[0])
+    shares = [u.used / u.capacity for u in sim.units]
+    assert max(shares) - min(shares) <= need / MEM.kv_blocks
+    group, single = sim.units[0], sim.units[1]
+    assert group.used / 2 / single.used == pytest.approx(group.capacity / 2 / single.capacity,
+                                                         rel=0.05)
 
 
 def test_kunserve_serves_a_paper_shaped_72b_burst_at_the_no_queue_tpot_and_restores():

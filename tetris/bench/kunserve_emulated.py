@@ -8,7 +8,7 @@ same profile: a group's pipelined round over its lookahead micro-batches), so an
 unit takes the simulator's time for its batch. Around them, as in the served system's P/D shape:
 
 - the dispatcher (the arrival loop): FCFS, head never skipped, Llumnix routing to the unit
-  with room and the fewest used blocks per member (``route``), ``reserve`` of the prompt's blocks, then ``commit_prefilled``
+  with room and the least used share of its KV (``route``), ``reserve`` of the prompt's blocks, then ``commit_prefilled``
   after the prompt's prefill time (the prefill pool is not the bottleneck here);
 - the monitor (``kunserve`` only): every ``tick_s`` each unit's KV report (``InstanceLoad``
   from its block manager) goes to ``KunServeController.decide``; a drop or restore waits for
@@ -283,8 +283,8 @@ class KunServeEmulation(KunServeRegrouping):
         return u.engine.blocks.num_free_blocks
 
     def _admit(self) -> None:
-        """FCFS with the head never skipped, to the open unit with room and the fewest used
-        blocks per member (``route``, the simulator's); a unit whose own preempted sequences
+        """FCFS with the head never skipped, to the open unit with room and the least used
+        share of its KV (``route``, the simulator's); a unit whose own preempted sequences
         wait is closed until they are back."""
         bs = self.mem.block_size
         for u in self.units:
@@ -300,8 +300,7 @@ class KunServeEmulation(KunServeRegrouping):
             tokens = (r.prompt + r.output if self.policy == "queue"
                       else r.prompt + len(generated) + 1)
             need = -(-tokens // bs)
-            pick = route(need, [UnitRoom(x.members[0], len(x.members),
-                                         x.engine.blocks.num_blocks - self._free(x),
+            pick = route(need, [UnitRoom(x.members[0], x.engine.blocks.num_blocks - self._free(x),
                                          self._free(x)) for x in open_units])
             if pick is None:
                 return

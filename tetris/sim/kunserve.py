@@ -1,7 +1,7 @@
 """SIMULATION of decode KV-memory overload: KunServe and the KV-centric baselines.
 
 The served system's shape (P/D disaggregation): a request arrives, is routed Llumnix-style to
-the decode unit with room and the fewest used blocks per member
+the decode unit with room and the least used share of its KV
 (``tetris/control/kunserve_dispatch.py``), and starts its prefill only once that unit has
 reserved its KV blocks (the dispatcher's ``decode.reserve``); the prefill pool is not the
 bottleneck here (``prompt * prefill_s_per_token`` plus the KV stream), so the time a request
@@ -209,7 +209,7 @@ class KunServeSim:
 
     def _admit(self, now: float) -> None:
         """Reserve blocks for queued requests, FCFS with the head never skipped, on the unit
-        with room and the fewest used blocks per member (``route``: Llumnix balance across
+        with room and the least used share of its KV (``route``: Llumnix balance across
         units of different sizes); each is prefilled (again, after a preemption) and joins
         that unit's batch once its KV is in place."""
         for u in self.units:
@@ -221,8 +221,8 @@ class KunServeSim:
             if not open_units:
                 return
             need = self._need(r)
-            pick = route(need, [UnitRoom(x.members[0], len(x.members), x.used,
-                                         x.capacity - x.used) for x in open_units])
+            pick = route(need, [UnitRoom(x.members[0], x.used, x.capacity - x.used)
+                                for x in open_units])
             if pick is None:
                 return
             u = open_units[pick]
