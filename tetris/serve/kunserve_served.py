@@ -16,7 +16,8 @@ landing zone a dropped member takes no prefilled KV, and the refusal stays a 429
 
 ``add_kunserve_served_routes(app, decode)`` mounts, over the pool's handle:
 
-    GET  /admin/kunserve          groups, layer ranges, KV blocks per unit, dropped layers
+    GET  /admin/kunserve          groups, layer ranges, KV blocks per unit, dropped layers,
+                                  instances rebuilt in place, restarts, each member's rank
     POST /admin/kunserve/drop     {"groups": [[0, 1]]} (optionally "layer_ranges"): forced
     POST /admin/kunserve/restore  {"leader": 0}
     GET  /metrics/kunserve        ``tetris:dropped_layers{instance}`` and the KV capacity
