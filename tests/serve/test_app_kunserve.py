@@ -264,7 +264,7 @@ def test_a_member_killed_mid_pipeline_resumes_its_requests_and_the_survivor_is_r
     The KV of its layers for all of them is gone: each takes the dispatcher's resume path
     (prefilled again with the tokens its client has) and ends with the engine's tokens and
     logprobs. Instance 0 is rebuilt in place (the same rank actor: no restart), instance 1
-    restarted with a new one, and the group is let go."""
+    restarted with a new one, and the group is let go; the two can be grouped again."""
     import ray
     from ray import serve
 
@@ -317,11 +317,20 @@ def test_a_member_killed_mid_pipeline_resumes_its_requests_and_the_survivor_is_r
     new = decode.peers.remote().result()
     assert new[0][0]._actor_id == old[0][0]._actor_id     # the survivor: same actor
     assert new[1][0]._actor_id != old[1][0]._actor_id     # the dead member: a new one
-    # both serve whole again
-    r = httpx.post(f"{base}/v1/completions", timeout=120, json={
-        "model": MODEL, "prompt": _tokens(90, 9), "max_tokens": 8, "temperature": 0,
-        "ignore_eos": True})
+    # both serve whole again, and the survivor drops with the new member into a group that
+    # serves (a prefilled prompt lands on a member and decodes through the pipeline)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for salt, dropped in ((9, [0.0, 0.0]), (10, [2.0, 2.0])):
+        if dropped[0]:
+            r = httpx.post(f"{base}/admin/kunserve/drop", json={"groups": [[0, 1]]}, timeout=60)
+            assert r.status_code == 200, r.text
+        r = httpx.post(f"{base}/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": _tokens(90, salt), "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == engine.generate([_tokens(90, salt)],
+                                                                 params)[0].text
+        assert _dropped(httpx.get(f"{base}/metrics/kunserve", timeout=60).text) == dropped
+    r = httpx.post(f"{base}/admin/kunserve/restore", json={"leader": 0}, timeout=60)
     assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["text"] == engine.generate(
-        [_tokens(90, 9)], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].text
     _assert_idle_soon(base)
