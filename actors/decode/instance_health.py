@@ -32,6 +32,11 @@ class InstanceHealth:
         """Why the instance stopped serving (a round failed: a rank died or diverged), or None."""
         return self._broken
 
+    @property
+    def serving(self) -> bool:
+        """Neither broken nor restarting (its rank actors take rounds)."""
+        return self._broken is None and not self._restarting and bool(self.ranks)
+
     async def check(self, timeout_s: float = 10.0) -> BaseException | None:
         """``broken``, after making sure every rank is still alive: an idle instance sends no
         rounds, so a rank that died meanwhile would otherwise fail the next request first. Every

@@ -115,6 +115,10 @@ class ServedKunServe:
             return await self._tick(queued_blocks)
 
     async def _tick(self, queued_blocks: dict[int, int] | None) -> str | None:
+        if not all(inst.serving for inst in self.instances):
+            # a broken or restarting instance cannot join a group (and a group with a broken
+            # member is rebuilt first): no decision until the supervisor brought it back
+            return None
         before = list(self.controller.groups)
         decision = self.controller.decide(self.loads(queued_blocks))
         if decision is None:

@@ -291,6 +291,7 @@ def test_a_member_killed_mid_pipeline_resumes_the_group_and_the_survivor_is_rebu
                             PROMPTS, long)
     streams = Streams()
     survivor, restarts = insts[0].ranks[0], [inst.restarts for inst in insts]
+    drops = kun.controller.drops + 1   # the forced drop below
 
     async def body():
         tasks = [asyncio.ensure_future(streams.consume(insts[i % 2], i, long))
@@ -316,6 +317,9 @@ def test_a_member_killed_mid_pipeline_resumes_the_group_and_the_survivor_is_rebu
     assert _states(insts[:1]) == [{"held_layers": 4, "dropped_layers": 0,
                                    "total_blocks": BLOCKS, "in_group": False}]
     assert insts[1].broken is not None   # the supervisor's to restart
+    # no decision while a member is down: an overload waits for it, nothing changes
+    assert loop.run_until_complete(kun.tick({0: 100})) is None
+    assert kun.controller.drops == drops
     assert [g.members for g in kun.controller.groups] == [(0,), (1,)]
     assert kun.dropped_layers() == {0: 0, 1: 0}
     # the resume path: each request from its prompt and the tokens its client has
