@@ -5,7 +5,9 @@ cleared nothing is held.
 
 One app for the module; the deployment is test_app_e2e's with ``[prefix_cache] enabled`` and an
 index of 48 blocks (768 tokens): the first test's requests fit (46 blocks), the second's make it
-evict.
+evict. ``placement = "move"``: a hit's prefix KV is moved to a first group without its holders
+wherever the planner can (its source's prefill done, instances free of the holders), else the
+holders' group is extended (actors/prefill/prefix_move.py; the last test checks a move).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ enabled = true
 block_tokens = 16
 capacity_blocks = 48
 decode_runs = 4
+placement = "move"
 """)
 
 
@@ -242,4 +245,60 @@ def test_partial_eviction_interleaving_and_aborts_stay_exact_and_leak_nothing(ap
     cleared = httpx.delete(f"{base}/admin/prefix_cache", timeout=60).json()
     assert cleared["blocks"] == cleared["sources"] == 0 and cleared["consistent"] is True
     idle, held = _held_idle(base)
+    assert idle, json.dumps(held, indent=1)
+
+
+def test_a_prefix_moved_to_a_group_without_its_holders_is_served_exactly(app):
+    """A document's first question hangs up after its first token (prefilled and indexed, not
+    kept on decode); the second is planned from its prefix moved to instances free of the
+    holders, streamed to decode from there; the third reads it again, moved from the second's
+    instances, with the decode instance copying the kept second run. Tokens and logprobs equal
+    the single engine's; nothing is held once the cache is cleared."""
+    cfg, base = app
+    httpx.delete(f"{base}/admin/prefix_cache", timeout=60)   # the earlier tests' blocks
+    engine = LLMEngine.from_deployment(cfg, num_blocks=256)
+    # 10 whole blocks: the first question runs on two instances (a longer one takes all four,
+    # and a move needs instances free of the holders)
+    doc = _tokens(160, 21)
+    prompts = {"q2": doc + _tokens(40, 23), "q3": doc + _tokens(56, 24)}
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=TOP)
+    want = dict(zip(prompts, engine_runs(engine, list(prompts.values()), params)))
+    ref = {k: engine.generate([p], msgspec.structs.replace(params, logprobs=None))[0].text
+           for k, p in prompts.items()}
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as c:
+            await _abort_after_first(c, base, doc + _tokens(24, 22))
+            before = (await c.get(f"{base}/admin/prefix_cache")).json()
+            out = {}
+            for name, prompt in prompts.items():
+                r = await c.post(f"{base}/v1/completions", json={
+                    "model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                    "ignore_eos": True, "logprobs": TOP})
+                assert r.status_code == 200, r.text
+                out[name] = r.json()
+            plans = (await c.get(f"{base}/admin/plans")).json()
+            return out, plans, before, (await c.get(f"{base}/admin/prefix_cache")).json()
+
+    out, plans, before, cache = asyncio.run(run())
+    assert {k: r["choices"][0]["text"] for k, r in out.items()} == ref
+    for name, r in out.items():
+        assert_api_logprobs(r["choices"][0]["logprobs"], want[name], TokenText(engine.tokenizer),
+                            name)
+    assert {k: r["usage"]["prompt_tokens_details"] for k, r in out.items()} == {
+        "q2": {"cached_tokens": 160}, "q3": {"cached_tokens": 160}}
+    for p in plans[-2:]:   # moved: chunk 0's group holds none of the holders
+        assert p["cached_moved"] and p["cached_tokens"] == 160, p
+        assert not set(p["chunks"][0]["instances"]) & set(p["cached_instances"]), p
+    # q2's prefix came from the prefill pool (the aborted run is kept on no decode instance),
+    # q3's from the decode instance keeping q2
+    assert cache["decode_reuses"] == before["decode_reuses"] + 1, (before, cache)
+    _wait_idle(base, _nothing_in_flight)
+    cleared = httpx.delete(f"{base}/admin/prefix_cache", timeout=60).json()
+    assert cleared["blocks"] == cleared["sources"] == 0 and cleared["consistent"] is True
+    deadline = time.monotonic() + 20
+    idle, held = _held_idle(base)
+    while not idle and time.monotonic() < deadline:   # cleanups finish asynchronously
+        time.sleep(0.2)
+        idle, held = _held_idle(base)
     assert idle, json.dumps(held, indent=1)
