@@ -27,6 +27,14 @@ def test_count_fills_the_stages_with_the_members_share():
     assert micro_batch_count(0.0, [], 3) == 1
 
 
+def test_count_stops_where_a_micro_batchs_load_outweighs_the_overlap():
+    # alone in a group of 2, a batch of cost 10: k = 2 takes (3/2)(10 + eps)/2
+    assert micro_batch_count(10.0, [], 2, epsilon=3.0) == 2      # 9.75 < 10
+    assert micro_batch_count(10.0, [], 2, epsilon=4.0) == 1      # 10.5 > 10
+    assert micro_batch_count(10.0, [], 4, epsilon=5.0) == 2      # k=1..3: 10, 9.375, 10
+    assert micro_batch_count(10.0, [10.0], 2, epsilon=0.0) == 1  # the share caps it
+
+
 def test_cost_model_charges_context_and_a_load_per_micro_batch():
     # alpha = 2 * 1024 / 1e6 per context token; gamma = 1 per sequence; delta = epsilon = 1
     one = COST.batch([Chunk("a", 6000, 1)])

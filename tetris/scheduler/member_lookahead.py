@@ -12,8 +12,9 @@ How many: enough to fill the pipeline's g stages with the group's work. A member
 predicted batch cost is ``own`` among peers whose latest batches cost ``peers`` forms
 ``k = ceil(g * own / (own + sum(peers)))`` micro-batches (at most g): equal batches keep one
 each (the pipeline is already full), a member alone in the group forms g. Splitting costs a
-weight load per micro-batch (Eq. (2)'s ``epsilon``) and g more hops, so ``min_tokens``
-keeps micro-batches from getting too small to pay for it.
+weight load per micro-batch (Eq. (2)'s ``epsilon``; on a served member also its hops), so
+fewer are formed where that outweighs the overlap (``micro_batch_count``), and
+``min_tokens`` keeps micro-batches from getting too small.
 
 Pure: the cost model and the formation; the actor side measures the peers' load.
 """
@@ -56,12 +57,17 @@ def decode_cost_model(hidden_size: int, layer_params: int, overhead_seqs: float)
                      delta=overhead_seqs, epsilon=overhead_seqs)
 
 
-def micro_batch_count(own: float, peers: Sequence[float], g: int) -> int:
-    """Micro-batches that fill ``g`` stages with this member's share of the group's work."""
+def micro_batch_count(own: float, peers: Sequence[float], g: int, epsilon: float = 0.0) -> int:
+    """Micro-batches that fill ``g`` stages with this member's share of the group's work, no
+    more than pay for themselves: k micro-batches of a batch costing ``own`` (Eq. (2), one
+    load) cost ``c = (own + (k - 1) epsilon) / k`` each and leave the pipeline after
+    ``(k + g - 1) c / g`` (fill and drain: a step samples every row before the next starts),
+    so the count is the one of least such time up to the share's."""
     total = own + sum(peers)
     if own <= 0 or total <= 0:
         return 1
-    return max(1, min(g, math.ceil(g * own / total - 1e-9)))
+    share = max(1, min(g, math.ceil(g * own / total - 1e-9)))
+    return min(range(1, share + 1), key=lambda k: (k + g - 1) * (own + (k - 1) * epsilon) / k)
 
 
 def micro_batch_rows(contexts: Sequence[int], plan: MemberLookahead, g: int,
@@ -71,7 +77,7 @@ def micro_batch_rows(contexts: Sequence[int], plan: MemberLookahead, g: int,
     n = len(contexts)
     chunks = [Chunk(str(i), int(c), 1) for i, c in enumerate(contexts)]
     k = plan.count if plan.count is not None else micro_batch_count(
-        plan.cost.batch(chunks), peers, g)
+        plan.cost.batch(chunks), peers, g, plan.cost.epsilon)
     k = max(1, min(k, n))
     if k == 1:
         return [(0, n)] if n else []
