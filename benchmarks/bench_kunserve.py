@@ -54,7 +54,6 @@ def kv_demand(profile: str, requests: int, rate: float, seed: int, burst,
     d = np.array([b for a, b in log if a <= last]) / pool
     return {"mean": float(np.sum(np.diff(t) * d) / last),
             "peak": float(max(b for _, b in log) / pool),
-            "decode_load_by_phase": phase_loads(sim.reqs, mem, prof, burst[:2]),
             "no_queue": result}
 
 
@@ -145,11 +144,14 @@ def main() -> None:
           f"requests={args.requests}  rate={args.rate:g}/s -> {burst[2] * args.rate:g}/s for "
           f"requests {burst[0]:g}-{burst[1]:g} of the trace  "
           f"seed={args.seed}  lengths={args.lengths}  round model={args.round_model}")
+    mem, prof = deployment(args.profile)
+    out["decode_load_by_phase"] = phase_loads(
+        _trace(args.requests, args.rate, args.seed, burst, args.lengths), mem, prof, burst[:2])
+    print("decode load rho before / in / after the burst: "
+          + " / ".join(f"{x:.2f}" for x in out["decode_load_by_phase"]))
     if not args.no_demand:
         d = out["kv_demand"]
-        print(f"KV demand / pool KV: time average {d['mean']:.2f}, peak {d['peak']:.2f}; "
-              "decode load rho before / in / after the burst: "
-              + " / ".join(f"{x:.2f}" for x in d["decode_load_by_phase"]))
+        print(f"KV demand / pool KV: time average {d['mean']:.2f}, peak {d['peak']:.2f}")
     _table(out)
     if not args.no_demand:
         print("P50 TPOT ms by arrival phase (before / in / after the burst): " + "; ".join(
