@@ -21,8 +21,11 @@ holders H to the first chunk's group G, which need not contain them (``PrefillPl
    failure from step 3 on frees what G imported through the pool's abort path (a dead member of
    G is replaced, as after a chunk); H held nothing of the run, so nothing leaks.
 
-EMULATION (emulated workers): positions only; the parts carry no KV and the streamed prefix is
-zero KV of the wire geometry (``EmulatedExecutor.stream_prefix``).
+TP > 1: every TP rank of a holder exports its heads (``merge_rank_parts`` concatenates them in
+rank order) and every TP rank of a member of G keeps its own slice and streams it to its own
+decode receivers, as ``adopt_prefix`` and the chunks do. EMULATION (emulated workers):
+positions only; the parts carry no KV and the streamed prefix is zero KV of the wire geometry
+(``EmulatedExecutor.stream_prefix``).
 """
 
 from __future__ import annotations
@@ -34,12 +37,13 @@ from tetris.actors.prefill.chunks import ChunkFailed
 from tetris.actors.prefill.emulated_kv import subtract_ranges
 from tetris.actors.prefill.messages import PrefillError, PrefillWorkerLost, first_line
 from tetris.actors.prefill.prefix import PREFIX_CHUNK, PrefillPrefixMissing, stream_prefix
-from tetris.actors.prefill.tp_groups import workers_per_instance
+from tetris.actors.prefill.tp_groups import own_receivers
 from tetris.actors.prefill.zigzag import Ranges, normalize_ranges, ranges_len, ranges_to_list
 
-from tetris.plan import PlanError, PrefillPlan
+from tetris.plan import PrefillPlan
 
-__all__ = ["export_parts", "import_parts", "move_prefix", "move_shares", "positions_ranges"]
+__all__ = ["export_parts", "import_parts", "merge_rank_parts", "move_prefix", "move_shares",
+           "positions_ranges"]
 
 # (positions as ranges, k [L, n, Hkv, D] | None, v | None): one holder's KV for one member
 Part = tuple
@@ -92,6 +96,23 @@ def export_parts(worker, source: str, upto: int, shares: tuple[Ranges, ...]) -> 
     return (held, *parts)
 
 
+def merge_rank_parts(answers: list[tuple]) -> tuple:
+    """One ``export_parts`` answer per TP rank of an instance, in rank order -> the
+    instance's: the same positions, K/V heads concatenated in rank order."""
+    held = answers[0][0]
+    if any(a[0] != held for a in answers[1:]):
+        raise RuntimeError("the TP ranks of a prefill instance hold different positions")
+    parts = []
+    for r in range(1, len(answers[0])):
+        ranks = [a[r] for a in answers]
+        if ranks[0][1] is None:   # EMULATION: positions only
+            parts.append(ranks[0])
+            continue
+        parts.append((ranks[0][0], torch.cat([p[1] for p in ranks], dim=2),
+                      torch.cat([p[2] for p in ranks], dim=2)))
+    return (held, *parts)
+
+
 def import_parts(worker, request_id: str, share: Ranges, prompt_tokens: int, upto: int,
                  receivers: tuple[int, ...], parts: tuple[Part, ...]) -> Ranges:
     """A member of G takes its share of the moved prefix from the holders' ``parts``: stores
@@ -112,8 +133,13 @@ def import_parts(worker, request_id: str, share: Ranges, prompt_tokens: int, upt
     store = worker.store
     pos = torch.tensor([p for part in parts for p in ranges_to_list(part[0])], dtype=torch.int64)
     order = torch.argsort(pos)   # the parts' positions, each part in order, into share order
-    k = torch.cat([part[1] for part in parts], dim=1)[:, order]
-    v = torch.cat([part[2] for part in parts], dim=1)[:, order]
+    # [L, n, Hkv, D]: the instance's heads; a TP rank keeps its slice, as the chunks split them
+    h = store.k_cache[0].shape[2]
+    heads = slice(worker.tp_rank * h, (worker.tp_rank + 1) * h)
+    k = torch.cat([part[1] for part in parts], dim=1)[:, order][:, :, heads]
+    v = torch.cat([part[2] for part in parts], dim=1)[:, order][:, :, heads]
+    if worker.tp_size > 1 and receivers:
+        receivers = own_receivers(receivers, worker.tp_rank, worker.tp_size)
     store.reserve(request_id, share)
     for layer in range(store.num_layers):
         _maybe_fail(worker.executor, request_id, layer)
@@ -138,9 +164,6 @@ def _maybe_fail(executor, request_id: str, layer: int) -> None:
 def move_prefix(pool, plan: PrefillPlan, opts) -> dict[int, Ranges]:
     """Move ``plan``'s cached prefix from its holders to chunk 0's group (streaming it to
     ``opts.kv_receivers``); instance of G -> its share. Call at chunk 0's turn."""
-    if workers_per_instance(pool.deployment.prefill) > 1:
-        raise PlanError(f"plan {plan.request_id}: a moved prefix (cached_moved) is not "
-                        "supported on TP > 1 prefill instances; extend the holders' group")
     holders, group = plan.cached_instances, plan.chunks[0].instances
     pool._tickets.wait_gone(plan.cached_source, holders, pool.chunk_timeout_s)
     shares = move_shares(plan.cached_tokens, len(group))
@@ -153,6 +176,10 @@ def move_prefix(pool, plan: PrefillPlan, opts) -> dict[int, Ranges]:
             held[h] = ray.get(refs[0], timeout=pool.chunk_timeout_s)
         except ray.exceptions.RayActorError:
             held[h] = ()   # a dead holder holds nothing any more
+        except Exception as e:  # noqa: BLE001 - the caller gets a PrefillError
+            raise PrefillError(f"request {plan.request_id}: prefill instance {h} could not "
+                               f"export the cached prefix of {plan.cached_source!r}: "
+                               f"{type(e).__name__}: {first_line(e)}") from None
     _check_whole(plan, held)
     receivers = tuple(opts.kv_receivers) if opts.prefix_streamed else ()
     imports = [workers[g].import_prefix.remote(

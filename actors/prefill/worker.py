@@ -296,25 +296,25 @@ class PrefillWorker:
     @ray.method(concurrency_group=TRANSFER_GROUP)   # beside the chunk the holder runs
     def export_prefix(self, source: str, upto: int, shares: tuple) -> tuple:
         """Prefix caching, a prefix moved to another group (``prefix_move.py``): ``source``'s
-        positions below ``upto`` held here, then its KV inside each share; reads only."""
-        from tetris.actors.prefill.prefix_move import export_parts
+        positions below ``upto`` held here, then its KV inside each share (all TP ranks'
+        heads); reads only."""
+        from tetris.actors.prefill.prefix_move import export_parts, merge_rank_parts
 
-        self._one_rank("export_prefix")
-        return export_parts(self, source, upto, shares)
+        with self.tp.alongside("export_prefix", source, upto, shares) as others:
+            mine = export_parts(self, source, upto, shares)
+        return merge_rank_parts([mine, *others]) if others else mine
 
     def import_prefix(self, request_id: str, share: tuple, prompt_tokens: int, upto: int,
                       kv_receivers: tuple[int, ...], *parts) -> tuple:
         """Store this instance's ``share`` of a moved prefix from the holders' ``parts`` under
-        ``request_id`` and stream it to ``kv_receivers`` (``prefix_move.py``)."""
+        ``request_id`` and stream it to ``kv_receivers`` (``prefix_move.py``); each TP rank
+        keeps its own heads."""
         from tetris.actors.prefill.prefix_move import import_parts
 
-        self._one_rank("import_prefix")
-        return import_parts(self, request_id, share, prompt_tokens, upto, tuple(kv_receivers),
-                            parts)
-
-    def _one_rank(self, method: str) -> None:
-        if self.tp_size > 1:   # the pool refuses such plans first (PlanError)
-            raise RuntimeError(f"{method}: a moved prefix needs TP 1 prefill instances")
+        with self.tp.alongside("import_prefix", request_id, share, prompt_tokens, upto,
+                               kv_receivers, *parts):
+            return import_parts(self, request_id, share, prompt_tokens, upto,
+                                tuple(kv_receivers), parts)
 
     def export_kv(self, request_id: str):
         """(positions [n], k [L, n, Hkv, D], v [L, n, Hkv, D]) held here, for hand-off or tests."""

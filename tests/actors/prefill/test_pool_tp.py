@@ -134,6 +134,42 @@ def test_each_tp_rank_streams_its_head_to_its_receiver(pool, receivers, model):
     _nothing_held(pool, receivers)
 
 
+def test_a_prefix_moved_between_tp_instances_streams_each_head_to_its_receiver(pool, receivers,
+                                                                             model):
+    """A cached prefix on instance 0 moved to instance 1 (``cached_moved``, prefix_move.py):
+    each TP rank of 0 exports its head, each TP rank of 1 keeps its own and streams it to the
+    receiver holding that head; logits, KV and the streamed KV equal single-instance prefill."""
+    import ray
+
+    n, cached, rid = 200, 128, "tp-moved"
+    ids = prompt(n, 8)
+    source = PrefillPlan("tp-moved-src", 150, (Chunk(0, 150, (0,)),))
+    pool.run(source, ids[:150])
+    plan = PrefillPlan(rid, n, (Chunk(cached, n, (1,)),), cached_tokens=cached,
+                       cached_instances=(0,), cached_source=source.request_id, cached_moved=True)
+    assert all(ray.get([rk.reserve.remote(rid, n) for rk in receivers]))
+    res = pool.run(plan, ids, return_logits=True, kv_receivers=tuple(range(TP)))
+    ref_logits, ref_k, ref_v = reference(model, ids)
+    got = torch.tensor(res.logits)
+    assert ((got - ref_logits).abs().max() / ref_logits.abs().max()).item() < 1e-4
+    assert res.first_token == int(ref_logits.argmax())
+    parts = pool.export_kv(rid)
+    assert sorted(parts) == [1] and parts[1][0].tolist() == list(range(n))
+    torch.testing.assert_close(parts[1][1], ref_k, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(parts[1][2], ref_v, rtol=1e-4, atol=1e-5)
+    ready = _outcomes(receivers, rid)
+    assert all(isinstance(e, RequestReady) for e in ready), ready
+    for r, (rk, e) in enumerate(zip(receivers, ready)):
+        back = ray.get(rk.read_back.remote(e.block_table, n))
+        heads = slice(r * HKV // TP, (r + 1) * HKV // TP)
+        torch.testing.assert_close(back[:, :, 0], ref_k[:, :, heads], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(back[:, :, 1], ref_v[:, :, heads], rtol=1e-4, atol=1e-5)
+        ray.get(rk.give_back.remote(e.block_table))
+    for r in (rid, source.request_id):
+        pool.release(r)
+    _nothing_held(pool, receivers)
+
+
 def test_receivers_not_a_multiple_of_the_tp_size_are_refused(pool, receivers):
     plan = PrefillPlan("tp-stream-odd", 40, (Chunk(0, 40, (0, 1)),))
     with pytest.raises(PrefillError, match="must be a multiple of 2"):

@@ -20,6 +20,7 @@ from tetris.actors.prefill.prefix import PREFIX_CHUNK
 from tetris.actors.prefill.prefix_move import (
     export_parts,
     import_parts,
+    merge_rank_parts,
     move_shares,
     positions_ranges,
 )
@@ -46,9 +47,10 @@ def test_the_layout_starts_from_the_shares_without_balancing():
     assert sorted(p for i in final for a, b in final[i] for p in range(a, b)) == list(range(130))
 
 
-def _worker(store=None, holdings=None):
+def _worker(store=None, holdings=None, tp_rank=0, tp_size=1):
     executor = types.SimpleNamespace(fault=None, holdings=holdings)
-    return types.SimpleNamespace(store=store, executor=executor, instance=0)
+    return types.SimpleNamespace(store=store, executor=executor, instance=0, tp_rank=tp_rank,
+                                 tp_size=tp_size)
 
 
 def _store() -> PagedKVStore:
@@ -82,6 +84,31 @@ def test_export_is_read_only_and_import_stores_each_share_bitwise():
         pos, k, v = member.export("run")
         assert positions_ranges(pos.tolist()) == share
         assert torch.equal(k, k_src[:, pos]) and torch.equal(v, v_src[:, pos])
+
+
+def test_tp_ranks_export_their_heads_and_import_their_own_slice():
+    """TP 2: each rank of a holder exports its KV head; merged in rank order they are the
+    instance's heads, and each rank of a member stores its own head from them."""
+    torch.manual_seed(1)
+    kv = torch.randn(2, LAYERS, 24, HKV, D)   # K, V of the instance's heads
+    ranks = []
+    for r in range(2):   # rank r holds head r only
+        store = PagedKVStore(LAYERS, 16, BS, 1, D)
+        store.reserve("src", ((0, 24),))
+        for layer in range(LAYERS):
+            store.write("src", layer, ((0, 24),), kv[0, layer, :, r:r + 1],
+                        kv[1, layer, :, r:r + 1])
+        ranks.append(export_parts(_worker(store, tp_rank=r, tp_size=2), "src", 20,
+                                  (((0, 20),),)))
+    held, part = merge_rank_parts(ranks)
+    assert held == ((0, 20),) and torch.equal(part[1], kv[0, :, :20])
+    assert torch.equal(part[2], kv[1, :, :20])
+    for r in range(2):
+        member = PagedKVStore(LAYERS, 16, BS, 1, D)
+        import_parts(_worker(member, tp_rank=r, tp_size=2), "run", ((0, 20),), 30, 20, (),
+                     (part,))
+        _pos, k, v = member.export("run")
+        assert torch.equal(k, kv[0, :, :20, r:r + 1]) and torch.equal(v, kv[1, :, :20, r:r + 1])
 
 
 def test_an_import_refuses_parts_that_are_not_its_share_and_a_fault_fires():
