@@ -72,7 +72,7 @@ def app(serve_http, tmp_path_factory):
     # the decode pool and KunServe of the config shipped for newcomers, as tested here
     shipped = load_deployment("kunserve-tiny-cpu.toml")
     assert shipped.decode == cfg.decode and shipped.kunserve == msgspec.structs.replace(
-        cfg.kunserve, monitor_s=1.0)
+        cfg.kunserve, monitor_s=30.0)
     assert shipped.model.seed == cfg.model.seed and shipped.model.num_layers == 4
     serve.run(build_app(cfg, max_pending=16), name=APP_NAME, route_prefix="/")
     # the pools wired and KunServe's driver started before the first test's clock runs
