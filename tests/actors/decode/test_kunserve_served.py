@@ -147,9 +147,13 @@ def test_drop_and_restore_mid_generation_equal_the_single_engine(pool, loop, ref
     freed = sum(s["freed_param_bytes"] for s in dropped)
     assert freed == 4 * mem.layer_param_bytes
     assert sum(blocks) == 2 * BLOCKS + freed // mem.block_bytes > 2 * BLOCKS
-    # nothing recomputed: the pipeline ran decode steps only, each member served the other's
+    # nothing recomputed: the pipeline ran decode steps only; the slowest request at the drop
+    # (on instance j % 2) decoded while dropped, so the other member ran its stage (a member
+    # whose own requests all finished first on a loaded machine may have had none to serve)
     assert all(s["prefill_tokens"] == 0 for s in during)
-    assert all(s["stage_runs"] > 0 and s["activation_items"] >= s["stage_runs"] for s in during)
+    slowest = at_drop.index(min(at_drop))
+    assert during[1 - slowest % 2]["stage_runs"] > 0, during
+    assert all(s["activation_items"] >= s["stage_runs"] for s in during)
     assert all(s["exchange_bytes"] > 0 for s in during)
     assert [inst.kv_blocks for inst in insts] == [BLOCKS, BLOCKS]
     assert [s["dropped_layers"] for s in _states(insts)] == [0, 0]
