@@ -51,3 +51,15 @@ def test_the_configured_placement_reaches_the_plan(placement):
     assert d.control.last_prefix.move_s == move_s > 0
     # the move starts when q2 is planned, after q1 was
     assert plan.chunks[0].expected_start - move_s >= first.chunks[0].expected_start
+
+
+def test_tp_prefill_instances_are_offered_a_move_priced_per_rank():
+    """TP > 1 prefill instances move their KV heads rank by rank (the pool runs it:
+    test_pool_tp): the served planner prices it on one rank's heads and links."""
+    from tetris.serve.prefix_cache import make_move
+
+    dep = load_deployment(None)
+    tp2 = msgspec.structs.replace(dep, prefill=msgspec.structs.replace(dep.prefill, tp_size=2))
+    one, two = make_move(dep), make_move(tp2)
+    assert one is not None and two is not None
+    assert two.kv_bytes(592) * 2 == one.kv_bytes(592)

@@ -46,11 +46,9 @@ def make_index(config: PrefixCacheConfig) -> PrefixIndex | None:
 
 def make_move(deployment) -> PrefixMove | None:
     """The link model a hit's "move" placement is priced on (``tetris.scheduler.prefix_move``):
-    the deployment's model per prefill instance and its ``[sp_layout]`` links; None (no move)
-    on TP > 1 prefill instances, where the pool refuses moved plans
-    (``actors/prefill/prefix_move.py``)."""
-    if deployment.prefill.tp_size > 1:
-        return None
+    the deployment's model per prefill TP rank and its ``[sp_layout]`` links per GPU (on TP > 1
+    instances every rank moves its own KV heads over its own links, at once:
+    ``actors/prefill/prefix_move.py``)."""
     return PrefixMove.from_deployment(deployment)
 
 
