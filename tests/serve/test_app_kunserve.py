@@ -199,11 +199,13 @@ def test_tokens_over_http_equal_the_engine_across_a_forced_drop_and_restore(app,
     assert _dropped(metrics) == [2.0, 2.0]
     # the slowest stream runs across the drop and the restore (tokens the client had then)
     assert min(at_drop.values()) < 40 and min(at_restore.values()) < 40, (at_drop, at_restore)
-    # while dropped both members decoded through the pipeline, serving each other's layers,
-    # and computed no prompt token (the running requests' KV was exchanged, not recomputed)
-    for m in during["members"]:
-        assert m["in_group"] and m["dropped_layers"] == 2, m
-        assert m["steps"] > 0 and m["stage_runs"] > 0 and m["prefill_tokens"] == 0, m
+    # while dropped the slowest stream decoded through the pipeline (its owner's steps, the
+    # other member's stage runs; a member whose own streams all ended before the drop may
+    # have had none), and no member computed a prompt token (the KV was exchanged)
+    members = during["members"]
+    assert all(m["in_group"] and m["dropped_layers"] == 2 for m in members), members
+    assert all(m["prefill_tokens"] == 0 for m in members), members
+    assert any(m["steps"] > 0 for m in members) and any(m["stage_runs"] > 0 for m in members)
     assert restore.status_code == 200, restore.text
     assert restore.json()["dropped_layers"] == {"0": 0, "1": 0}
     text = TokenText(engine.tokenizer)
