@@ -326,3 +326,27 @@ def test_a_move_waits_for_its_source_still_running_on_the_holders(pool, model):
     for r in (source.request_id, plan.request_id):
         pool.release(r)
     assert not any(pool.held_requests().values())
+
+
+# -- a cached prefix under CSPS layouts (the planner gives cached plans layouts: 839ccae) ---
+@pytest.mark.parametrize("case,moved,layout,micro", [
+    ("extend-a2a", False, "a2a", 1),        # the holders' group grown, Ulysses over history
+    ("extend-sptp", False, "sptp", 1),      # SP-TP reads the cached history's KV heads
+    ("moved-a2a-pipelined", True, "a2a", 2),
+    ("moved-ring-pieces", True, "ring", 2),
+])
+def test_a_cached_prefix_is_history_to_every_layout(pool, model, case, moved, layout, micro):
+    src_ids = prompt(600, seed=41)
+    ids = src_ids[:560] + prompt(60, seed=42)
+    source = forced_plan(f"lay-{case}-src", len(src_ids), "300x1,restx2", pool.node_of)
+    pool.run(source, src_ids)
+    group = (2, 3) if moved else (*source.instances, 2, 3)
+    chunk = Chunk(560, len(ids), group, sp_layout=layout, sp_micro_partitions=micro)
+    plan = PrefillPlan(f"lay-{case}", len(ids), (chunk,), cached_tokens=560,
+                       cached_instances=source.instances, cached_source=source.request_id,
+                       cached_moved=moved).validate(4)
+    res = pool.run(plan, ids, return_logits=True)
+    _same_as_reference(pool, model, res, plan.request_id, ids)
+    for r in (source.request_id, plan.request_id):
+        pool.release(r)
+    assert not any(pool.held_requests().values())
