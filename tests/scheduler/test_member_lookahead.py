@@ -33,6 +33,8 @@ def test_count_stops_where_a_micro_batchs_load_outweighs_the_overlap():
     assert micro_batch_count(10.0, [], 2, epsilon=4.0) == 1      # 10.5 > 10
     assert micro_batch_count(10.0, [], 4, epsilon=5.0) == 2      # k=1..3: 10, 9.375, 10
     assert micro_batch_count(10.0, [10.0], 2, epsilon=0.0) == 1  # the share caps it
+    assert micro_batch_count(10.0, [], 2, epsilon=float("inf")) == 1   # never pays
+    assert micro_batch_count(float("nan"), [], 2) == 1
 
 
 def test_cost_model_charges_context_and_a_load_per_micro_batch():

@@ -64,8 +64,8 @@ def micro_batch_count(own: float, peers: Sequence[float], g: int, epsilon: float
     ``(k + g - 1) c / g`` (fill and drain: a step samples every row before the next starts),
     so the count is the one of least such time up to the share's."""
     total = own + sum(peers)
-    if own <= 0 or total <= 0:
-        return 1
+    if not (own > 0 and math.isfinite(own) and math.isfinite(epsilon)):
+        return 1   # nothing to split, or a load per micro-batch no split can pay for
     share = max(1, min(g, math.ceil(g * own / total - 1e-9)))
     return min(range(1, share + 1), key=lambda k: (k + g - 1) * (own + (k - 1) * epsilon) / k)
 
