@@ -46,6 +46,8 @@ __all__ = ["ServedKunServe", "split_parts"]
 
 log = logging.getLogger(__name__)
 
+_REBUILD_S = 600.0   # a survivor's checkpoint load; past it, the supervisor restarts it instead
+
 
 def split_parts(group_blocks: int, base: list[int], used: list[int]) -> list[tuple[int, int]]:
     """The group's block ids ``[0, group_blocks)`` as one part per member, in proportion to
@@ -277,9 +279,9 @@ class ServedKunServe:
         """One survivor back to a whole replica in its own actor; False (left broken, so the
         supervisor restarts it) if that failed."""
         try:
-            async with inst.round_lock:
+            async with inst.round_lock:   # a real checkpoint takes minutes to load
                 done = await asyncio.wait_for(inst.ranks[0].kunserve_rebuild.remote(),
-                                              self.timeout_s)
+                                              max(self.timeout_s, _REBUILD_S))
             await inst.resume_rounds()
         except Exception:
             log.exception("KunServe: rebuilding instance %d in place failed; it restarts",
