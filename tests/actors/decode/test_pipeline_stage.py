@@ -5,9 +5,12 @@ freed parameter bytes over the block bytes (KunServe invariant 2)."""
 
 import socket
 import threading
+import types
 
 import msgspec
 import pytest
+import torch
+from tetris.actors.decode import stage_chain
 from tetris.actors.decode.pipeline_stage import GroupMember, member_blocks
 from tetris.transfer.traffic import TrafficClass
 
@@ -16,6 +19,7 @@ from tetris.engine.engine import LLMEngine
 from tetris.engine.kv_cache import kv_bytes_per_block
 from tetris.model.loader import load_model
 from tetris.sampling_params import SamplingParams
+from tetris.scheduler.lookahead import Chunk
 from tetris.scheduler.member_lookahead import MemberLookahead, decode_cost_model
 
 CFG = msgspec.structs.replace(TINY, num_layers=4)
@@ -295,3 +299,30 @@ def test_lookahead_micro_batches_equal_the_single_engine(ranges, owner, count, k
     assert sorted(got) == sorted(expected)
     for rid, ref in expected.items():
         assert got[rid] == ref, rid      # tokens and logprobs, bit for bit
+
+
+def test_a_peers_load_counts_while_its_chains_keep_coming(monkeypatch):
+    """The load a member reads from the chains passing through it: a peer's step cost (its
+    micro-batches' Eq. (2) summed, one load), kept while the peer's chains come at most twice
+    its own interval apart, dropped once it fell silent."""
+    cost = decode_cost_model(CFG.hidden_size, 30_000, overhead_seqs=0.5)
+    _, members = _dropped([(0, 2), (2, 4)], [1, 1], lookahead=MemberLookahead(cost))
+    _close(members)
+    runner, now = members[0].runner, [100.0]
+    monkeypatch.setattr(stage_chain.time, "monotonic", lambda: now[0])
+
+    def batch(*contexts):
+        return types.SimpleNamespace(context_lens=torch.tensor(contexts))
+
+    def chunks(*contexts):
+        return [Chunk("", c, 1) for c in contexts]
+
+    runner._note_load(1, 7, batch(10, 20), True)
+    runner._note_load(1, 7, batch(30), True)             # the same step's next micro-batch
+    assert runner._peers_cost() == [pytest.approx(cost.batch(chunks(10, 20, 30)))]
+    now[0] = 101.0
+    runner._note_load(1, 8, batch(11), True)             # its next step, 1 s later
+    now[0] = 102.9
+    assert runner._peers_cost() == [pytest.approx(cost.batch(chunks(11)))]
+    now[0] = 103.1                                      # silent for over twice its interval
+    assert runner._peers_cost() == []
