@@ -180,6 +180,8 @@ class ChainRunner(PipelineRunner):
         try:
             if msg["stage"] != me:
                 raise RuntimeError(f"member {me} got the chain for member {msg['stage']}")
+            if self._broken is not None:   # the next hop may be the lost member: answer now
+                raise RuntimeError(f"the group is broken: {self._broken}")
             inputs, decode_only = msg["inputs"], msg["decode_only"]
             with torch.inference_mode():
                 hidden = self.local.run(msg["hidden"], msg["positions"], inputs, decode_only,
