@@ -118,6 +118,18 @@ def fitted_overhead(cfg: ModelConfig, args, one: dict, serial: dict) -> float:
     return extra / scale if scale > 0 else float("inf")
 
 
+def _drop(engines, layers: int, plan) -> list[GroupMember]:
+    """The two engines as one group, half of the layers each."""
+    ranges = [(0, layers // 2), (layers // 2, layers)]
+    g = min(member_blocks(e, *r) for e, r in zip(engines, ranges, strict=True))
+    members = [GroupMember(e, j, "127.0.0.1", lookahead=plan) for j, e in enumerate(engines)]
+    addrs = [m.address for m in members]
+    _parallel([lambda m=m: m.connect(addrs, 10.0) for m in members])
+    parts = [(0, g - _MEMBER1_BLOCKS), (g - _MEMBER1_BLOCKS, g)]
+    _parallel([lambda m=m: m.drop(ranges, g, parts) for m in members])
+    return members
+
+
 def run_mode(cfg: ModelConfig, args, mode: str, overhead_seqs: float = 0.0) -> dict:
     engines = _engines(cfg, args)
     while any(s.num_computed < len(s.prompt_token_ids) for e in engines
@@ -129,14 +141,7 @@ def run_mode(cfg: ModelConfig, args, mode: str, overhead_seqs: float = 0.0) -> d
     plan = None if MODES[mode] is None else MemberLookahead(cost, min_tokens=1,
                                                             balanced=MODES[mode][0],
                                                             count=MODES[mode][1])
-    half = args.layers // 2
-    ranges = [(0, half), (half, args.layers)]
-    g = min(member_blocks(e, *r) for e, r in zip(engines, ranges, strict=True))
-    members = [GroupMember(e, j, "127.0.0.1", lookahead=plan) for j, e in enumerate(engines)]
-    addrs = [m.address for m in members]
-    _parallel([lambda m=m: m.connect(addrs, 10.0) for m in members])
-    parts = [(0, g - _MEMBER1_BLOCKS), (g - _MEMBER1_BLOCKS, g)]
-    _parallel([lambda m=m: m.drop(ranges, g, parts) for m in members])
+    members = _drop(engines, args.layers, plan)
     members[0].runner.overlap = MODES[mode] is None or not MODES[mode][2]
     busy: list[list[float]] = [[], []]
     for m, b in zip(members, busy, strict=True):
