@@ -11,13 +11,12 @@ One app for the module (one deploy).
 from __future__ import annotations
 
 import asyncio
-import json
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 from cluster_configs import MODEL, write_tiny_cluster
+from served_held import assert_idle_soon
 
 from tetris.config import load_deployment
 from tetris.engine.engine import LLMEngine
@@ -61,22 +60,6 @@ def _body(prompt) -> dict:
             "ignore_eos": True}
 
 
-def _idle(held: dict) -> bool:
-    d = held["dispatcher"]
-    return (d["inflight"] == d["queue_bookings"] == d["virtual_usage"] == 0
-            and d["cleanups"] == 0 and d["relayed"] == 0 and not any(held["prefill"].values())
-            and all(rank["empty"] for inst in held["decode"] for rank in inst["ranks"]))
-
-
-def _assert_idle_soon(base) -> None:
-    deadline = time.monotonic() + 30
-    held = httpx.get(f"{base}/admin/held", timeout=60).json()
-    while not _idle(held) and time.monotonic() < deadline:   # cleanups finish asynchronously
-        time.sleep(0.2)
-        held = httpx.get(f"{base}/admin/held", timeout=60).json()
-    assert _idle(held), json.dumps(held, indent=1)
-
-
 def test_a_prompt_bigger_than_any_instance_is_served_over_both(app):
     cfg, base = app
     capacity = BLOCKS * cfg.decode.block_size
@@ -98,7 +81,7 @@ def test_a_prompt_bigger_than_any_instance_is_served_over_both(app):
     assert [r.json()["choices"][0]["text"] for r in responses] == want
     assert responses[0].json()["usage"]["completion_tokens"] == MAX_TOKENS
     # every range released on both instances, the prefill copies of all ranges freed
-    _assert_idle_soon(base)
+    assert_idle_soon(base)
 
 
 def test_a_prompt_beyond_the_instances_sum_is_refused(app):
@@ -110,7 +93,7 @@ def test_a_prompt_beyond_the_instances_sum_is_refused(app):
     # and nothing was left behind: a request that fits is still served, then nothing is held
     ok = httpx.post(f"{base}/v1/completions", json=_body(_tokens(30, 4)), timeout=300)
     assert ok.status_code == 200, ok.text
-    _assert_idle_soon(base)
+    assert_idle_soon(base)
 
 
 def _used(held: dict) -> list[list[int]]:
@@ -134,5 +117,5 @@ def test_a_split_stream_closed_by_its_client_frees_every_range(app):
                 during = httpx.get(f"{base}/admin/held", timeout=60).json()
                 break   # leaving the block closes the connection mid-stream
     assert all(u > 0 for inst in _used(during) for u in inst), _used(during)
-    _assert_idle_soon(base)
+    assert_idle_soon(base)
 

@@ -30,6 +30,7 @@ import msgspec
 import pytest
 from cluster_configs import MODEL, write_tiny_cluster
 from exactness import TOP, assert_api_logprobs, engine_runs
+from served_held import assert_idle_soon
 
 from tetris.config import load_deployment
 from tetris.engine.engine import LLMEngine
@@ -146,22 +147,6 @@ class HttpStreams:
         return {k: self.count(k) for k in sorted(self.logprobs)}
 
 
-def _idle(held: dict) -> bool:
-    d = held["dispatcher"]
-    return (d["inflight"] == d["queue_bookings"] == d["virtual_usage"] == 0
-            and d["cleanups"] == 0 and d["relayed"] == 0 and not any(held["prefill"].values())
-            and all(rank["empty"] for inst in held["decode"] for rank in inst["ranks"]))
-
-
-def _assert_idle_soon(base) -> None:
-    deadline = time.monotonic() + 30
-    held = httpx.get(f"{base}/admin/held", timeout=60).json()
-    while not _idle(held) and time.monotonic() < deadline:   # cleanups finish asynchronously
-        time.sleep(0.2)
-        held = httpx.get(f"{base}/admin/held", timeout=60).json()
-    assert _idle(held), json.dumps(held, indent=1)
-
-
 def _dropped(metrics: str) -> list[float]:
     return [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
             if line.startswith("tetris:dropped_layers{")]
@@ -211,7 +196,7 @@ def test_tokens_over_http_equal_the_engine_across_a_forced_drop_and_restore(app,
     text = TokenText(engine.tokenizer)
     for name, *_ in BATCH:
         assert_api_logprobs(streams.logprobs[name], want[name], text, name)
-    _assert_idle_soon(base)
+    assert_idle_soon(base)
 
 
 def test_a_prompt_refused_for_kv_without_kunserve_is_served_by_a_drop(app, engine):
@@ -247,7 +232,7 @@ def test_a_prompt_refused_for_kv_without_kunserve_is_served_by_a_drop(app, engin
         assert_api_logprobs(streams.logprobs[name], want[name], text, name)
     assert restore.status_code == 200, restore.text
     assert restore.json()["dropped_layers"] == {"0": 0, "1": 0}
-    _assert_idle_soon(base)
+    assert_idle_soon(base)
 
 
 def test_a_drop_losing_a_layer_is_a_400_and_changes_nothing(app):
@@ -304,7 +289,7 @@ def test_a_member_killed_mid_pipeline_resumes_its_requests_and_the_survivor_is_r
     text = TokenText(engine.tokenizer)
     for name, run in want.items():
         assert_api_logprobs(streams.logprobs[name], run, text, name)
-    _assert_idle_soon(base)   # every run's cleanup is done: its timeline is kept
+    assert_idle_soon(base)   # every run's cleanup is done: its timeline is kept
     # every request still running at the kill was run again (once: nothing else died)
     lengths = {len(p): name for name, p, _, _ in batch}
     runs = {lengths[t["prompt_tokens"]]: t for t in dispatcher.timelines.remote(50).result()
@@ -335,4 +320,4 @@ def test_a_member_killed_mid_pipeline_resumes_its_requests_and_the_survivor_is_r
         assert _dropped(httpx.get(f"{base}/metrics/kunserve", timeout=60).text) == dropped
     r = httpx.post(f"{base}/admin/kunserve/restore", json={"leader": 0}, timeout=60)
     assert r.status_code == 200, r.text
-    _assert_idle_soon(base)
+    assert_idle_soon(base)
