@@ -18,3 +18,13 @@ def even6() -> InstanceMemory:
     lb = 4096
     return InstanceMemory(num_layers=6, layer_param_bytes=10 * lb, other_param_bytes=lb,
                           kv_bytes=100 * 6 * lb, layer_block_bytes=lb, block_size=16)
+
+
+def served_tiny(landing_blocks: int = 48) -> InstanceMemory:
+    """The served pool's view of configs/kunserve-tiny-cpu.toml's instance (4 layers, a layer's
+    weights 30 full blocks, 32 blocks of KV): a request takes blocks of its member's part of a
+    group only, landing whole in ``landing_blocks`` whole-model blocks."""
+    lb = 4096
+    return InstanceMemory(num_layers=4, layer_param_bytes=30 * 4 * lb, other_param_bytes=lb,
+                          kv_bytes=32 * 4 * lb, layer_block_bytes=lb, block_size=16,
+                          member_parts=True, landing_blocks=landing_blocks)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.control.kunserve_profiles import even6, qwen14b_tp1
+from tests.control.kunserve_profiles import even6, qwen14b_tp1, served_tiny
 from tetris.control.drop_plan import (
     DropRefused,
     Group,
@@ -91,3 +91,33 @@ def test_restore_pulls_exactly_the_dropped_layers_from_their_keepers():
         assert layers == list(range(6))                  # pulled + kept: all, none twice
         assert all(group.owner_of(s) == src for s, _, src in got)
     assert plan.pulled_param_bytes == 2 * mem.layers_param_bytes     # (g - 1) copies
+
+
+def test_an_idle_pool_merges_the_fewest_instances_that_hold_a_request_larger_than_one():
+    mem = even6()        # 100 blocks per instance, a pair takes 210, a triple 320
+    idle = {"demand_blocks": 150, "free_blocks": 400}     # the pool's free blocks cover it
+    assert plan_drop(mem, range(4), **idle).merges == 0  # fit 0: as before
+    plan = plan_drop(mem, range(4), **idle, fit_blocks=150)
+    assert plan.merges == 1 and [g.members for g in plan.groups] == [(0, 1), (2,), (3,)]
+    plan = plan_drop(mem, range(4), **idle, fit_blocks=211)
+    assert plan.merges == 2 and [g.members for g in plan.groups] == [(0, 1, 2), (3,)]
+    assert plan.groups[0].layer_ranges == ((0, 2), (2, 4), (4, 6))
+    assert plan_drop(mem, range(4), **idle, fit_blocks=100).merges == 0   # one instance holds it
+    # a grouping already holding it is not merged further
+    pair = plan_drop(mem, range(4), **idle, fit_blocks=150).groups
+    assert plan_drop(mem, pair, **idle, fit_blocks=210).merges == 0
+
+
+def test_a_request_no_grouping_holds_is_refused_with_the_reason():
+    # four members of 6 layers hold 2, 2, 1, 1: the group takes what a 2-layer member holds
+    with pytest.raises(DropRefused, match=r"a request of 321 blocks fits no unit \(the largest "
+                       r"takes 320\) with one group left"):
+        plan_drop(even6(), range(4), demand_blocks=0, free_blocks=400, fit_blocks=321)
+    # served: a request takes one member's part (44 of a pair's 88), landed whole
+    served = served_tiny()
+    assert plan_drop(served, range(2), demand_blocks=38, free_blocks=64,
+                     fit_blocks=38).merges == 1
+    with pytest.raises(DropRefused, match=r"fits no unit \(the largest takes 44\)"):
+        plan_drop(served, range(2), demand_blocks=45, free_blocks=64, fit_blocks=45)
+    with pytest.raises(DropRefused, match="largest takes 32"):   # no landing zone
+        plan_drop(served_tiny(0), range(2), demand_blocks=38, free_blocks=64, fit_blocks=38)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.control.kunserve_profiles import GIB, even6, qwen14b_tp1
+from tests.control.kunserve_profiles import GIB, even6, qwen14b_tp1, served_tiny
 from tetris.control.kunserve_memory import InstanceLoad, OverloadMonitor
 
 
@@ -59,3 +59,14 @@ def test_restore_waits_for_half_usage_and_an_empty_queue():
     assert not mon.can_restore(undropped_blocks=358, instances=[0, 1])  # 180 > 179
     mon.observe(1, InstanceLoad(total_blocks=500, used_blocks=10, head_queued_blocks=1))
     assert not mon.can_restore(undropped_blocks=1000, instances=[0, 1])
+
+
+def test_the_largest_request_a_unit_takes_is_its_capacity_or_on_the_served_pool_a_part():
+    sim = even6()
+    assert sim.request_blocks([6]) == 100 and sim.request_blocks([3, 3]) == 210
+    served = served_tiny()          # the landing zone's 48 x 4 layer-blocks leave the region
+    assert served.member_kv_blocks(2) == (128 + 2 * 120 - 48 * 4) // 2 == 88
+    assert served.request_blocks([4]) == 32                 # undropped: no landing zone
+    assert served.request_blocks([2, 2]) == 88 // 2         # a member's part of 88
+    assert served_tiny(40).request_blocks([2, 2]) == 40     # at most the landing zone
+    assert served_tiny(0).request_blocks([2, 2]) == 0       # no zone: takes no prefilled KV

@@ -6,7 +6,12 @@ instance starts as its own group. Under overload the greedy planner merges the t
 groups (a min-heap keyed by group size, ties by the first member's id, so plans are
 deterministic), which drops one redundant copy of the layers, P bytes, and repeats only
 until the freed KV covers the demand (KunServe's requirement 3: fewer stages, less loss).
-Heap operations make it O(N log N) for N instances.
+Heap operations make it O(N log N) for N instances. A request larger than any unit (a long
+prompt at an otherwise idle pool, whose pool-wide free blocks already cover it) is what
+KunServe makes room for: with ``fit_blocks`` the planner also merges until some unit can
+take a request of that many blocks (``InstanceMemory.request_blocks``), growing the unit
+that takes the most by the smallest other group, so that the group holding it has as few
+stages as it can.
 
 A plan that cannot keep one full copy of every layer in each group is refused with
 ``DropRefused`` and changes nothing: the caller falls back to a KV-centric policy.
@@ -23,7 +28,8 @@ import msgspec
 from tetris.control.kunserve_memory import InstanceMemory
 
 __all__ = ["DropPlan", "DropRefused", "Group", "LayerPull", "RestorePlan", "check_group",
-           "group_kv_blocks", "plan_drop", "plan_forced", "plan_restore", "split_layers"]
+           "group_kv_blocks", "plan_drop", "plan_forced", "plan_restore", "request_blocks",
+           "split_layers"]
 
 
 class DropRefused(ValueError):
@@ -108,17 +114,24 @@ def group_kv_blocks(mem: InstanceMemory, group: Group) -> int:
     return mem.group_kv_blocks(group.held_layers())
 
 
+def request_blocks(mem: InstanceMemory, group: Group) -> int:
+    """The largest request ``group`` (as one serving unit) can take, in blocks."""
+    return mem.request_blocks(group.held_layers())
+
+
 def _singletons(instances: Sequence[int], num_layers: int) -> list[Group]:
     return [Group((i,), ((0, num_layers),)) for i in instances]
 
 
 def plan_drop(mem: InstanceMemory, groups: Sequence[Group] | Sequence[int], *,
-              demand_blocks: int, free_blocks: int) -> DropPlan:
-    """Greedy §4.1: merge the two smallest groups until ``free_blocks`` covers ``demand_blocks``.
+              demand_blocks: int, free_blocks: int, fit_blocks: int = 0) -> DropPlan:
+    """While no unit can take a request of ``fit_blocks`` blocks, merge the unit that takes the
+    most with the smallest other group; then greedy §4.1: merge the two smallest groups until
+    ``free_blocks`` covers ``demand_blocks``.
 
     ``groups``: the current grouping, or plain instance ids (each its own group).
-    Raises ``DropRefused`` when one group is left, or the two smallest cannot merge (more
-    members than layers), before the demand is covered.
+    Raises ``DropRefused`` when one group is left, or the groups to merge cannot (more
+    members than layers), before the demand is covered and the request fits.
     """
     current = list(groups)
     if current and not isinstance(current[0], Group):
@@ -129,22 +142,45 @@ def plan_drop(mem: InstanceMemory, groups: Sequence[Group] | Sequence[int], *,
     heap = [(g.size, g.members[0], g) for g in current]
     heapq.heapify(heap)
     avail, merges = free_blocks, 0
-    while avail < demand_blocks:
+    best = max((request_blocks(mem, g) for g in current), default=0)   # any unit so far
+    while True:
+        if max((request_blocks(mem, g) for _, _, g in heap), default=0) < fit_blocks:
+            why = f"a request of {fit_blocks} blocks fits no unit (the largest takes {best})"
+            pick = _pop_fittest
+        elif avail < demand_blocks:
+            why, pick = f"demand {demand_blocks} blocks > {avail} free", _pop_smallest
+        else:
+            break
         if len(heap) < 2:
-            raise DropRefused(f"demand {demand_blocks} blocks > {avail} free with one group "
-                              "left: dropping more would lose the last copy of a layer")
-        (n1, _, g1), (n2, _, g2) = heapq.heappop(heap), heapq.heappop(heap)
-        if n1 + n2 > mem.num_layers:
-            raise DropRefused(f"demand {demand_blocks} blocks > {avail} free: merging groups of "
-                              f"{n1} and {n2} leaves a member with no layer of {mem.num_layers}")
+            raise DropRefused(f"{why} with one group left: dropping more would lose the last "
+                              "copy of a layer")
+        g1 = pick(mem, heap)
+        if g1.size + heap[0][0] > mem.num_layers:
+            raise DropRefused(f"{why}: merging groups of {g1.size} and {heap[0][0]} leaves a "
+                              f"member with no layer of {mem.num_layers}")
+        g2 = _pop_smallest(mem, heap)
         members = tuple(sorted(g1.members + g2.members))
         merged = Group(members, split_layers(mem.num_layers, len(members)))
         avail += group_kv_blocks(mem, merged) - group_kv_blocks(mem, g1) - group_kv_blocks(mem, g2)
         merges += 1
+        best = max(best, request_blocks(mem, merged))
         heapq.heappush(heap, (merged.size, merged.members[0], merged))
     out = tuple(sorted((g for _, _, g in heap), key=lambda g: g.members[0]))
     return DropPlan(out, merges, merges * mem.layers_param_bytes, before,
                     sum(group_kv_blocks(mem, g) for g in out))
+
+
+def _pop_smallest(mem: InstanceMemory, heap: list) -> Group:
+    return heapq.heappop(heap)[2]
+
+
+def _pop_fittest(mem: InstanceMemory, heap: list) -> Group:
+    """The unit taking the largest request (ties: the smaller group, then the first member)."""
+    i = max(range(len(heap)),
+            key=lambda k: (request_blocks(mem, heap[k][2]), -heap[k][0], -heap[k][1]))
+    entry = heap.pop(i)
+    heapq.heapify(heap)
+    return entry[2]
 
 
 def plan_forced(mem: InstanceMemory, groups: Sequence[Group]) -> DropPlan:

@@ -4,7 +4,9 @@
 or a group run as a pipeline, keyed by its first member) and answers with at most one
 action: a ``DropPlan`` when some unit overloads and merging covers the queued demand, a
 ``RestorePlan`` for one group whose usage fell under half of its undropped capacity with
-nothing queued, or nothing. A refused drop (no plan keeps one copy of every layer) is kept in
+nothing queued, or nothing. ``fit_blocks`` is the blocks of the request waiting at the head
+of the line (a reservation just refused, on the served pool): a drop is also planned when no
+unit could take it even empty, merging until one can (``plan_drop``). A refused drop (no plan keeps one copy of every layer) is kept in
 ``refusals`` and the units fall back to their KV-centric policy (queue, recompute or swap).
 The simulator and a live driver call it with the same reports. Pure: no torch, no ray.
 """
@@ -21,6 +23,7 @@ from tetris.control.drop_plan import (
     plan_drop,
     plan_forced,
     plan_restore,
+    request_blocks,
 )
 from tetris.control.kunserve_memory import InstanceLoad, InstanceMemory, OverloadMonitor
 
@@ -57,18 +60,23 @@ class KunServeController:
                 out[m] = self.mem.num_layers - (e - s)
         return dict(sorted(out.items()))
 
-    def decide(self, loads: dict[int, InstanceLoad]) -> Decision | None:
-        """One monitor tick: ``loads`` by unit leader (every current unit reports)."""
+    def fits_a_unit(self, blocks: int) -> bool:
+        """Whether some current unit could take a request of ``blocks`` blocks, even empty."""
+        return any(request_blocks(self.mem, g) >= blocks for g in self.groups)
+
+    def decide(self, loads: dict[int, InstanceLoad], fit_blocks: int = 0) -> Decision | None:
+        """One monitor tick: ``loads`` by unit leader (every current unit reports);
+        ``fit_blocks``: the head-of-line request's blocks (0: none waiting)."""
         self.monitor.reset()
         for leader, load in loads.items():
             self.monitor.observe(leader, load)
         leaders = sorted(loads)
-        if self.monitor.overloaded_instances():
+        if self.monitor.overloaded_instances() or not self.fits_a_unit(fit_blocks):
             demand, free = self.monitor.demand_blocks(leaders)
             used = sum(loads[u].used_blocks for u in leaders)
             try:
                 plan = plan_drop(self.mem, self.groups, demand_blocks=demand - used,
-                                 free_blocks=free)
+                                 free_blocks=free, fit_blocks=fit_blocks)
             except DropRefused as e:
                 self.refusals.append(str(e))
                 return None

@@ -12,6 +12,13 @@ blocks, and the parameter bytes it no longer holds become KV bytes as well:
 A request in a group needs its blocks on every member, so a group's capacity is the smallest
 member's (the artifact's ``min`` over the group's block managers).
 
+The largest request a unit can take (``request_blocks``) is its capacity where a unit is one
+pool of blocks (the simulator). On the served pool (``member_parts``) a request is reserved
+on one member, which allocates from its part of the group's blocks only (``split_parts``),
+and its prefilled KV lands whole in that member's landing zone of ``landing_blocks``
+whole-model blocks (taken from the KV region before the group's blocks are sized): so there
+it is the least part, at most the landing zone.
+
 The overload monitor counts demand the Llumnix way KunServe uses: blocks held by running
 requests plus those that the head-of-line queued requests need. Overload is that demand
 reaching the free KV ("has suffered or is about to suffer"); restore is usage back under half
@@ -36,10 +43,15 @@ class InstanceMemory(msgspec.Struct, frozen=True):
     kv_bytes: int               # the KV region before any drop
     layer_block_bytes: int      # K and V of one block of one layer
     block_size: int
+    # the served pool: a request allocates from its member's part of a group's blocks, and a
+    # dropped member keeps ``landing_blocks`` whole-model blocks to land prefilled KV in
+    member_parts: bool = False
+    landing_blocks: int = 0
 
     def __post_init__(self) -> None:
         if min(self.num_layers, self.layer_param_bytes, self.layer_block_bytes,
-               self.block_size) <= 0 or self.kv_bytes < 0 or self.other_param_bytes < 0:
+               self.block_size) <= 0 or min(self.kv_bytes, self.other_param_bytes,
+                                            self.landing_blocks) < 0:
             raise ValueError(f"memory sizes must be positive: {self}")
 
     @property
@@ -65,7 +77,8 @@ class InstanceMemory(msgspec.Struct, frozen=True):
         if not 1 <= held_layers <= self.num_layers:
             raise ValueError(f"a member holds 1..{self.num_layers} layers, not {held_layers}")
         freed = (self.num_layers - held_layers) * self.layer_param_bytes
-        return (self.kv_bytes + freed) // (held_layers * self.layer_block_bytes)
+        landing = self.landing_blocks * self.block_bytes if held_layers < self.num_layers else 0
+        return (self.kv_bytes + freed - landing) // (held_layers * self.layer_block_bytes)
 
     def group_kv_blocks(self, held_layers: Sequence[int]) -> int:
         """Blocks a group can give a request: the smallest member's."""
@@ -73,6 +86,19 @@ class InstanceMemory(msgspec.Struct, frozen=True):
             raise ValueError(f"a group holds each of the {self.num_layers} layers once, "
                              f"its members hold {list(held_layers)}")
         return min(self.member_kv_blocks(n) for n in held_layers)
+
+    def request_blocks(self, held_layers: Sequence[int]) -> int:
+        """The blocks of the largest request a unit (its members holding ``held_layers``)
+        can take (module docstring): an undropped instance's capacity; a group's, or, on the
+        served pool, its least member part (``split_parts`` of equal instances: the group's
+        blocks over the members, rounded down) at most the landing zone (0 without one: a
+        dropped member then takes no prefilled KV)."""
+        if len(held_layers) == 1:
+            return self.kv_blocks
+        group = self.group_kv_blocks(held_layers)
+        if not self.member_parts:
+            return group
+        return min(group // len(held_layers), self.landing_blocks)
 
 
 def instance_memory(*, hidden: int, intermediate: int, num_layers: int, num_heads: int,

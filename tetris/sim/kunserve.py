@@ -327,7 +327,10 @@ class KunServeSim:
             growth = sum(1 for r in u.running if self._blocks(r.tokens + 1) > r.blocks)
             loads[u.members[0]] = InstanceLoad(u.capacity, u.used, growth,
                                                queued * u.capacity // total)
-        decision = self.control.decide(loads)
+        # the queue is FIFO with its head never skipped: a head no unit could take even empty
+        # waits for a merge (the served pool ticks with a refused reservation's blocks)
+        head = self._need(self.waiting[0]) if self.waiting else 0
+        decision = self.control.decide(loads, fit_blocks=head)
         if decision is None:
             return
         self._regroup(now, [g.members for g in self.control.groups])
