@@ -94,8 +94,9 @@ class ServedKunServe:
         if any(inst.tp_size != 1 for inst in self.instances):
             raise ValueError("KunServe groups of served decode instances need TP 1")
         fields = await self.instances[0].ranks[0].kunserve_memory.remote()
-        self.controller = KunServeController(InstanceMemory(**fields),
-                                             list(range(len(self.instances))))
+        # a request takes blocks of its member's part only, and lands in its landing zone
+        mem = InstanceMemory(**fields, member_parts=True, landing_blocks=self.landing_blocks)
+        self.controller = KunServeController(mem, list(range(len(self.instances))))
 
     # -- the monitor ----------------------------------------------------------------------
     def loads(self, queued_blocks: dict[int, int] | None = None) -> dict[int, InstanceLoad]:
@@ -111,18 +112,21 @@ class ServedKunServe:
                                              sum(queued.get(m, 0) for m in g.members))
         return out
 
-    async def tick(self, queued_blocks: dict[int, int] | None = None) -> str | None:
-        """One monitor period: "drop", "restore" or None (nothing to do, or refused)."""
+    async def tick(self, queued_blocks: dict[int, int] | None = None,
+                   fit_blocks: int = 0) -> str | None:
+        """One monitor period: "drop", "restore" or None (nothing to do, or refused);
+        ``fit_blocks``: a refused reservation's blocks, which some unit must be able to take."""
         async with self.lock:
-            return await self._tick(queued_blocks)
+            return await self._tick(queued_blocks, fit_blocks)
 
-    async def _tick(self, queued_blocks: dict[int, int] | None) -> str | None:
+    async def _tick(self, queued_blocks: dict[int, int] | None,
+                    fit_blocks: int = 0) -> str | None:
         if not all(inst.serving for inst in self.instances):
             # a broken or restarting instance cannot join a group (and a group with a broken
             # member is rebuilt first): no decision until the supervisor brought it back
             return None
         before = list(self.controller.groups)
-        decision = self.controller.decide(self.loads(queued_blocks))
+        decision = self.controller.decide(self.loads(queued_blocks), fit_blocks)
         if decision is None:
             return None
         try:

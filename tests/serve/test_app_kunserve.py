@@ -10,7 +10,8 @@ the operator and the overload hook decide): ``configs/kunserve-tiny-cpu.toml``'s
 - A 600-token prompt needs 38 blocks, more than either undropped instance has at all (the
   decode pool's ``DecodeFull``, a 429, as ``test_app_elastic`` shows beyond capacity): the
   overload hook drops the two instances into a group and the prompt lands and is served
-  exactly; ``tetris:dropped_layers`` is 2 per instance while dropped.
+  exactly; ``tetris:dropped_layers`` is 2 per instance while dropped. The same prompt at an
+  otherwise idle app (whose free blocks cover it) is served by a drop too.
 - A forced drop that would lose a layer's last copy is a 400 and changes nothing.
 - A member killed mid-pipeline: every running request of the group takes the resume path
   and ends with the engine's tokens; the survivor is rebuilt in place (same rank actor, not
@@ -232,6 +233,37 @@ def test_a_prompt_refused_for_kv_without_kunserve_is_served_by_a_drop(app, engin
         assert_api_logprobs(streams.logprobs[name], want[name], text, name)
     assert restore.status_code == 200, restore.text
     assert restore.json()["dropped_layers"] == {"0": 0, "1": 0}
+    assert_idle_soon(base)
+
+
+def test_a_prompt_larger_than_either_instance_at_an_idle_app_is_served_by_a_drop(app, engine):
+    """Nothing else runs: the pool's 64 free blocks cover the prompt's 38, but no instance can
+    take it at all, so the hook's tick asks the controller for a unit that can (``fit_blocks``):
+    one merge, a member's part of the group's blocks, at most the 48-block landing zone."""
+    cfg, base = app
+    big = _tokens(600, 11)
+    assert -(-(len(big) + 1) // cfg.decode.block_size) > BLOCKS
+    view = httpx.get(f"{base}/admin/kunserve", timeout=60).json()
+    assert [g["members"] for g in view["groups"]] == [[0], [1]], view
+    assert_idle_soon(base)
+    batch = [("big", big, 16, GREEDY)]
+    want = _wants(engine, batch)
+    streams = HttpStreams(base, want)
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as c:
+            await streams.run(c, *batch[0])
+            metrics = (await c.get(f"{base}/metrics/kunserve")).text
+            view = (await c.get(f"{base}/admin/kunserve")).json()
+            restore = await c.post(f"{base}/admin/kunserve/restore", json={"leader": 0})
+            return metrics, view, restore
+
+    metrics, view, restore = asyncio.run(run())
+    assert _dropped(metrics) == [2.0, 2.0]
+    assert [g["members"] for g in view["groups"]] == [[0, 1]]
+    assert view["members"][0]["landed"] + view["members"][1]["landed"] == 1
+    assert_api_logprobs(streams.logprobs["big"], want["big"], TokenText(engine.tokenizer), "big")
+    assert restore.status_code == 200, restore.text
     assert_idle_soon(base)
 
 

@@ -80,13 +80,17 @@ class KunServePool:
             if self.kunserve is None:
                 raise
             blocks = -(-(kv_tokens + 1) // self.instances[instance].block_size)
+            refusals = len(self.kunserve.controller.refusals)
             try:
-                decision = await self.kunserve.tick({instance: blocks})
+                decision = await self.kunserve.tick({instance: blocks}, fit_blocks=blocks)
             except Exception:
                 log.exception("KunServe tick on a refused reservation failed")
                 raise full from None
             if decision != "drop" or not self.kunserve.landing_blocks or \
                     self.kunserve.dropped_layers().get(instance, 0) == 0:
+                for why in self.kunserve.controller.refusals[refusals:]:
+                    log.warning("KunServe: no drop for a request of %d blocks (429): %s",
+                                blocks, why)
                 raise
         await reserve()   # dropped now, with a landing zone: once more
 
