@@ -115,9 +115,23 @@ class KunServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # whole-model KV blocks a dropped member keeps to land prefilled prompts in (taken from
     # its KV region before the group's blocks are sized); 0: a dropped member takes none
     landing_blocks: int = 0
+    # §4.3 lookahead micro-batches: a member cuts its decode batch into micro-batches of equal
+    # predicted cost (tetris/scheduler/member_lookahead.py). Off by default: on CPU an extra
+    # micro-batch costs more than the overlap saves unless the batch is uneven
+    lookahead: bool = False
+    # Eq. (2)'s load of one more micro-batch (weights read, launch, hops), in the work of one
+    # decode sequence; the count of micro-batches weighs it against the overlap
+    lookahead_overhead_seqs: float = 8.0
 
     def __post_init__(self) -> None:
         if self.monitor_s <= 0:
             raise ValueError(f"kunserve.monitor_s must be positive, got {self.monitor_s}")
         if self.landing_blocks < 0:
             raise ValueError(f"kunserve.landing_blocks must be >= 0, got {self.landing_blocks}")
+        if not 0 <= self.lookahead_overhead_seqs < float("inf"):
+            raise ValueError("kunserve.lookahead_overhead_seqs must be finite and >= 0, got "
+                             f"{self.lookahead_overhead_seqs}")
+
+    def member_lookahead(self) -> float | None:
+        """What a group's members get: the load per micro-batch, or None (lookahead off)."""
+        return self.lookahead_overhead_seqs if self.lookahead else None

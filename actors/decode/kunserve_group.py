@@ -76,10 +76,13 @@ async def _paused(instances):
 
 
 class ServedKunServe:
-    def __init__(self, instances, *, timeout_s: float = 60.0, landing_blocks: int = 0) -> None:
+    def __init__(self, instances, *, timeout_s: float = 60.0, landing_blocks: int = 0,
+                 lookahead_overhead_seqs: float | None = None) -> None:
         self.instances = list(instances)
         # whole-model blocks a dropped member keeps to land prefilled prompts in (landing.py)
         self.landing_blocks = landing_blocks
+        # members form lookahead micro-batches (§4.3) with this load per micro-batch; None: off
+        self.lookahead_overhead_seqs = lookahead_overhead_seqs
         self.timeout_s = timeout_s
         self.controller: KunServeController | None = None
         self.refused: list[str] = []
@@ -204,7 +207,7 @@ class ServedKunServe:
         insts = [self.instances[m] for m in group.members]
         ranks = [inst.ranks[0] for inst in insts]
         async with _paused(insts):
-            joined = await asyncio.gather(*[r.kunserve_join.remote(j)
+            joined = await asyncio.gather(*[r.kunserve_join.remote(j, self.lookahead_overhead_seqs)
                                             for j, r in enumerate(ranks)], return_exceptions=True)
             try:
                 for got in joined:

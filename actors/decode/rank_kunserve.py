@@ -20,6 +20,7 @@ from tetris.actors.decode.pipeline_stage import GroupMember, layer_block_bytes
 from tetris.transfer.traffic import TrafficClass
 
 from tetris.engine.pipeline import layer_bytes
+from tetris.scheduler.member_lookahead import MemberLookahead, decode_cost_model
 
 __all__ = ["KunServeRank"]
 
@@ -79,7 +80,10 @@ class KunServeRank:
                 "layer_block_bytes": layer_block_bytes(engine),
                 "block_size": engine.blocks.block_size}
 
-    def kunserve_join(self, member: int) -> tuple[str, int]:
+    def kunserve_join(self, member: int, lookahead_overhead_seqs: float | None = None
+                      ) -> tuple[str, int]:
+        """Listen as member ``member``; with ``lookahead_overhead_seqs`` (``[kunserve]
+        lookahead``), form lookahead micro-batches with that load per micro-batch."""
         if self.tp_size != 1 or self.elastic is not None or self.kept is not None:
             raise ValueError("a KunServe member is a TP-1 decode instance without elastic "
                              "decode or kept prefixes")
@@ -89,7 +93,9 @@ class KunServeRank:
             if self.group_member is not None:
                 raise ValueError(f"decode instance {self.instance} is in a group already")
             self.group_member = GroupMember(self._engine(), member,
-                                            ray.util.get_node_ip_address())
+                                            ray.util.get_node_ip_address(),
+                                            lookahead=_lookahead(self._engine(),
+                                                                 lookahead_overhead_seqs))
             return self.group_member.address
 
     def kunserve_check_drop(self, start: int, end: int, landing_blocks: int = 0
@@ -201,10 +207,21 @@ class KunServeRank:
                    "total_blocks": engine.stats().total_blocks, "in_group": m is not None}
             if m is not None and m.runner is not None:
                 out.update(prefill_tokens=m.runner.prefill_tokens, steps=m.runner.steps,
-                           stage_runs=m.stage_runs, exchange_bytes=m.exchange_bytes,
+                           stage_runs=m.stage_runs, micro_batches=m.runner.micro_batches,
+                           lookahead=m.lookahead is not None,
+                           exchange_bytes=m.exchange_bytes,
                            freed_param_bytes=m.freed_param_bytes,
                            activation_items=m.links.sent_items[TrafficClass.ACTIVATION],
                            activation_bytes=m.links.sent_bytes[TrafficClass.ACTIVATION],
                            bulk_bytes=m.links.sent_bytes[TrafficClass.BULK],
                            landed=0 if self._landing is None else self._landing.landed)
             return out
+
+
+def _lookahead(engine, overhead_seqs: float | None) -> MemberLookahead | None:
+    """§4.3's cost model of this engine's decode (Eq. (1)-(2)), or None (lookahead off)."""
+    if overhead_seqs is None:
+        return None
+    model = engine.model
+    params = layer_bytes(model.layers[0]) // model.dtype.itemsize
+    return MemberLookahead(decode_cost_model(model.cfg.hidden_size, params, overhead_seqs))

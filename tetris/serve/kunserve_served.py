@@ -52,7 +52,8 @@ class KunServePool:
         """``config``: the deployment's ``KunServeConfig``."""
         from tetris.actors.decode.kunserve_group import ServedKunServe
 
-        self.kunserve = ServedKunServe(self.instances, landing_blocks=config.landing_blocks)
+        self.kunserve = ServedKunServe(self.instances, landing_blocks=config.landing_blocks,
+                                       lookahead_overhead_seqs=config.member_lookahead())
         await self.kunserve.start()
         self._kunserve_task = asyncio.create_task(self._kunserve_monitor(config.monitor_s),
                                                   name="kunserve-monitor")

@@ -118,9 +118,16 @@ class Streams:
         return [len(r[0]) for _, r in sorted(self.runs.items())]
 
 
-def test_drop_and_restore_mid_generation_equal_the_single_engine(pool, loop, reference):
+@pytest.mark.parametrize("lookahead", [False, True], ids=["one-micro-batch", "lookahead"])
+def test_drop_and_restore_mid_generation_equal_the_single_engine(pool, loop, reference,
+                                                                lookahead):
+    """With ``[kunserve] lookahead`` (its driver's ``lookahead_overhead_seqs``; 0 here, so
+    that a member with no peer load known yet splits), members cut decode batches into
+    micro-batches (§4.3), with the same tokens."""
     insts, kun = pool
-    mem = kun.controller.mem
+    if lookahead:
+        kun = ServedKunServe(insts, lookahead_overhead_seqs=0.0)
+        loop.run_until_complete(kun.start())
     streams = Streams()
 
     async def body():
@@ -139,6 +146,10 @@ def test_drop_and_restore_mid_generation_equal_the_single_engine(pool, loop, ref
         return at_drop, dropped, blocks, at_restore, during
 
     at_drop, dropped, blocks, at_restore, during = loop.run_until_complete(body())
+    mem = kun.controller.mem
+    assert all(s["lookahead"] == lookahead for s in during)
+    split = [s["micro_batches"] - s["steps"] for s in during]   # > 0: a step was cut
+    assert (max(split) > 0) == lookahead and min(split) >= 0, during
     # mid-generation: the slowest request (the one `reached` waits for) runs across the
     # drop and the restore; faster ones may finish first on a loaded machine
     assert min(at_drop) < MAX_TOKENS and min(at_restore) < MAX_TOKENS
