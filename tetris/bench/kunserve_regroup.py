@@ -47,11 +47,13 @@ class KunServeRegrouping:
                 if self.closing:
                     return
                 bs = self.mem.block_size
-                queued = sum(-(-(r.prompt + len(self.generated.get(r.rid, ())) + 1) // bs)
-                             for r in self.waiting)      # a requeued victim's output too
+                needs = [-(-(r.prompt + len(self.generated.get(r.rid, ())) + 1) // bs)
+                         for r in self.waiting]          # a requeued victim's output too
+                queued = sum(needs)
                 total = sum(u.engine.blocks.num_blocks for u in self.units)
                 loads = {u.members[0]: self._load(u, queued, total) for u in self.units}
-                if self.control.decide(loads) is None:
+                # the head of the FIFO queue, as the simulator's _tick passes it
+                if self.control.decide(loads, fit_blocks=needs[0] if needs else 0) is None:
                     continue
                 at = self.now()
             self.regroup(at)
