@@ -134,8 +134,8 @@ class ServedKunServe:
             return None
         try:
             await self._apply(before, decision)
-        except BaseException as e:   # the grouping stays what the instances run
-            self.controller.groups = before
+        except BaseException as e:   # the grouping and the counts stay what the instances run
+            self._roll_back(before, "drops" if decision.kind == "drop" else "restores")
             if not isinstance(e, ValueError):
                 raise
             self.refused.append(str(e))
@@ -158,12 +158,17 @@ class ServedKunServe:
         try:
             await self._apply(before, decision)
         except BaseException as e:
-            self.controller.groups = before
-            setattr(self.controller, counter, getattr(self.controller, counter) - 1)
+            self._roll_back(before, counter)
             if isinstance(e, ValueError):
                 raise DropRefused(str(e)) from e
             raise
         return decision
+
+    def _roll_back(self, before: list[Group], counter: str) -> None:
+        """A decision not applied: the controller's groups as before, its ``counter``
+        (``drops`` or ``restores``) one less."""
+        self.controller.groups = before
+        setattr(self.controller, counter, getattr(self.controller, counter) - 1)
 
     async def force_restore(self, leader: int) -> Decision:
         """``DropRefused`` (nothing changed) for no such group or requests that would not fit."""

@@ -4,9 +4,10 @@ The group driver (``actors/decode/kunserve_group.py``) calls these on rank 0 of 
 instance (TP 1) while the instances' rounds are paused: ``kunserve_join`` (listen),
 ``kunserve_check_drop``, ``kunserve_connect``, ``kunserve_drop``, later
 ``kunserve_check_restore``, ``kunserve_restore`` and ``kunserve_leave``. The work is
-``pipeline_stage.GroupMember``'s. While the rank is dropped it refuses to reserve blocks for
-a prefill elsewhere (``DecodeFull``): the prefill pool streams whole-model KV to one
-instance, and a member holds only its layers (docs/kunserve.md, "not built").
+``pipeline_stage.GroupMember``'s. While the rank is dropped, a prefill elsewhere streams
+whole-model KV to it while it holds only its layers: with ``[kunserve] landing_blocks`` the
+KV lands in a whole-model landing zone and is forwarded to the keepers layer by layer
+(``landing.py``); without one a reservation is refused (``DecodeFull``).
 """
 
 from __future__ import annotations
