@@ -141,7 +141,8 @@ def _wait(done, rank) -> None:
         time.sleep(0.01)
 
 
-def _worker(proc: int, tp_ports: list[int], world_ports: list[int], tmp: str) -> None:
+def _worker(proc: int, tp_ports: list[int], world_ports: list[int], tmp: str,
+            joined) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     me, tp_rank = divmod(proc, TP)
     rank = DecodeRank(me, tp_rank, TP, DEPLOYMENT)
@@ -151,6 +152,10 @@ def _worker(proc: int, tp_ports: list[int], world_ports: list[int], tmp: str) ->
         link(rank, sender, TRANSFER, tp_rank)
         rank.join_elastic(me, INSTANCES, "127.0.0.1", world_ports[tp_rank], 60.0,
                           listen_host="127.0.0.1")
+        # every rank in its world before any leader sends an elastic command: a follower
+        # applies its leader's commands from its lockstep thread, which can run before this
+        # thread has joined world 1 (as the served pool joins every rank before serving)
+        joined.wait(60.0)
         model, _ = load_model(MODEL)
         prompts = _prompts()
         prefills = {rid: prefill(model, prompt) for rid, prompt in prompts.items()}
@@ -193,7 +198,9 @@ def _write(tmp: str, proc: int, rank: DecodeRank, replies, replies2, data) -> No
 def test_three_tp2_instances_decode_split_requests_and_a_full_master_hands_over(tmp_path):
     ports = _store_ports(INSTANCES + TP)
     tp_ports, world_ports = ports[:INSTANCES], ports[INSTANCES:]
-    mp.spawn(_worker, args=(tp_ports, world_ports, str(tmp_path)), nprocs=INSTANCES * TP)
+    joined = mp.get_context("spawn").Barrier(INSTANCES * TP)
+    mp.spawn(_worker, args=(tp_ports, world_ports, str(tmp_path), joined),
+             nprocs=INSTANCES * TP)
     model, tok = load_model(MODEL)
     prompts = _prompts()
     engine = LLMEngine(model, tok, num_blocks=64, block_size=BS)
