@@ -197,6 +197,24 @@ def _reference_kv(pool, rid, n):
     return k, v
 
 
+
+def _assert_ranks_hold(ranks, ready, ref_k, ref_v, n) -> None:
+    """Each decode rank holds its head slice of the reference KV; its blocks are given back."""
+    for r, (rk, e) in enumerate(zip(ranks, ready)):
+        got = ray.get(rk.read_back.remote(e.block_table, n))
+        heads = slice(r * HKV // TP, (r + 1) * HKV // TP)
+        assert torch.equal(got[:, :, 0], ref_k[:, :, heads])
+        assert torch.equal(got[:, :, 1], ref_v[:, :, heads])
+        ray.get(rk.give_back.remote(e.block_table))
+
+
+def _wait_sent(pool, rid: str, shards: int) -> None:
+    """Until the pool's senders report ``shards`` shards of ``rid`` sent (10 s at most)."""
+    deadline = time.monotonic() + 10
+    while sum(st["sent"] for st in pool.transfer_state(rid).values()) < shards:
+        assert time.monotonic() < deadline, pool.transfer_state(rid)
+        time.sleep(0.05)
+
 def test_streamed_kv_equals_head_slices_of_the_prefill_kv(setup):
     pool, ranks = setup
     n, rid = 150, "stream-a"
@@ -207,17 +225,9 @@ def test_streamed_kv_equals_head_slices_of_the_prefill_kv(setup):
     ready = _outcomes(ranks, rid)
     assert all(isinstance(e, RequestReady) for e in ready), ready
     ref_k, ref_v = _reference_kv(pool, rid, n)
-    for r, (rk, e) in enumerate(zip(ranks, ready)):
-        got = ray.get(rk.read_back.remote(e.block_table, n))
-        heads = slice(r * HKV // TP, (r + 1) * HKV // TP)
-        assert torch.equal(got[:, :, 0], ref_k[:, :, heads])
-        assert torch.equal(got[:, :, 1], ref_v[:, :, heads])
-        ray.get(rk.give_back.remote(e.block_table))
+    _assert_ranks_hold(ranks, ready, ref_k, ref_v, n)
     # one shard per (chunk, member with tokens, receiver): chunk 0 on 1 member, chunk 1 on 3
-    deadline = time.monotonic() + 10
-    while sum(st["sent"] for st in pool.transfer_state(rid).values()) < 8:
-        assert time.monotonic() < deadline, pool.transfer_state(rid)
-        time.sleep(0.05)
+    _wait_sent(pool, rid, 8)
     states = pool.transfer_state(rid)
     assert {i: st["sent"] for i, st in states.items()} == {0: 4, 1: 2, 2: 2}
     assert all(not st["failed"] for st in states.values())
@@ -246,17 +256,9 @@ def test_a_moved_prefix_streams_from_its_new_group(setup):
     src_k, src_v = _reference_kv(pool, source.request_id, 120)
     assert torch.equal(ref_k[:, :cached], src_k[:, :cached])
     assert torch.equal(ref_v[:, :cached], src_v[:, :cached])
-    for r, (rk, e) in enumerate(zip(ranks, ready)):
-        got = ray.get(rk.read_back.remote(e.block_table, n))
-        heads = slice(r * HKV // TP, (r + 1) * HKV // TP)
-        assert torch.equal(got[:, :, 0], ref_k[:, :, heads])
-        assert torch.equal(got[:, :, 1], ref_v[:, :, heads])
-        ray.get(rk.give_back.remote(e.block_table))
+    _assert_ranks_hold(ranks, ready, ref_k, ref_v, n)
     # per member of {1, 2}: its prefix share and its chunk share, to each of the 2 receivers
-    deadline = time.monotonic() + 10
-    while sum(st["sent"] for st in pool.transfer_state(rid).values()) < 8:
-        assert time.monotonic() < deadline, pool.transfer_state(rid)
-        time.sleep(0.05)
+    _wait_sent(pool, rid, 8)
     assert {i: st["sent"] for i, st in pool.transfer_state(rid).items()} == {1: 4, 2: 4}
     for r in (rid, source.request_id):
         pool.release(r)
